@@ -1,0 +1,172 @@
+"""Run configuration: plain dataclasses, TOML files in configs/, and `--section.field=value` overrides.
+
+The dataclass defaults are nanoGPT's shakespeare_char CPU recipe, so no config file is needed.
+"""
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jaxpar.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 12  # global batch, in sequences, summed over grad_accum microbatches
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    decay_steps: int = 0  # nanoGPT's lr_decay_iters; 0 means "the run's steps"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    eval_every: int = 250  # 0 disables evaluation
+    eval_batches: int = 20
+    log_every: int = 1
+    seed: int = 1337
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # empty: the built-in Tiny Shakespeare
+    val_fraction: float = 0.1
+
+
+@dataclass
+class MeshConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def valid_keys(cfg: Config) -> list[str]:
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def _coerce(key: str, typ: type, value):
+    """Convert a TOML value or a command-line string to the field's type, or raise UserError."""
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.lower() in ("true", "1", "yes")
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise UserError(f"{key} expects {typ.__name__}, got {value!r}") from None
+
+
+def set_value(cfg: Config, key: str, value) -> None:
+    """Set `section.field` from a string or TOML value; unknown keys list the valid ones."""
+    section, _, name = key.partition(".")
+    sub = getattr(cfg, section, None) if section in {f.name for f in dataclasses.fields(cfg)} else None
+    types = {f.name: f.type for f in dataclasses.fields(sub)} if sub is not None else {}
+    if name not in types:
+        raise UserError(f"unknown config key '{key}'; valid keys: {', '.join(valid_keys(cfg))}")
+    setattr(sub, name, _coerce(key, types[name], value))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A path to a TOML file, or the name of one in configs/ (with or without .toml)."""
+    path = Path(name_or_path)
+    candidates = [path, CONFIG_DIR / path.name, CONFIG_DIR / f"{path.name}.toml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"config file '{name_or_path}' not found; pass a TOML path or one of: "
+                    + ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))))
+
+
+def load_config(path: str | None, overrides: dict[str, str]) -> Config:
+    """Defaults, then the TOML file (if any), then command-line overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        file = resolve_config_path(path)
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"config file '{file}' is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise UserError(f"config file '{file}': '{section}' must be a [section]; "
+                                f"valid keys: {', '.join(valid_keys(cfg))}")
+            for name, value in table.items():
+                set_value(cfg, f"{section}.{name}", value)
+    for key, value in overrides.items():
+        set_value(cfg, key, value)
+    validate(cfg)
+    if cfg.train.decay_steps == 0:
+        cfg.train.decay_steps = cfg.train.steps
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that cannot train; every message names the key and what it needs."""
+    positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
+                "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
+                "train.log_every", "train.lr"]
+    non_negative = ["train.min_lr", "train.warmup_steps", "train.decay_steps", "train.weight_decay",
+                    "train.grad_clip", "train.eval_every"]
+    get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    for key in positive:
+        if get(key) <= 0:
+            raise UserError(f"{key} must be positive, got {get(key)}")
+    for key in non_negative:
+        if get(key) < 0:
+            raise UserError(f"{key} must be >= 0, got {get(key)}")
+    m, t = cfg.model, cfg.train
+    if not 0 <= m.dropout < 1:
+        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.n_embd % m.n_head:
+        raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    if m.dtype not in ("float32", "bfloat16"):
+        raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
+    if t.batch_size % t.grad_accum:
+        raise UserError(f"train.batch_size={t.batch_size} must be divisible by "
+                        f"train.grad_accum={t.grad_accum}")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    for axis in ("dp", "tp", "pp"):
+        size = getattr(cfg.mesh, axis)
+        if size != -1 and size < 1:
+            raise UserError(f"mesh.{axis} must be a positive integer or -1 (inferred), got {size}")
+    if [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp].count(-1) > 1:
+        raise UserError("at most one mesh axis may be -1 (inferred)")

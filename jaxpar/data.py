@@ -1,0 +1,120 @@
+"""Character-level data: the built-in Tiny Shakespeare (or any UTF-8 file) and deterministic batches.
+
+The global batch at step s is a pure function of (seed, split, s): the same for every mesh and
+process count. Each process materialises only the rows its devices hold.
+"""
+
+import gzip
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.config import DataConfig
+from jaxpar.errors import UserError
+
+BUILTIN_NAME = "tinyshakespeare.txt.gz"
+SPLIT_IDS = {"train": 0, "val": 1}
+
+
+@dataclass(frozen=True)
+class CharTokenizer:
+    chars: str  # the vocabulary, sorted; a token id is an index into it
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> np.ndarray:
+        index = {c: i for i, c in enumerate(self.chars)}
+        unknown = next((c for c in text if c not in index), None)
+        if unknown is not None:
+            raise UserError(f"character {unknown!r} is not in the vocabulary of this model")
+        return np.fromiter((index[c] for c in text), dtype=np.int32, count=len(text))
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+
+@dataclass(frozen=True)
+class Dataset:
+    tokenizer: CharTokenizer
+    train: np.ndarray
+    val: np.ndarray
+
+    def split(self, name: str) -> np.ndarray:
+        return self.train if name == "train" else self.val
+
+
+def read_text(path: str) -> str:
+    """The built-in corpus when path is empty, else the UTF-8 file at path."""
+    if not path:
+        return gzip.decompress(resources.files("jaxpar").joinpath("assets", BUILTIN_NAME)
+                               .read_bytes()).decode("utf-8")
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"data file '{path}' not found; pass an existing UTF-8 text file "
+                        "with --data.path, or omit it for the built-in Tiny Shakespeare")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"data file '{path}' is not UTF-8 text (byte {e.start}); "
+                        "convert it to UTF-8 first") from None
+
+
+def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
+    """Tokenise the whole text and split it train/val; both splits must hold a block."""
+    text = read_text(cfg.path)
+    name = cfg.path or "the built-in corpus"
+    if not text:
+        raise UserError(f"data file '{name}' is empty; pass a file with text in it")
+    tokenizer = CharTokenizer.from_text(text)
+    ids = tokenizer.encode(text)
+    n_val = int(len(ids) * cfg.val_fraction)
+    train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val:]
+    shortest = min(len(train), len(val))
+    if shortest <= block_size:
+        raise UserError(f"data file '{name}' is too short: its smaller split has {shortest} "
+                        f"characters, but model.block_size={block_size} needs at least "
+                        f"{block_size + 1}; use a longer file or a smaller block_size")
+    return Dataset(tokenizer, train, val)
+
+
+def batch_offsets(seed: int, split: str, step: int, batch_size: int, n_tokens: int,
+                  block_size: int) -> np.ndarray:
+    """Start offsets of the global batch: a pure function of (seed, split, step)."""
+    rng = np.random.default_rng([seed, SPLIT_IDS[split], step])
+    return rng.integers(0, n_tokens - block_size, size=batch_size)
+
+
+class BatchLoader:
+    """Builds global (inputs, targets) arrays of shape (grad_accum, micro_batch, block_size).
+
+    Rows are split over 'data' on axis 1; this process builds only the rows its devices hold.
+    """
+
+    def __init__(self, tokens: np.ndarray, split: str, seed: int, batch_size: int,
+                 grad_accum: int, block_size: int, mesh):
+        self.tokens, self.split, self.seed = tokens, split, seed
+        self.batch_size, self.block_size = batch_size, block_size
+        self.shape = (grad_accum, batch_size // grad_accum, block_size)
+        self.sharding = NamedSharding(mesh, P(None, "data", None))
+        rows = [idx[1] for idx in self.sharding.addressable_devices_indices_map(self.shape).values()]
+        self.row_start = min(r.start or 0 for r in rows)
+        self.row_stop = max(self.shape[1] if r.stop is None else r.stop for r in rows)
+
+    def __call__(self, step: int) -> tuple[jax.Array, jax.Array]:
+        offsets = batch_offsets(self.seed, self.split, step, self.batch_size, len(self.tokens),
+                                self.block_size).reshape(self.shape[:2])
+        local = offsets[:, self.row_start:self.row_stop]
+        window = local[..., None] + np.arange(self.block_size + 1)
+        chunk = self.tokens[window]  # (grad_accum, local rows, block_size + 1)
+        return tuple(jax.make_array_from_process_local_data(self.sharding, part, self.shape)
+                     for part in (chunk[..., :-1], chunk[..., 1:]))

@@ -1,0 +1,18 @@
+"""User-facing errors: one line that names the problem and the fix, and exit code 2."""
+
+import contextlib
+import sys
+
+
+class UserError(Exception):
+    """Bad input from the user (config, mesh, data). Reported as one line, exit code 2."""
+
+
+@contextlib.contextmanager
+def exit_on_user_error(prog: str = "jaxpar"):
+    """Turn a UserError into `prog: error: message` on stderr and exit code 2."""
+    try:
+        yield
+    except UserError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)

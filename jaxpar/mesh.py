@@ -1,0 +1,96 @@
+"""The device mesh: parse `dp=2,tp=2`, force CPU host devices when needed, build an Auto-typed Mesh.
+
+Mesh axes are ('data', 'tensor', 'pipe'); the CLI names them dp, tp and pp.
+"""
+
+import math
+import os
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from jaxpar.config import Config, MeshConfig
+from jaxpar.errors import UserError
+
+MESH_AXES = ("data", "tensor", "pipe")
+CLI_AXES = ("dp", "tp", "pp")  # same order as MESH_AXES
+
+
+def parse_mesh_spec(spec: str) -> dict[str, str]:
+    """'dp=2,tp=2' -> {'mesh.dp': '2', 'mesh.tp': '2'}; omitted axes keep their value (default 1)."""
+    overrides = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        axis, sep, size = part.partition("=")
+        axis = axis.strip()
+        if not sep or axis not in CLI_AXES:
+            raise UserError(f"bad mesh entry '{part}' in --mesh {spec!r}; use AXIS=SIZE with AXIS "
+                            f"in {', '.join(CLI_AXES)}, e.g. --mesh dp=2,tp=2")
+        try:
+            int(size)
+        except ValueError:
+            raise UserError(f"mesh axis {axis} needs an integer size (or -1), got {size!r}") from None
+        overrides[f"mesh.{axis}"] = size.strip()
+    # A spec replaces the whole mesh: axes it omits are 1.
+    return {f"mesh.{a}": "1" for a in CLI_AXES} | overrides
+
+
+def requested_devices(mesh: MeshConfig) -> int | None:
+    """Devices the mesh needs, or None when one axis is inferred (-1) from the device count."""
+    sizes = (mesh.dp, mesh.tp, mesh.pp)
+    return None if -1 in sizes else math.prod(sizes)
+
+
+def force_host_devices(mesh: MeshConfig) -> None:
+    """On a CPU-only machine, give JAX as many host devices as the mesh needs.
+
+    Must run before JAX initialises its backends. A device count the user set (XLA_FLAGS,
+    JAX_NUM_CPU_DEVICES, or jax.config) wins. On a GPU or TPU host the CPU count is irrelevant: the mesh uses the
+    accelerators, so setting it is harmless.
+    """
+    needed = requested_devices(mesh)
+    user_set = ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+                or "JAX_NUM_CPU_DEVICES" in os.environ or jax.config.jax_num_cpu_devices > 0)
+    if needed and needed > 1 and not user_set:
+        try:
+            jax.config.update("jax_num_cpu_devices", needed)
+        except RuntimeError:
+            pass  # backends already initialised (library use): keep the devices that exist
+
+
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
+    """Check the mesh against the device count and the model; return (dp, tp, pp)."""
+    sizes = [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp]
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if num_devices % known:
+            raise UserError(f"cannot infer the -1 mesh axis: {num_devices} devices are not "
+                            f"divisible by the other axes' product {known}")
+        sizes[sizes.index(-1)] = num_devices // known
+    dp, tp, pp = sizes
+    spec = ",".join(f"{a}={s}" for a, s in zip(CLI_AXES, sizes))
+    if dp * tp * pp != num_devices:
+        raise UserError(f"mesh {spec} uses {dp * tp * pp} devices but {num_devices} are available; "
+                        f"make the product {num_devices}, or use -1 for one axis")
+    if pp > 1:
+        raise UserError("pipeline parallelism (pp > 1) is not yet supported; use dp and tp")
+    if cfg.model.n_head % tp:
+        raise UserError(f"tp={tp} does not divide model.n_head={cfg.model.n_head}; "
+                        f"choose tp from the divisors of n_head")
+    micro_batch = cfg.train.batch_size // cfg.train.grad_accum
+    if micro_batch % dp:
+        raise UserError(f"dp={dp} does not divide the batch of {micro_batch} sequences per "
+                        f"microbatch (train.batch_size / train.grad_accum); change one of them")
+    return dp, tp, pp
+
+
+def build_mesh(cfg: Config, devices=None) -> Mesh:
+    """An Auto-typed Mesh over `devices` (default: all), validated against cfg."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(cfg, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    """{'dp': .., 'tp': .., 'pp': ..} for logs and run.json."""
+    return {cli: mesh.shape[axis] for cli, axis in zip(CLI_AXES, MESH_AXES)}

@@ -1,0 +1,158 @@
+"""GPT-2 as in nanoGPT, in Flax NNX, with its blocks stacked on a leading 'layers' axis and run by scan.
+
+The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.sharding maps them to
+the mesh. Weights named `kernel` or `embedding` get weight decay; `scale` and `bias` do not.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.sharding import constrain
+
+VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
+LN_EPS = 1e-5
+
+
+def padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def normal_param(rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, shape: tuple, axes: tuple):
+        self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
+        self.bias = nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
+
+
+class StackedDense(nnx.Module):
+    """A linear layer per block: kernel (layers, *in, *out), bias (layers, *out)."""
+
+    def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int):
+        self.kernel = normal_param(rngs, std, shape, axes)
+        self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
+                              axes=axes[:1] + axes[-n_out_dims:])
+
+
+class Blocks(nnx.Module):
+    """All n_layer pre-LayerNorm transformer blocks; every weight leads with the 'layers' axis."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        L, C, H = cfg.n_layer, cfg.n_embd, cfg.n_head
+        D, F = C // H, 4 * C
+        std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2's scaled residual projections
+        self.ln_1 = LayerNorm((L, C), ("layers", "embed"))
+        self.qkv = StackedDense(rngs, std, (L, C, 3, H, D),
+                                ("layers", "embed", "qkv", "heads", "head_dim"), n_out_dims=3)
+        self.attn_out = StackedDense(rngs, resid_std, (L, H, D, C),
+                                     ("layers", "heads", "head_dim", "embed"), n_out_dims=1)
+        self.ln_2 = LayerNorm((L, C), ("layers", "embed"))
+        self.mlp_in = StackedDense(rngs, std, (L, C, F), ("layers", "embed", "mlp"), n_out_dims=1)
+        self.mlp_out = StackedDense(rngs, resid_std, (L, F, C), ("layers", "mlp", "embed"),
+                                    n_out_dims=1)
+
+
+def layer_norm(x: jax.Array, p: dict) -> jax.Array:
+    x = x.astype(jnp.float32)
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + LN_EPS) * p["scale"] + p["bias"]
+
+
+def dropout(x: jax.Array, rate: float, key) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def causal_attention(q, k, v, rate: float, key) -> jax.Array:
+    """softmax(q k^T / sqrt(d) + causal mask) v, with q, k, v as (batch, seq, heads, head_dim)."""
+    T, D = q.shape[1], q.shape[-1]
+    scores = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
+    scores = jnp.where(causal, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
+    probs = dropout(jax.nn.softmax(scores, axis=-1), rate, key)
+    return jnp.einsum("bhts,bshd->bthd", probs.astype(v.dtype), v)
+
+
+def exact_qkv_bias(bias: jax.Array) -> jax.Array:
+    """The q/k/v bias, with the key bias given its exact gradient: zero.
+
+    A key bias adds q.b_k to every score of a query's row, which softmax ignores. Autodiff returns
+    rounding noise instead of 0, and Adam would scale that noise into lr-sized updates that differ
+    from one mesh layout to another. The forward pass is unchanged.
+    """
+    is_key = (jnp.arange(3) == 1)[:, None, None]
+    return jnp.where(is_key, jax.lax.stop_gradient(bias), bias)
+
+
+def block(x: jax.Array, p: dict, rate: float, dtype, key) -> jax.Array:
+    """One block on one layer's params. The residual stream stays float32; matmuls run in dtype."""
+    keys = jax.random.split(key, 3) if key is not None else (None,) * 3
+    p = jax.tree.map(lambda a: a.astype(dtype), p)
+    h = layer_norm(x, p["ln_1"]).astype(dtype)
+    q, k, v = (jnp.einsum("btc,cshd->sbthd", h, p["qkv"]["kernel"])
+               + exact_qkv_bias(p["qkv"]["bias"])[:, None, None])
+    q, k, v = (constrain(t, ("batch", "seq", "heads", "head_dim")) for t in (q, k, v))
+    y = causal_attention(q, k, v, rate, keys[0])
+    y = jnp.einsum("bthd,hdc->btc", y, p["attn_out"]["kernel"]) + p["attn_out"]["bias"]
+    x = x + dropout(y, rate, keys[1])
+    h = layer_norm(x, p["ln_2"]).astype(dtype)
+    h = jax.nn.gelu(jnp.einsum("btc,cf->btf", h, p["mlp_in"]["kernel"]) + p["mlp_in"]["bias"],
+                    approximate=False)
+    h = constrain(h, ("batch", "seq", "mlp"))
+    y = jnp.einsum("btf,fc->btc", h, p["mlp_out"]["kernel"]) + p["mlp_out"]["bias"]
+    x = x + dropout(y, rate, keys[2])
+    return constrain(x, ("batch", "seq", "embed"))
+
+
+class GPT(nnx.Module):
+    """Token + position embeddings, stacked blocks, final LayerNorm, lm_head tied to wte."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs):
+        self.vocab_size = vocab_size
+        self.dropout_rate = cfg.dropout
+        self.dtype = cfg.dtype
+        self.wte = normal_param(rngs, 0.02, (padded_vocab(vocab_size), cfg.n_embd), ("vocab", "embed"))
+        self.wpe = normal_param(rngs, 0.02, (cfg.block_size, cfg.n_embd), ("pos", "embed"))
+        self.blocks = Blocks(cfg, rngs)
+        self.ln_f = LayerNorm((cfg.n_embd,), ("embed",))
+
+    def __call__(self, tokens: jax.Array, dropout_key=None) -> jax.Array:
+        """tokens (batch, seq) int -> logits (batch, seq, padded vocab) float32."""
+        dtype = jnp.dtype(self.dtype)
+        wte = self.wte[...]
+        n_layer = self.blocks.ln_1.scale.shape[0]
+        keys = jax.random.split(dropout_key, n_layer + 1) if dropout_key is not None else None
+        x = wte[tokens] + self.wpe[...][: tokens.shape[1]]
+        x = dropout(constrain(x, ("batch", "seq", "embed")), self.dropout_rate,
+                    None if keys is None else keys[0])
+
+        layer_params = nnx.to_pure_dict(nnx.state(self.blocks))
+        layer_keys = None if keys is None else keys[1:]
+
+        def step(x, layer):
+            p, key = layer
+            return block(x, p, self.dropout_rate, dtype, key), None
+
+        x, _ = jax.lax.scan(step, x, (layer_params, layer_keys))
+        x = layer_norm(x, {"scale": self.ln_f.scale[...], "bias": self.ln_f.bias[...]})
+        logits = jnp.einsum("btc,vc->btv", x.astype(dtype), wte.astype(dtype),
+                            preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        # Padding rows of the vocabulary can never be predicted.
+        is_real = jnp.arange(logits.shape[-1]) < self.vocab_size
+        return jnp.where(is_real, logits, -1e9)
+
+
+def count_params(params: dict, include_position: bool = False) -> int:
+    """Parameters as nanoGPT counts them: position embeddings excluded by default."""
+    n = sum(x.size for x in jax.tree.leaves(params))
+    return n if include_position else n - params["wpe"].size

@@ -1,0 +1,231 @@
+"""`python -m jaxpar.train`: train a GPT on a device mesh; write metrics.jsonl and run.json.
+
+Usable as a library too: `run(cfg, out_dir, devices)` returns the losses and the final params.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config, valid_keys
+from jaxpar.errors import UserError, exit_on_user_error
+from jaxpar.mesh import force_host_devices, parse_mesh_spec
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other bad input
+        raise UserError(f"{message}; see --help")
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, epilog="Any config field can be set as --section.field=value, "
+                     f"with keys: {', '.join(valid_keys(Config()))}.")
+    parser.add_argument("--config", help=f"TOML file, or a name in configs/ (default: "
+                        f"{DEFAULT_CONFIG_NAME}, which equals the built-in defaults)")
+    parser.add_argument("--mesh", help="e.g. dp=2,tp=2; axes dp, tp, pp; omitted axes are 1, "
+                        "one axis may be -1 (inferred)")
+    parser.add_argument("--steps", help="total optimizer steps (train.steps)")
+    parser.add_argument("--seed", help="seed for init and data order (train.seed)")
+    parser.add_argument("--log-every", help="log every K steps (train.log_every)")
+    parser.add_argument("--out", help="output directory (default: out/<config name>)")
+    return parser
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, str]:
+    """['--model.n_layer=6', '--train.lr', '3e-4'] -> {'model.n_layer': '6', 'train.lr': '3e-4'}."""
+    overrides, i = {}, 0
+    while i < len(tokens):
+        token = tokens[i]
+        key, eq, value = token[2:].partition("=")
+        if not token.startswith("--") or "." not in key:
+            raise UserError(f"unrecognised argument '{token}'; see --help")
+        if not eq:
+            if i + 1 >= len(tokens):
+                raise UserError(f"{token} needs a value, e.g. {token}=VALUE")
+            value, i = tokens[i + 1], i + 1
+        overrides[key] = value
+        i += 1
+    return overrides
+
+
+def parse_args(argv: list[str], prog: str = "jaxpar.train"):
+    """(Config, out_dir, the parsed named flags); touches no JAX backend."""
+    args, rest = build_parser(prog).parse_known_args(argv)
+    overrides = parse_mesh_spec(args.mesh) if args.mesh else {}
+    overrides |= parse_overrides(rest)
+    named = {"train.steps": args.steps, "train.seed": args.seed, "train.log_every": args.log_every}
+    overrides |= {k: v for k, v in named.items() if v is not None}
+    cfg = load_config(args.config, overrides)
+    name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
+    out_dir = Path(args.out) if args.out else Path("out") / name
+    return cfg, out_dir, args
+
+
+@dataclass
+class RunResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss before its update
+    val_losses: dict[int, float] = field(default_factory=dict)  # updates applied -> val loss
+    params: dict | None = None
+    info: dict = field(default_factory=dict)
+
+
+def versions() -> dict:
+    import flax
+    import jax
+    import optax
+
+    import jaxpar
+    return {"jaxpar": jaxpar.__version__, "jax": jax.__version__, "jaxlib": jax.lib.__version__,
+            "flax": flax.__version__, "optax": optax.__version__,
+            "python": platform.python_version()}
+
+
+def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True) -> RunResult:
+    """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing."""
+    import jax
+    import numpy as np
+    from tqdm import tqdm
+
+    from jaxpar import flops, step as steps
+    from jaxpar.data import BatchLoader, load_dataset
+    from jaxpar.mesh import build_mesh, mesh_shape
+
+    dataset = load_dataset(cfg.data, cfg.model.block_size)
+    mesh = build_mesh(cfg, devices)
+    t, vocab = cfg.train, dataset.tokenizer.vocab_size
+    is_main = jax.process_index() == 0
+    writing = out_dir is not None and is_main
+    result = RunResult()
+    peak, peak_source = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
+
+    with jax.set_mesh(mesh):
+        tx = steps.make_optimizer(t)
+        graphdef, _, _ = steps.abstract_model(cfg, vocab)
+        shardings = steps.state_shardings(cfg, vocab, mesh, tx)
+        state = steps.init_state(cfg, vocab, tx, shardings)
+        train_batches = BatchLoader(dataset.train, "train", t.seed, t.batch_size, t.grad_accum,
+                                    cfg.model.block_size, mesh)
+        val_loader = BatchLoader(dataset.val, "val", t.seed, t.batch_size, 1,
+                                 cfg.model.block_size, mesh)
+        val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
+        train_step = steps.make_train_step(cfg, graphdef, tx, shardings, train_batches.sharding)
+        eval_step = steps.make_eval_step(graphdef, shardings.params, val_loader.sharding)
+
+        compile_start = time.perf_counter()
+        compiled = train_step.lower(state, train_batches(0)).compile()
+        compile_s = time.perf_counter() - compile_start
+        tokens_per_step = t.batch_size * cfg.model.block_size
+        flops_per_token = flops.flops_per_token(cfg.model, vocab)
+
+        info = {
+            "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
+            "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
+                        "kind": mesh.devices.flat[0].device_kind,
+                        "processes": jax.process_count()},
+            "versions": versions(), "vocab_size": vocab,
+            "n_params": flops.matmul_params(cfg.model, vocab),
+            "n_params_stored": steps.bytes_total(state.params) // 4,
+            "bytes_per_device": {"params": steps.bytes_per_device(state.params),
+                                 "opt_state": steps.bytes_per_device(state.opt_state)},
+            "bytes_total": {"params": steps.bytes_total(state.params),
+                            "opt_state": steps.bytes_total(state.opt_state)},
+            "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
+            "compile_s": round(compile_s, 3),
+        }
+        if writing:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+            metrics_file = open(out_dir / "metrics.jsonl", "w")
+
+        def write(record: dict):
+            if writing:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+
+        def evaluate(updates: int):
+            val = float(sum(eval_step(state.params, b) for b in val_batches)) / len(val_batches)
+            result.val_losses[updates] = val
+            write({"step": updates, "val_loss": val})
+            if not bar.disable:
+                bar.write(f"step {updates}: val loss {val:.4f}")
+
+        bar = tqdm(total=t.steps, disable=not (progress and is_main), dynamic_ncols=True,
+                   mininterval=0.5)
+        clock = {"time": time.perf_counter(), "step": -1}
+        step_times: list[float] = []
+
+        def log(step: int, metrics):
+            metrics = jax.device_get(metrics)  # waits for this step only
+            now = time.perf_counter()
+            step_time = (now - clock["time"]) / (step - clock["step"])
+            clock.update(time=now, step=step)
+            step_times.append(step_time)
+            tokens_per_s = tokens_per_step / step_time
+            record = {"step": step, "loss": float(metrics["loss"]),
+                      "lr": float(steps.learning_rate(step, t, xp=np)),
+                      "grad_norm": float(metrics["grad_norm"]),
+                      "step_time_ms": round(1e3 * step_time, 3),
+                      "tokens_per_s": round(tokens_per_s, 1),
+                      "mfu": tokens_per_s * flops_per_token / peak}
+            result.losses[step] = record["loss"]
+            write(record)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+
+        if val_batches:
+            evaluate(0)
+        clock["time"] = time.perf_counter()
+        pending = None
+        for step in range(t.steps):
+            state, metrics = compiled(state, train_batches(step))
+            if pending:  # the previous step's metrics, fetched while this step runs
+                log(*pending)
+                pending = None
+            if step % t.log_every == 0 or step == t.steps - 1:
+                pending = (step, metrics)
+            bar.update(1)
+            updates = step + 1
+            if val_batches and (updates % t.eval_every == 0 or updates == t.steps):
+                if pending:
+                    log(*pending)
+                    pending = None
+                evaluate(updates)
+                clock.update(time=time.perf_counter(), step=step)
+        if pending:
+            log(*pending)
+        bar.close()
+
+        # The first logged interval can include one-off work (allocation, caches): use the median.
+        median = statistics.median(step_times) if step_times else float("nan")
+        info["summary"] = {
+            "final_loss": result.losses[max(result.losses)] if result.losses else None,
+            "final_val_loss": result.val_losses[max(result.val_losses)] if result.val_losses else None,
+            "step_time_ms_median": round(1e3 * median, 3),
+            "tokens_per_s_median": round(tokens_per_step / median, 1),
+            "mfu_median": tokens_per_step / median * flops_per_token / peak,
+        }
+        if writing:
+            metrics_file.close()
+            (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+        result.params, result.info = state.params, info
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error("jaxpar.train"):
+        cfg, out_dir, _ = parse_args(sys.argv[1:] if argv is None else argv)
+        force_host_devices(cfg.mesh)
+        result = run(cfg, out_dir)
+    s = result.info["summary"]
+    print(f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"
+          + (f", val loss {s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "")
+          + f", {s['tokens_per_s_median']:,.0f} tok/s (median), MFU {100 * s['mfu_median']:.1f}%"
+          + f"; wrote {out_dir}/metrics.jsonl and run.json")
+
+
+if __name__ == "__main__":
+    main()

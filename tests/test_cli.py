@@ -1,0 +1,30 @@
+"""The command line in a fresh process: host devices are forced for the mesh, outputs are complete."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_train_forces_host_devices_and_writes_outputs(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "tiny",
+                           "--mesh", "dp=2,tp=2", "--steps", "4", "--train.eval_every=2",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads((out / "run.json").read_text())
+    assert info["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
+    assert info["devices"]["count"] == 4
+    assert info["config"]["train"]["steps"] == 4
+    assert {"jax", "flax", "optax"} <= set(info["versions"])
+    # TP splits the weights in two, DP does not split them: per device is between 1/2 and 1.
+    for kind in ("params", "opt_state"):
+        assert info["bytes_total"][kind] / 2 <= info["bytes_per_device"][kind] < info["bytes_total"][kind]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in train_lines] == [0, 1, 2, 3]
+    for r in train_lines:
+        assert {"lr", "grad_norm", "step_time_ms", "tokens_per_s", "mfu"} <= set(r)
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+    assert [r["step"] for r in lines if "val_loss" in r] == [0, 2, 4]

@@ -1,0 +1,86 @@
+"""Every bad input gets one line on stderr that names the problem, exit code 2, and no output dir."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar.train import main
+
+
+def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("jaxpar.train: error: ")
+    for text in expected:
+        assert text in err, err
+    assert not out.exists(), "a failed run must write nothing"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--mesh", "dp=2,xp=2"], ["xp=2", "dp, tp, pp"]),
+    (["--mesh", "dp=two"], ["integer", "'two'"]),
+    (["--mesh", "dp=3"], ["uses 3 devices but 8 are available"]),
+    (["--mesh", "dp=-1,tp=-1"], ["at most one mesh axis may be -1"]),
+    (["--mesh", "dp=0,tp=8"], ["mesh.dp must be a positive integer"]),
+    (["--mesh", "tp=8"], ["tp=8 does not divide model.n_head=4"]),
+    (["--mesh", "dp=8", "--train.batch_size=12"], ["dp=8 does not divide the batch of 12"]),
+    (["--mesh", "dp=4,pp=2"], ["not yet supported"]),
+])
+def test_bad_mesh(capsys, tmp_path, argv, expected):
+    fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--model.n_layer=0"], ["model.n_layer must be positive, got 0"]),
+    (["--steps", "0"], ["train.steps must be positive"]),
+    (["--train.batch_size=-4"], ["train.batch_size must be positive"]),
+    (["--model.foo=1"], ["unknown config key 'model.foo'", "model.n_layer", "train.lr"]),
+    (["--train.lr=fast"], ["train.lr expects float, got 'fast'"]),
+    (["--model.n_head=3"], ["model.n_embd=32 must be divisible by model.n_head=3"]),
+    (["--bogus"], ["unrecognised argument '--bogus'"]),
+    (["--steps"], ["expected one argument"]),
+])
+def test_bad_config_value(capsys, tmp_path, argv, expected):
+    fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)
+
+
+def test_missing_config_file(capsys, tmp_path):
+    fails_with(capsys, tmp_path, ["--config", str(tmp_path / "nope.toml")], "nope.toml", "not found")
+
+
+def test_unknown_key_in_config_file(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nlearning_rate = 1e-3\n")
+    fails_with(capsys, tmp_path, ["--config", str(bad)], "unknown config key 'train.learning_rate'")
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, ["not found"]),
+    (b"", ["is empty"]),
+    (b"To be, or not to be" * 3, ["too short", "block_size=32"]),
+    (b"\xff\xfe caf\xe9 " * 1000, ["not UTF-8"]),
+])
+def test_bad_data_file(capsys, tmp_path, content, expected):
+    path = tmp_path / "data.txt"
+    if content is not None:
+        path.write_bytes(content)
+    fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={path}"], *expected)
+
+
+def test_cli_process_exits_2_with_one_line(tmp_path):
+    """The real entry point, in a fresh process: exit code 2 and a single line, nothing written."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "jaxpar.train", "--mesh", "dp=2,tp=3",
+                           "--config", "tiny", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("jaxpar.train: error: tp=3 does not divide model.n_head=4; "
+                                   "choose tp from the divisors of n_head")
+    assert not out.exists()

@@ -1,0 +1,80 @@
+"""Every param and optimizer moment is placed exactly as the rule table says, and stays there."""
+
+import jax
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import mesh_overrides, tiny_config
+from jaxpar import step as steps
+from jaxpar.mesh import build_mesh
+from jaxpar.sharding import RULES, check_divisible, logical_to_spec
+from jaxpar.train import run
+
+
+def test_rule_table_maps_megatron_layout():
+    assert logical_to_spec(("layers", "embed", "qkv", "heads", "head_dim")) == \
+        P("pipe", None, None, "tensor", None)
+    assert logical_to_spec(("layers", "mlp", "embed")) == P("pipe", "tensor", None)
+    assert logical_to_spec(("vocab", "embed")) == P("tensor", None)
+    assert logical_to_spec(("batch", "seq", "embed")) == P("data", None, None)
+
+
+def test_unknown_logical_axis_raises():
+    with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
+        logical_to_spec(("hidden", "embed"))
+
+
+def test_conflicting_logical_axes_raise():
+    with pytest.raises(ValueError, match="same mesh axis twice"):
+        logical_to_spec(("heads", "mlp"))  # both map to 'tensor'
+
+
+def test_uneven_split_raises():
+    cfg = tiny_config(**mesh_overrides("tp=4"), **{"train.batch_size": 8})
+    mesh = build_mesh(cfg, jax.devices()[:4])
+    with pytest.raises(ValueError, match="size 6 does not divide over mesh axis 'tensor' of size 4"):
+        check_divisible("blocks.qkv.kernel", (6, 32), P("tensor", None), mesh)
+
+
+def test_params_and_moments_follow_rules_after_training():
+    cfg = tiny_config(**mesh_overrides("dp=2,tp=2"), **{"train.steps": 2, "train.eval_every": 0})
+    result = run(cfg, devices=jax.devices()[:4], progress=False)
+    _, _, axes = steps.abstract_model(cfg, 65)
+    expected = jax.tree.map(logical_to_spec, axes, is_leaf=lambda x: isinstance(x, tuple))
+
+    def spec_of(array):
+        return array.sharding.spec
+    actual = jax.tree.map(spec_of, result.params)
+    normalise = lambda spec: tuple(spec) + (None,) * 8  # noqa: E731  P('a') == P('a', None)
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected, is_leaf=lambda x: isinstance(x, P)),
+                                 jax.tree.leaves(actual, is_leaf=lambda x: isinstance(x, P))):
+        assert normalise(got)[:8] == normalise(want)[:8], (jax.tree_util.keystr(path), got, want)
+    # The tensor axis really splits the big matrices.
+    assert "tensor" in tuple(result.params["blocks"]["qkv"]["kernel"].sharding.spec)
+    assert "tensor" in tuple(result.params["wte"].sharding.spec)
+
+
+def test_adam_moments_share_their_params_sharding():
+    cfg = tiny_config(**mesh_overrides("dp=2,tp=2"))
+    mesh = build_mesh(cfg, jax.devices()[:4])
+    tx = steps.make_optimizer(cfg.train)
+    with jax.set_mesh(mesh):
+        shardings = steps.state_shardings(cfg, 65, mesh, tx)
+        state = steps.init_state(cfg, 65, tx, shardings)
+    moments = optax.tree_map_params(tx, lambda p: p.sharding, state.opt_state,
+                                    transform_non_params=lambda _: None)
+    found = 0
+    for moment_tree in jax.tree.leaves(moments, is_leaf=lambda x: isinstance(x, dict) and "wte" in x):
+        if isinstance(moment_tree, dict):
+            assert jax.tree.map(lambda s: s.spec, moment_tree) == \
+                jax.tree.map(lambda a: a.sharding.spec, state.params)
+            found += 1
+    assert found == 2  # AdamW's mu and nu
+
+
+def test_rules_cover_every_model_axis():
+    cfg = tiny_config()
+    _, _, axes = steps.abstract_model(cfg, 65)
+    used = {name for t in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)) for name in t}
+    assert used <= set(RULES)
