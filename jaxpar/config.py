@@ -22,13 +22,18 @@ class ModelConfig:
     block_size: int = 64
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
+    unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
 
 
 @dataclass
 class TrainConfig:
     steps: int = 2000
-    batch_size: int = 12  # global batch, in sequences, summed over grad_accum microbatches
-    grad_accum: int = 1
+    batch_size: int = 12  # global batch, in sequences, over all devices and microbatches
+    grad_accum: int = 1  # microbatches per step on every layout (nanoGPT's gradient_accumulation_steps)
+    # Most sequences one device runs through one forward/backward (Megatron's micro-batch-size);
+    # a device with more rows splits them into further microbatches. 0: no limit. On a 2-core CPU,
+    # 6 rows of 64 tokens keep activations in cache: 1.3x the speed of 12 rows at once.
+    micro_batch: int = 6
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
@@ -143,7 +148,7 @@ def validate(cfg: Config) -> None:
     positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
                 "train.log_every", "train.lr"]
-    non_negative = ["train.min_lr", "train.warmup_steps", "train.decay_steps", "train.weight_decay",
+    non_negative = ["train.micro_batch", "train.min_lr", "train.warmup_steps", "train.decay_steps", "train.weight_decay",
                     "train.grad_clip", "train.eval_every"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     for key in positive:

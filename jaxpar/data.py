@@ -95,16 +95,16 @@ def batch_offsets(seed: int, split: str, step: int, batch_size: int, n_tokens: i
 
 
 class BatchLoader:
-    """Builds global (inputs, targets) arrays of shape (grad_accum, micro_batch, block_size).
+    """Builds global (inputs, targets) arrays of shape (microbatches, rows, block_size).
 
     Rows are split over 'data' on axis 1; this process builds only the rows its devices hold.
     """
 
     def __init__(self, tokens: np.ndarray, split: str, seed: int, batch_size: int,
-                 grad_accum: int, block_size: int, mesh):
+                 microbatches: int, block_size: int, mesh):
         self.tokens, self.split, self.seed = tokens, split, seed
         self.batch_size, self.block_size = batch_size, block_size
-        self.shape = (grad_accum, batch_size // grad_accum, block_size)
+        self.shape = (microbatches, batch_size // microbatches, block_size)
         self.sharding = NamedSharding(mesh, P(None, "data", None))
         rows = [idx[1] for idx in self.sharding.addressable_devices_indices_map(self.shape).values()]
         self.row_start = min(r.start or 0 for r in rows)
@@ -115,6 +115,6 @@ class BatchLoader:
                                 self.block_size).reshape(self.shape[:2])
         local = offsets[:, self.row_start:self.row_stop]
         window = local[..., None] + np.arange(self.block_size + 1)
-        chunk = self.tokens[window]  # (grad_accum, local rows, block_size + 1)
+        chunk = self.tokens[window]  # (microbatches, local rows, block_size + 1)
         return tuple(jax.make_array_from_process_local_data(self.sharding, part, self.shape)
                      for part in (chunk[..., :-1], chunk[..., 1:]))

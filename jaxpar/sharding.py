@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 # replicated over 'tensor' and split over 'data' by batch.
 RULES: dict[str, str | None] = {
     "batch": "data",
+    "tokens": "data",  # batch * seq, flattened for 2-D matmuls
     "vocab": "tensor",
     "heads": "tensor",
     "mlp": "tensor",

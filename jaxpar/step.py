@@ -80,6 +80,18 @@ def init_state(cfg: Config, vocab_size: int, tx, shardings: TrainState) -> Train
     return init()
 
 
+def num_microbatches(t: TrainConfig, dp: int) -> int:
+    """grad_accum, times the split that keeps each device's rows per pass <= train.micro_batch.
+
+    Every split sums the same rows' gradients, so the update is the same for any count.
+    """
+    rows = t.batch_size // t.grad_accum // dp
+    split = 1
+    if t.micro_batch:
+        split = next(k for k in range(-(-rows // t.micro_batch), rows + 1) if rows % k == 0)
+    return t.grad_accum * split
+
+
 def make_loss_fn(graphdef):
     def loss_fn(params, inputs, targets, dropout_key=None):
         return cross_entropy(nnx.merge(graphdef, params)(inputs, dropout_key), targets)
@@ -89,14 +101,15 @@ def make_loss_fn(graphdef):
 def make_train_step(cfg: Config, graphdef, tx, shardings: TrainState, batch_sharding):
     """jit(step)(state, (inputs, targets)) -> (state, {'loss', 'grad_norm'}); state is donated.
 
-    inputs/targets are (grad_accum, micro_batch, block_size); gradients are averaged over the
+    inputs/targets are (microbatches, rows, block_size); gradients are averaged over the
     microbatches, so the update equals one step on the whole global batch.
     """
     loss_and_grad = jax.value_and_grad(make_loss_fn(graphdef))
-    accum, use_dropout, seed = cfg.train.grad_accum, cfg.model.dropout > 0, cfg.train.seed
+    use_dropout, seed = cfg.model.dropout > 0, cfg.train.seed
 
     def step(state: TrainState, batch):
         inputs, targets = batch
+        accum = inputs.shape[0]
         step_key = jax.random.fold_in(jax.random.key(seed), state.step) if use_dropout else None
 
         def micro_key(i):
@@ -127,7 +140,7 @@ def make_eval_step(graphdef, param_shardings, batch_sharding):
 
     def evaluate(params, batch):
         inputs, targets = batch
-        return jnp.mean(jax.vmap(lambda x, y: loss_fn(params, x, y))(inputs, targets))
+        return jnp.mean(jax.lax.map(lambda xy: loss_fn(params, *xy), (inputs, targets)))
 
     return jax.jit(evaluate, in_shardings=(param_shardings, (batch_sharding, batch_sharding)))
 

@@ -85,6 +85,49 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
+
+
+class StepLogger:
+    """Holds logged steps' metrics on device and fetches them in one go every FETCH_EVERY steps.
+
+    A step's time is the average over the fetch window it belongs to (compile time excluded).
+    """
+
+    def __init__(self, on_record, lr_at, tokens_per_step: int, flops_per_token: int, peak: float):
+        self.on_record, self.lr_at = on_record, lr_at
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.pending: list = []
+        self.step_times: list[float] = []
+
+    def restart_clock(self, completed_step: int):
+        """Time from now on; `completed_step` has already finished."""
+        self.clock, self.clock_step = time.perf_counter(), completed_step
+
+    def add(self, step: int, metrics):
+        self.pending.append((step, metrics))
+
+    def flush(self, last_step: int | None = None):
+        """Fetch pending metrics; `last_step` (default: the newest pending) ends the window."""
+        import jax
+        if not self.pending:
+            return
+        fetched = jax.device_get([m for _, m in self.pending])  # waits for the newest step
+        last_step = self.pending[-1][0] if last_step is None else last_step
+        now = time.perf_counter()
+        step_time = (now - self.clock) / max(last_step - self.clock_step, 1)
+        self.restart_clock(last_step)
+        tokens_per_s = self.tokens_per_step / step_time
+        for (step, _), metrics in zip(self.pending, fetched):
+            self.step_times.append(step_time)
+            self.on_record({"step": step, "loss": float(metrics["loss"]), "lr": self.lr_at(step),
+                            "grad_norm": float(metrics["grad_norm"]),
+                            "step_time_ms": round(1e3 * step_time, 3),
+                            "tokens_per_s": round(tokens_per_s, 1),
+                            "mfu": tokens_per_s * self.flops_per_token / self.peak})
+        self.pending = []
+
+
 def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True) -> RunResult:
     """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing."""
     import jax
@@ -108,9 +151,10 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         graphdef, _, _ = steps.abstract_model(cfg, vocab)
         shardings = steps.state_shardings(cfg, vocab, mesh, tx)
         state = steps.init_state(cfg, vocab, tx, shardings)
-        train_batches = BatchLoader(dataset.train, "train", t.seed, t.batch_size, t.grad_accum,
+        microbatches = steps.num_microbatches(t, mesh.shape["data"])
+        train_batches = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches,
                                     cfg.model.block_size, mesh)
-        val_loader = BatchLoader(dataset.val, "val", t.seed, t.batch_size, 1,
+        val_loader = BatchLoader(dataset.val, "val", t.seed, t.batch_size, microbatches,
                                  cfg.model.block_size, mesh)
         val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
         train_step = steps.make_train_step(cfg, graphdef, tx, shardings, train_batches.sharding)
@@ -156,48 +200,32 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
 
         bar = tqdm(total=t.steps, disable=not (progress and is_main), dynamic_ncols=True,
                    mininterval=0.5)
-        clock = {"time": time.perf_counter(), "step": -1}
-        step_times: list[float] = []
 
-        def log(step: int, metrics):
-            metrics = jax.device_get(metrics)  # waits for this step only
-            now = time.perf_counter()
-            step_time = (now - clock["time"]) / (step - clock["step"])
-            clock.update(time=now, step=step)
-            step_times.append(step_time)
-            tokens_per_s = tokens_per_step / step_time
-            record = {"step": step, "loss": float(metrics["loss"]),
-                      "lr": float(steps.learning_rate(step, t, xp=np)),
-                      "grad_norm": float(metrics["grad_norm"]),
-                      "step_time_ms": round(1e3 * step_time, 3),
-                      "tokens_per_s": round(tokens_per_s, 1),
-                      "mfu": tokens_per_s * flops_per_token / peak}
-            result.losses[step] = record["loss"]
+        def on_record(record: dict):
+            result.losses[record["step"]] = record["loss"]
             write(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
+        logger = StepLogger(on_record, lambda s: float(steps.learning_rate(s, t, xp=np)),
+                            tokens_per_step, flops_per_token, peak)
         if val_batches:
             evaluate(0)
-        clock["time"] = time.perf_counter()
-        pending = None
+        logger.restart_clock(-1)
         for step in range(t.steps):
             state, metrics = compiled(state, train_batches(step))
-            if pending:  # the previous step's metrics, fetched while this step runs
-                log(*pending)
-                pending = None
             if step % t.log_every == 0 or step == t.steps - 1:
-                pending = (step, metrics)
+                logger.add(step, metrics)
+            if (step + 1) % FETCH_EVERY == 0:
+                logger.flush()
             bar.update(1)
             updates = step + 1
             if val_batches and (updates % t.eval_every == 0 or updates == t.steps):
-                if pending:
-                    log(*pending)
-                    pending = None
+                logger.flush(step)
                 evaluate(updates)
-                clock.update(time=time.perf_counter(), step=step)
-        if pending:
-            log(*pending)
+                logger.restart_clock(step)
+        logger.flush(t.steps - 1)
         bar.close()
+        step_times = logger.step_times
 
         # The first logged interval can include one-off work (allocation, caches): use the median.
         median = statistics.median(step_times) if step_times else float("nan")

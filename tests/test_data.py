@@ -62,3 +62,13 @@ def test_tokenizer_round_trip():
 def test_default_config_file_equals_builtin_defaults():
     assert load_config("shakespeare_char_cpu", {}) == load_config(None, {})
     assert load_config(None, {}).train.decay_steps == Config().train.steps
+
+
+def test_micro_batch_caps_rows_per_device():
+    from jaxpar.step import num_microbatches
+    t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 6}).train
+    assert [num_microbatches(t, dp) for dp in (1, 2, 4)] == [2, 1, 1]
+    t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 5}).train
+    assert num_microbatches(t, 1) == 3  # 12 rows: 3 passes of 4, the fewest that fit in 5
+    t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 0, "train.grad_accum": 2}).train
+    assert num_microbatches(t, 1) == 2

@@ -56,6 +56,15 @@ def test_grad_accumulation_matches_one_big_batch(one_device):
     assert_same_training(train("dp=2", **{"train.grad_accum": 2}), one_device)
 
 
+def test_micro_batch_split_matches_one_big_batch(one_device):
+    """Each device's 4 rows run as 2 passes of 2; the update is the same."""
+    assert_same_training(train("dp=2", **{"train.micro_batch": 2}), one_device)
+
+
+def test_rolled_layer_scan_matches_unrolled(one_device):
+    assert_same_training(train("tp=2", **{"model.unroll_layers": "false"}), one_device)
+
+
 def test_dropout_is_identical_across_meshes():
     reference = train(**{"model.dropout": 0.1})
     assert_same_training(train("dp=2,tp=2", **{"model.dropout": 0.1}), reference)
