@@ -21,6 +21,7 @@ class ModelConfig:
     n_embd: int = 128
     block_size: int = 64
     dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
     dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
     unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
 

@@ -26,18 +26,21 @@ def normal_param(rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple) -> nnx.P
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, shape: tuple, axes: tuple):
+    def __init__(self, shape: tuple, axes: tuple, bias: bool):
         self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
-        self.bias = nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
+        if bias:
+            self.bias = nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
 
 
 class StackedDense(nnx.Module):
     """A linear layer per block: kernel (layers, *in, *out), bias (layers, *out)."""
 
-    def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int):
+    def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int,
+                 bias: bool):
         self.kernel = normal_param(rngs, std, shape, axes)
-        self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
-                              axes=axes[:1] + axes[-n_out_dims:])
+        if bias:
+            self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
+                                  axes=axes[:1] + axes[-n_out_dims:])
 
 
 class Blocks(nnx.Module):
@@ -47,22 +50,27 @@ class Blocks(nnx.Module):
         L, C, H = cfg.n_layer, cfg.n_embd, cfg.n_head
         D, F = C // H, 4 * C
         std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2's scaled residual projections
-        self.ln_1 = LayerNorm((L, C), ("layers", "embed"))
+        b = cfg.bias
+        self.ln_1 = LayerNorm((L, C), ("layers", "embed"), b)
         self.qkv = StackedDense(rngs, std, (L, C, 3, H, D),
-                                ("layers", "embed", "qkv", "heads", "head_dim"), n_out_dims=3)
+                                ("layers", "embed", "qkv", "heads", "head_dim"), 3, b)
         self.attn_out = StackedDense(rngs, resid_std, (L, H, D, C),
-                                     ("layers", "heads", "head_dim", "embed"), n_out_dims=1)
-        self.ln_2 = LayerNorm((L, C), ("layers", "embed"))
-        self.mlp_in = StackedDense(rngs, std, (L, C, F), ("layers", "embed", "mlp"), n_out_dims=1)
-        self.mlp_out = StackedDense(rngs, resid_std, (L, F, C), ("layers", "mlp", "embed"),
-                                    n_out_dims=1)
+                                     ("layers", "heads", "head_dim", "embed"), 1, b)
+        self.ln_2 = LayerNorm((L, C), ("layers", "embed"), b)
+        self.mlp_in = StackedDense(rngs, std, (L, C, F), ("layers", "embed", "mlp"), 1, b)
+        self.mlp_out = StackedDense(rngs, resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, b)
 
 
 def layer_norm(x: jax.Array, p: dict) -> jax.Array:
     x = x.astype(jnp.float32)
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + LN_EPS) * p["scale"] + p["bias"]
+    return add_bias((x - mean) * jax.lax.rsqrt(var + LN_EPS) * p["scale"], p)
+
+
+def add_bias(y: jax.Array, p: dict) -> jax.Array:
+    """y + p['bias'], for layers built with bias=True (nanoGPT's `bias` flag)."""
+    return y + p["bias"] if "bias" in p else y
 
 
 def dropout(x: jax.Array, rate: float, key) -> jax.Array:
@@ -108,15 +116,17 @@ def block(x: jax.Array, p: dict, rate: float, dtype, key) -> jax.Array:
     p = jax.tree.map(lambda a: a.astype(dtype), p)
     x = x.reshape(B * T, C)
     h = layer_norm(x, p["ln_1"]).astype(dtype)
-    qkv = jnp.einsum("nc,cshd->nshd", h, p["qkv"]["kernel"]) + exact_qkv_bias(p["qkv"]["bias"])
+    qkv = jnp.einsum("nc,cshd->nshd", h, p["qkv"]["kernel"])
+    if "bias" in p["qkv"]:
+        qkv = qkv + exact_qkv_bias(p["qkv"]["bias"])
     qkv = constrain(qkv.reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
     q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
     y = causal_attention(q, k, v, rate, keys[0]).reshape(B * T, *q.shape[1:2], q.shape[3])
-    y = jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]) + p["attn_out"]["bias"]
+    y = add_bias(jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"])
     x = x + dropout(y, rate, keys[1])
     h = layer_norm(x, p["ln_2"]).astype(dtype)
-    h = constrain(gelu(h @ p["mlp_in"]["kernel"] + p["mlp_in"]["bias"]), ("tokens", "mlp"))
-    y = h @ p["mlp_out"]["kernel"] + p["mlp_out"]["bias"]
+    h = constrain(gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"])), ("tokens", "mlp"))
+    y = add_bias(h @ p["mlp_out"]["kernel"], p["mlp_out"])
     x = x + dropout(y, rate, keys[2])
     return constrain(x.reshape(B, T, C), ("batch", "seq", "embed"))
 
@@ -132,7 +142,7 @@ class GPT(nnx.Module):
         self.wte = normal_param(rngs, 0.02, (padded_vocab(vocab_size), cfg.n_embd), ("vocab", "embed"))
         self.wpe = normal_param(rngs, 0.02, (cfg.block_size, cfg.n_embd), ("pos", "embed"))
         self.blocks = Blocks(cfg, rngs)
-        self.ln_f = LayerNorm((cfg.n_embd,), ("embed",))
+        self.ln_f = LayerNorm((cfg.n_embd,), ("embed",), cfg.bias)
 
     def __call__(self, tokens: jax.Array, dropout_key=None) -> jax.Array:
         """tokens (batch, seq) int -> logits (batch, seq, padded vocab) float32."""
@@ -152,7 +162,7 @@ class GPT(nnx.Module):
             return block(x, p, self.dropout_rate, dtype, key), None
 
         x, _ = jax.lax.scan(step, x, (layer_params, layer_keys), unroll=self.unroll_layers)
-        x = layer_norm(x, {"scale": self.ln_f.scale[...], "bias": self.ln_f.bias[...]})
+        x = layer_norm(x, nnx.to_pure_dict(nnx.state(self.ln_f)))
         logits = jnp.einsum("btc,vc->btv", x.astype(dtype), wte.astype(dtype),
                             preferred_element_type=jnp.float32)
         logits = constrain(logits, ("batch", "seq", "vocab"))

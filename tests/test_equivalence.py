@@ -65,6 +65,12 @@ def test_rolled_layer_scan_matches_unrolled(one_device):
     assert_same_training(train("tp=2", **{"model.unroll_layers": "false"}), one_device)
 
 
+def test_bias_free_model_matches_across_meshes():
+    reference = train(**{"model.bias": "false"})
+    assert "bias" not in reference.params["blocks"]["qkv"]
+    assert_same_training(train("dp=2,tp=2", **{"model.bias": "false"}), reference)
+
+
 def test_dropout_is_identical_across_meshes():
     reference = train(**{"model.dropout": 0.1})
     assert_same_training(train("dp=2,tp=2", **{"model.dropout": 0.1}), reference)
