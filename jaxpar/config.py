@@ -43,6 +43,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # 0 disables clipping
+    # ZeRO over the data axis: 1 shards the AdamW moments, 2 also the gradients, 3 also the params
+    # (FSDP); 0 is plain data parallelism. 1 is the default: it saves memory at no extra
+    # communication (an all-reduce is a reduce-scatter plus an all-gather).
+    zero: int = 1
     eval_every: int = 250  # 0 disables evaluation
     eval_batches: int = 20
     log_every: int = 1
@@ -170,6 +174,8 @@ def validate(cfg: Config) -> None:
                         f"train.grad_accum={t.grad_accum}")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if t.zero not in (0, 1, 2, 3):
+        raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
     for axis in ("dp", "tp", "pp"):
         size = getattr(cfg.mesh, axis)
         if size != -1 and size < 1:

@@ -9,12 +9,14 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.sharding import constrain
+from jaxpar.sharding import constrain, param_axes
 
 VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 LN_EPS = 1e-5
+GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -106,14 +108,23 @@ def exact_qkv_bias(bias: jax.Array) -> jax.Array:
     return jnp.where(is_key, jax.lax.stop_gradient(bias), bias)
 
 
-def block(x: jax.Array, p: dict, rate: float, dtype, key) -> jax.Array:
+def weights_for_compute(p: dict, axes: dict) -> dict:
+    """Pin weights to their rule-table layout where they are used.
+
+    Under ZeRO-3 they are stored split over 'data' as well, so this is where each layer gathers
+    its own weights; otherwise it changes nothing. The name lets a remat policy drop them.
+    """
+    return jax.tree.map(lambda a, names: checkpoint_name(constrain(a, names), GATHERED), p, axes)
+
+
+def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key) -> jax.Array:
     """One block on one layer's params. The residual stream stays float32; matmuls run in dtype.
 
     Matmuls see the activations as (batch*seq, features): plain 2-D dots are the fastest on CPU.
     """
     B, T, C = x.shape
     keys = jax.random.split(key, 3) if key is not None else (None,) * 3
-    p = jax.tree.map(lambda a: a.astype(dtype), p)
+    p = jax.tree.map(lambda a: a.astype(dtype), weights_for_compute(p, axes))
     x = x.reshape(B * T, C)
     h = layer_norm(x, p["ln_1"]).astype(dtype)
     qkv = jnp.einsum("nc,cshd->nshd", h, p["qkv"]["kernel"])
@@ -134,8 +145,11 @@ def block(x: jax.Array, p: dict, rate: float, dtype, key) -> jax.Array:
 class GPT(nnx.Module):
     """Token + position embeddings, stacked blocks, final LayerNorm, lm_head tied to wte."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs,
+                 regather_weights: bool = False):
         self.vocab_size = vocab_size
+        # Recompute each layer's gathered weights in the backward pass instead of saving them.
+        self.regather_weights = regather_weights
         self.dropout_rate = cfg.dropout
         self.dtype = cfg.dtype
         self.unroll_layers = cfg.unroll_layers
@@ -147,23 +161,33 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array, dropout_key=None) -> jax.Array:
         """tokens (batch, seq) int -> logits (batch, seq, padded vocab) float32."""
         dtype = jnp.dtype(self.dtype)
-        wte = self.wte[...]
+        state = nnx.state(self)
+        top = weights_for_compute({k: v for k, v in nnx.to_pure_dict(state).items() if k != "blocks"},
+                                  {k: v for k, v in param_axes(state).items() if k != "blocks"})
         n_layer = self.blocks.ln_1.scale.shape[0]
         keys = jax.random.split(dropout_key, n_layer + 1) if dropout_key is not None else None
-        x = wte[tokens] + self.wpe[...][: tokens.shape[1]]
+        x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
         x = dropout(constrain(x, ("batch", "seq", "embed")), self.dropout_rate,
                     None if keys is None else keys[0])
 
         layer_params = nnx.to_pure_dict(nnx.state(self.blocks))
+        # Inside the scan each weight has lost its leading 'layers' axis.
+        layer_axes = jax.tree.map(lambda names: names[1:], param_axes(nnx.state(self.blocks)),
+                                  is_leaf=lambda n: isinstance(n, tuple))
         layer_keys = None if keys is None else keys[1:]
 
         def step(x, layer):
             p, key = layer
-            return block(x, p, self.dropout_rate, dtype, key), None
+            return block(x, p, layer_axes, self.dropout_rate, dtype, key), None
 
-        x, _ = jax.lax.scan(step, x, (layer_params, layer_keys), unroll=self.unroll_layers)
-        x = layer_norm(x, nnx.to_pure_dict(nnx.state(self.ln_f)))
-        logits = jnp.einsum("btc,vc->btv", x.astype(dtype), wte.astype(dtype),
+        if self.regather_weights:
+            # A rolled scan gathers one layer at a time, in the forward and again in the backward.
+            step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(
+                GATHERED))
+        x, _ = jax.lax.scan(step, x, (layer_params, layer_keys),
+                            unroll=self.unroll_layers and not self.regather_weights)
+        x = layer_norm(x, top["ln_f"])
+        logits = jnp.einsum("btc,vc->btv", x.astype(dtype), top["wte"].astype(dtype),
                             preferred_element_type=jnp.float32)
         logits = constrain(logits, ("batch", "seq", "vocab"))
         # Padding rows of the vocabulary can never be predicted.

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar import zero
 from jaxpar.config import Config, TrainConfig
 from jaxpar.model import GPT
 from jaxpar.sharding import param_axes, shardings_for
@@ -53,28 +54,37 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(log_z - picked)
 
 
+def build_model(cfg: Config, vocab_size: int) -> GPT:
+    # ZeRO-3 gathers each layer's weights when it runs; recomputing the gather in the backward
+    # pass (rather than saving the gathered weights) is what keeps them from piling up.
+    return GPT(cfg.model, vocab_size, nnx.Rngs(cfg.train.seed), regather_weights=cfg.train.zero == 3)
+
+
 def abstract_model(cfg: Config, vocab_size: int):
     """(graphdef, pure dict of ShapeDtypeStructs, pure dict of logical axes), with no allocation."""
-    abstract = nnx.eval_shape(lambda: GPT(cfg.model, vocab_size, nnx.Rngs(cfg.train.seed)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, vocab_size)))
     return graphdef, nnx.to_pure_dict(state), param_axes(state)
 
 
-def state_shardings(cfg: Config, vocab_size: int, mesh, tx) -> TrainState:
-    """The TrainState's NamedShardings: params from the rule table, each AdamW moment as its param."""
+def state_shardings(cfg: Config, vocab_size: int, mesh, tx) -> tuple[TrainState, zero.ZeroPlan]:
+    """The TrainState's NamedShardings and the ZeRO plan behind them.
+
+    Params come from the rule table (then ZeRO-3 adds 'data'); AdamW's moments follow the plan's
+    `moments`; the step count and other scalars are replicated.
+    """
     _, shapes, axes = abstract_model(cfg, vocab_size)
-    params = shardings_for(axes, shapes, mesh)
+    plan = zero.plan(cfg.train.zero, shardings_for(axes, shapes, mesh), shapes, mesh)
     replicated = NamedSharding(mesh, P())
     opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, shapes),
-                                      params, transform_non_params=lambda _: replicated)
-    return TrainState(replicated, params, opt_state)
+                                      plan.moments, transform_non_params=lambda _: replicated)
+    return TrainState(replicated, plan.params, opt_state), plan
 
 
 def init_state(cfg: Config, vocab_size: int, tx, shardings: TrainState) -> TrainState:
     """Initialise params and optimizer state directly into their shardings (never whole on one device)."""
     @functools.partial(jax.jit, out_shardings=shardings)
     def init():
-        model = GPT(cfg.model, vocab_size, nnx.Rngs(cfg.train.seed))
+        model = build_model(cfg, vocab_size)
         params = nnx.to_pure_dict(nnx.state(model))
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
     return init()
@@ -98,33 +108,48 @@ def make_loss_fn(graphdef):
     return loss_fn
 
 
-def make_train_step(cfg: Config, graphdef, tx, shardings: TrainState, batch_sharding):
+def make_grad_fn(cfg: Config, graphdef, grad_shardings: dict):
+    """(params, inputs, targets, step) -> (mean loss, mean grads) over all microbatches.
+
+    Gradients are pinned to `grad_shardings`: under ZeRO-2/3 that turns their all-reduce into a
+    reduce-scatter, and each microbatch's gradients are added in that sharded form.
+    """
+    loss_and_grad = jax.value_and_grad(make_loss_fn(graphdef))
+    use_dropout, seed = cfg.model.dropout > 0, cfg.train.seed
+
+    def grads_of(params, inputs, targets, step):
+        accum = inputs.shape[0]
+        step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
+
+        def micro(i, x, y):
+            key = None if step_key is None else jax.random.fold_in(step_key, i)
+            loss, grads = loss_and_grad(params, x, y, key)
+            return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+        if accum == 1:
+            return micro(0, inputs[0], targets[0])
+
+        def accumulate(total, batch):
+            loss, grads = micro(*batch)
+            return jax.tree.map(jnp.add, total, grads), loss
+        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_shardings)
+        grads, losses = jax.lax.scan(accumulate, zeros, (jnp.arange(accum), inputs, targets))
+        return losses.mean(), jax.tree.map(lambda g: g / accum, grads)
+
+    return grads_of
+
+
+def make_train_step(cfg: Config, graphdef, tx, shardings: TrainState, plan: zero.ZeroPlan,
+                    batch_sharding):
     """jit(step)(state, (inputs, targets)) -> (state, {'loss', 'grad_norm'}); state is donated.
 
     inputs/targets are (microbatches, rows, block_size); gradients are averaged over the
     microbatches, so the update equals one step on the whole global batch.
     """
-    loss_and_grad = jax.value_and_grad(make_loss_fn(graphdef))
-    use_dropout, seed = cfg.model.dropout > 0, cfg.train.seed
+    grads_of = make_grad_fn(cfg, graphdef, plan.grads)
 
     def step(state: TrainState, batch):
-        inputs, targets = batch
-        accum = inputs.shape[0]
-        step_key = jax.random.fold_in(jax.random.key(seed), state.step) if use_dropout else None
-
-        def micro_key(i):
-            return None if step_key is None else jax.random.fold_in(step_key, i)
-
-        if accum == 1:
-            loss, grads = loss_and_grad(state.params, inputs[0], targets[0], micro_key(0))
-        else:
-            def accumulate(total, micro):
-                i, x, y = micro
-                loss, grads = loss_and_grad(state.params, x, y, micro_key(i))
-                return jax.tree.map(jnp.add, total, grads), loss
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            grads, losses = jax.lax.scan(accumulate, zeros, (jnp.arange(accum), inputs, targets))
-            grads, loss = jax.tree.map(lambda g: g / accum, grads), losses.mean()
+        loss, grads = grads_of(state.params, *batch, state.step)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

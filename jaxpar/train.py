@@ -32,6 +32,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", help="total optimizer steps (train.steps)")
     parser.add_argument("--seed", help="seed for init and data order (train.seed)")
     parser.add_argument("--log-every", help="log every K steps (train.log_every)")
+    parser.add_argument("--zero", help="ZeRO stage 0-3 over the data axis (train.zero; default 1)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print where every tensor lives and the memory per device; no training")
     parser.add_argument("--out", help="output directory (default: out/<config name>)")
     return parser
 
@@ -58,7 +61,8 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
     args, rest = build_parser(prog).parse_known_args(argv)
     overrides = parse_mesh_spec(args.mesh) if args.mesh else {}
     overrides |= parse_overrides(rest)
-    named = {"train.steps": args.steps, "train.seed": args.seed, "train.log_every": args.log_every}
+    named = {"train.steps": args.steps, "train.seed": args.seed, "train.log_every": args.log_every,
+             "train.zero": args.zero}
     overrides |= {k: v for k, v in named.items() if v is not None}
     cfg = load_config(args.config, overrides)
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
@@ -83,6 +87,13 @@ def versions() -> dict:
     return {"jaxpar": jaxpar.__version__, "jax": jax.__version__, "jaxlib": jax.lib.__version__,
             "flax": flax.__version__, "optax": optax.__version__,
             "python": platform.python_version()}
+
+
+def check_zero(state, shardings) -> None:
+    """Every param and optimizer tensor lives where the ZeRO plan put it, and so do its bytes."""
+    from jaxpar import zero
+    zero.check_sharded("params", state.params, shardings.params)
+    zero.check_sharded("optimizer state", state.opt_state, shardings.opt_state)
 
 
 FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
@@ -149,15 +160,17 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     with jax.set_mesh(mesh):
         tx = steps.make_optimizer(t)
         graphdef, _, _ = steps.abstract_model(cfg, vocab)
-        shardings = steps.state_shardings(cfg, vocab, mesh, tx)
+        shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
         state = steps.init_state(cfg, vocab, tx, shardings)
+        check_zero(state, shardings)
         microbatches = steps.num_microbatches(t, mesh.shape["data"])
         train_batches = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches,
                                     cfg.model.block_size, mesh)
         val_loader = BatchLoader(dataset.val, "val", t.seed, t.batch_size, microbatches,
                                  cfg.model.block_size, mesh)
         val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
-        train_step = steps.make_train_step(cfg, graphdef, tx, shardings, train_batches.sharding)
+        train_step = steps.make_train_step(cfg, graphdef, tx, shardings, plan,
+                                           train_batches.sharding)
         eval_step = steps.make_eval_step(graphdef, shardings.params, val_loader.sharding)
 
         compile_start = time.perf_counter()
@@ -171,7 +184,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
                         "kind": mesh.devices.flat[0].device_kind,
                         "processes": jax.process_count()},
-            "versions": versions(), "vocab_size": vocab,
+            "versions": versions(), "vocab_size": vocab, "zero_stage": plan.stage,
+            "zero_unsharded": plan.unsharded,
             "n_params": flops.matmul_params(cfg.model, vocab),
             "n_params_stored": steps.bytes_total(state.params) // 4,
             "bytes_per_device": {"params": steps.bytes_per_device(state.params),
@@ -236,6 +250,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             "tokens_per_s_median": round(tokens_per_step / median, 1),
             "mfu_median": tokens_per_step / median * flops_per_token / peak,
         }
+        check_zero(state, shardings)  # out_shardings pin them; this proves it after training
         if writing:
             metrics_file.close()
             (out_dir / "run.json").write_text(json.dumps(info, indent=2))
@@ -245,8 +260,12 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
 
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.train"):
-        cfg, out_dir, _ = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg, out_dir, args = parse_args(sys.argv[1:] if argv is None else argv)
         force_host_devices(cfg.mesh)
+        if args.dry_run:
+            from jaxpar.placement import dry_run
+            print(dry_run(cfg))
+            return
         result = run(cfg, out_dir)
     s = result.info["summary"]
     print(f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"

@@ -1,0 +1,39 @@
+"""Read a compiled step's HLO: which collectives it runs, how many, and how many bytes they carry."""
+
+import math
+import re
+from collections import defaultdict
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+# `%name = <result shape> <op>(` where <op> may carry an async `-start` suffix.
+OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+            "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO result shape, e.g. 'f32[128,512]{1,0}' or a tuple of them."""
+    total = 0
+    for dtype, dims in ARRAY.findall(shape):
+        total += ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{kind: {'count': n, 'bytes': b}} over the program; bytes are each op's result size.
+
+    An async pair (`-start` / `-done`) counts once. For an all-gather the result is the gathered
+    tensor; for a reduce-scatter it is one device's shard.
+    """
+    found: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for line in hlo_text.splitlines():
+        match = OP.search(line)
+        if match:
+            shape, kind, is_async = match.groups()
+            if is_async:  # the start op's result tuple holds the operand and the result
+                parts = ARRAY.findall(shape)
+                shape = "{}[{}]".format(*parts[-1]) if parts else shape
+            found[kind]["count"] += 1
+            found[kind]["bytes"] += shape_bytes(shape)
+    return {kind: dict(found[kind]) for kind in KINDS if kind in found}

@@ -1,0 +1,79 @@
+"""`--dry-run`: where every tensor lives and what one device holds, computed without training.
+
+Nothing is allocated: shapes are abstract and the step is compiled from ShapeDtypeStructs.
+"""
+
+import math
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar import step as steps
+from jaxpar.config import Config
+from jaxpar.data import load_dataset
+from jaxpar.mesh import build_mesh, mesh_shape
+from jaxpar.zero import expected_bytes_per_device
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def activation_bytes(cfg: Config, rows_per_pass: int, tp: int) -> int:
+    """Saved activations of one forward pass on one device: Korthikanti et al. (2022), eq. 2 with
+    tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations,
+    scaled to the compute dtype, plus the float32 logits."""
+    m = cfg.model
+    s, h, a = m.block_size, m.n_embd, m.n_head
+    per_layer = s * rows_per_pass * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    scale = 4 / 2 if m.dtype == "float32" else 1
+    return int(m.n_layer * per_layer * scale + rows_per_pass * s * 128 * 4 * 2)
+
+
+def dry_run(cfg: Config, devices=None) -> str:
+    vocab = load_dataset(cfg.data, cfg.model.block_size).tokenizer.vocab_size
+    mesh = build_mesh(cfg, devices)
+    with jax.set_mesh(mesh):
+        tx = steps.make_optimizer(cfg.train)
+        shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
+        graphdef, shapes, _ = steps.abstract_model(cfg, vocab)
+        rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}", "",
+                f"{'tensor':28s} {'shape':>18s}  {'param spec':40s} {'moment spec':40s} {'bytes/device':>12s}"]
+        flat = jax.tree_util.tree_leaves_with_path(shapes)
+        for (path, shape), p_sh, m_sh in zip(flat, jax.tree.leaves(plan.params),
+                                             jax.tree.leaves(plan.moments)):
+            per_device = 4 * (math.prod(p_sh.shard_shape(shape.shape))
+                              + 2 * math.prod(m_sh.shard_shape(shape.shape)))
+            rows.append(f"{jax.tree_util.keystr(path, simple=True, separator='.'):28s} "
+                        f"{str(shape.shape):>18s}  {str(p_sh.spec):40s} {str(m_sh.spec):40s} "
+                        f"{per_device:>12,d}")
+
+        abstract_opt = jax.eval_shape(tx.init, shapes)
+        micro = steps.num_microbatches(cfg.train, mesh.shape["data"])
+        rows_per_pass = cfg.train.batch_size // micro // mesh.shape["data"]
+        estimate = {
+            "params": expected_bytes_per_device(plan.params, shapes),
+            "gradients": expected_bytes_per_device(plan.grads, shapes),
+            "optimizer state": expected_bytes_per_device(shardings.opt_state, abstract_opt),
+            "activations (estimate)": activation_bytes(cfg, rows_per_pass, mesh.shape["tensor"]),
+        }
+        rows += ["", "peak memory per device, by part:"]
+        rows += [f"  {name:24s} {mib(n):>14s}" for name, n in estimate.items()]
+        rows.append(f"  {'total':24s} {mib(sum(estimate.values())):>14s}")
+
+        batch_sharding = NamedSharding(mesh, P(None, "data", None))
+        batch = jax.ShapeDtypeStruct((micro, cfg.train.batch_size // micro, cfg.model.block_size),
+                                     "int32", sharding=batch_sharding)
+        abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                      steps.TrainState(jax.ShapeDtypeStruct((), "int32"), shapes,
+                                                       abstract_opt), shardings)
+        compiled = steps.make_train_step(cfg, graphdef, tx, shardings, plan, batch_sharding) \
+            .lower(abstract_state, (batch, batch)).compile()
+        memory = compiled.memory_analysis()
+        if memory is not None:
+            rows += ["", "compiled train step, per device (XLA memory_analysis):",
+                     f"  arguments {mib(memory.argument_size_in_bytes)}, "
+                     f"outputs {mib(memory.output_size_in_bytes)} "
+                     f"(aliased with arguments: {mib(memory.alias_size_in_bytes)}), "
+                     f"temporaries {mib(memory.temp_size_in_bytes)}"]
+    return "\n".join(rows)
