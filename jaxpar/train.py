@@ -187,7 +187,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             "versions": versions(), "vocab_size": vocab, "zero_stage": plan.stage,
             "zero_unsharded": plan.unsharded,
             "n_params": flops.matmul_params(cfg.model, vocab),
-            "n_params_stored": steps.bytes_total(state.params) // 4,
+            "n_params_stored": sum(int(a.size) for a in jax.tree.leaves(state.params)),
             "bytes_per_device": {"params": steps.bytes_per_device(state.params),
                                  "opt_state": steps.bytes_per_device(state.opt_state)},
             "bytes_total": {"params": steps.bytes_total(state.params),
