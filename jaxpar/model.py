@@ -162,18 +162,18 @@ class GPT(nnx.Module):
         """tokens (batch, seq) int -> logits (batch, seq, padded vocab) float32."""
         dtype = jnp.dtype(self.dtype)
         state = nnx.state(self)
-        top = weights_for_compute({k: v for k, v in nnx.to_pure_dict(state).items() if k != "blocks"},
-                                  {k: v for k, v in param_axes(state).items() if k != "blocks"})
+        params, axes = nnx.to_pure_dict(state), param_axes(state)
+        layer_params = params.pop("blocks")
+        # Inside the scan each weight has lost its leading 'layers' axis.
+        layer_axes = jax.tree.map(lambda names: names[1:], axes.pop("blocks"),
+                                  is_leaf=lambda n: isinstance(n, tuple))
+        top = weights_for_compute(params, axes)
         n_layer = self.blocks.ln_1.scale.shape[0]
         keys = jax.random.split(dropout_key, n_layer + 1) if dropout_key is not None else None
         x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
         x = dropout(constrain(x, ("batch", "seq", "embed")), self.dropout_rate,
                     None if keys is None else keys[0])
 
-        layer_params = nnx.to_pure_dict(nnx.state(self.blocks))
-        # Inside the scan each weight has lost its leading 'layers' axis.
-        layer_axes = jax.tree.map(lambda names: names[1:], param_axes(nnx.state(self.blocks)),
-                                  is_leaf=lambda n: isinstance(n, tuple))
         layer_keys = None if keys is None else keys[1:]
 
         def step(x, layer):

@@ -12,6 +12,7 @@ from jaxpar import step as steps
 from jaxpar.config import Config
 from jaxpar.data import load_dataset
 from jaxpar.mesh import build_mesh, mesh_shape
+from jaxpar.model import padded_vocab
 from jaxpar.zero import expected_bytes_per_device
 
 
@@ -19,7 +20,7 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def activation_bytes(cfg: Config, rows_per_pass: int, tp: int) -> int:
+def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int) -> int:
     """Saved activations of one forward pass on one device: Korthikanti et al. (2022), eq. 2 with
     tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations,
     scaled to the compute dtype, plus the float32 logits."""
@@ -27,7 +28,8 @@ def activation_bytes(cfg: Config, rows_per_pass: int, tp: int) -> int:
     s, h, a = m.block_size, m.n_embd, m.n_head
     per_layer = s * rows_per_pass * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     scale = 4 / 2 if m.dtype == "float32" else 1
-    return int(m.n_layer * per_layer * scale + rows_per_pass * s * 128 * 4 * 2)
+    logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
+    return int(m.n_layer * per_layer * scale + logits)
 
 
 def dry_run(cfg: Config, devices=None) -> str:
@@ -55,7 +57,7 @@ def dry_run(cfg: Config, devices=None) -> str:
             "params": expected_bytes_per_device(plan.params, shapes),
             "gradients": expected_bytes_per_device(plan.grads, shapes),
             "optimizer state": expected_bytes_per_device(shardings.opt_state, abstract_opt),
-            "activations (estimate)": activation_bytes(cfg, rows_per_pass, mesh.shape["tensor"]),
+            "activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, mesh.shape["tensor"]),
         }
         rows += ["", "peak memory per device, by part:"]
         rows += [f"  {name:24s} {mib(n):>14s}" for name, n in estimate.items()]

@@ -22,7 +22,6 @@ RULES: dict[str, str | None] = {
     "seq": None,
     "qkv": None,
     "head_dim": None,
-    "microbatch": None,
 }
 
 

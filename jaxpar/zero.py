@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.errors import UserError
-
 DATA = "data"
 BYTES_TOLERANCE = 0.02  # measured bytes/device may exceed the plan by 2% (rounding of shards)
 
@@ -53,9 +51,7 @@ class ZeroPlan:
 
 
 def plan(stage: int, tp_shardings: dict, shapes: dict, mesh) -> ZeroPlan:
-    """Shardings for ZeRO `stage` on top of the tensor-parallel ones from the rule table."""
-    if stage not in (0, 1, 2, 3):
-        raise UserError(f"--zero must be 0, 1, 2 or 3, got {stage}")
+    """Shardings for ZeRO `stage` (0-3, checked by config.validate) on top of the rule table's."""
     unsharded = []
 
     def zero_sharding(path, sharding, shape):

@@ -4,7 +4,6 @@ Tolerances as in test_equivalence: losses rtol 1e-5, params within 1e-5 of each 
 """
 
 import jax
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -27,7 +26,7 @@ def one_device():
 def test_zero_matches_one_device(one_device, spec, stage):
     result = train(spec, **{"train.zero": stage})
     assert_same_training(result, one_device)
-    dp = result.info["mesh"]["dp"] * 1.0
+    dp = result.info["mesh"]["dp"]
     ratio = {k: result.info["bytes_per_device"][k] / result.info["bytes_total"][k]
              for k in ("params", "opt_state")}
     tp = result.info["mesh"]["tp"]
