@@ -96,6 +96,19 @@ def check_zero(state, shardings) -> None:
     zero.check_sharded("optimizer state", state.opt_state, shardings.opt_state)
 
 
+def compiled_summary(compiled) -> dict:
+    """Per-device memory of the compiled step (XLA's estimate) and the collectives it runs."""
+    from jaxpar.hlo import collectives
+    memory = compiled.memory_analysis()
+    sizes = {} if memory is None else {
+        "argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+        "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
+    if sizes:  # donated outputs reuse their argument buffers
+        sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
+                                      - sizes["alias_bytes"] + sizes["temp_bytes"])
+    return {**sizes, "collectives": collectives(compiled.as_text())}
+
+
 FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
 
 
@@ -194,6 +207,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
                             "opt_state": steps.bytes_total(state.opt_state)},
             "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
             "compile_s": round(compile_s, 3),
+            "compiled": compiled_summary(compiled),
         }
         if writing:
             out_dir.mkdir(parents=True, exist_ok=True)
