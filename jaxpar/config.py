@@ -67,11 +67,18 @@ class MeshConfig:
 
 
 @dataclass
+class PipelineConfig:
+    schedule: str = "1f1b"  # or "gpipe"; see jaxpar.schedule
+    microbatches: int = 0  # per step and grad_accum round; 0: the largest multiple of pp up to 4*pp that fits
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -154,7 +161,8 @@ def validate(cfg: Config) -> None:
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
                 "train.log_every", "train.lr"]
     non_negative = ["train.micro_batch", "train.min_lr", "train.warmup_steps", "train.decay_steps", "train.weight_decay",
-                    "train.grad_clip", "train.eval_every"]
+                    "train.grad_clip", "train.eval_every",
+                    "pipeline.microbatches"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     for key in positive:
         if get(key) <= 0:
@@ -174,6 +182,8 @@ def validate(cfg: Config) -> None:
                         f"train.grad_accum={t.grad_accum}")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.pipeline.schedule not in ("gpipe", "1f1b"):
+        raise UserError(f"pipeline.schedule must be gpipe or 1f1b, got '{cfg.pipeline.schedule}'")
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
     for axis in ("dp", "tp", "pp"):

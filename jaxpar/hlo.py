@@ -37,3 +37,15 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             found[kind]["count"] += 1
             found[kind]["bytes"] += shape_bytes(shape)
     return {kind: dict(found[kind]) for kind in KINDS if kind in found}
+
+
+def compiled_summary(compiled) -> dict:
+    """Per-device memory of the compiled step (XLA's estimate) and the collectives it runs."""
+    memory = compiled.memory_analysis()
+    sizes = {} if memory is None else {
+        "argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
+        "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
+    if sizes:  # donated outputs reuse their argument buffers
+        sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
+                                      - sizes["alias_bytes"] + sizes["temp_bytes"])
+    return {**sizes, "collectives": collectives(compiled.as_text())}

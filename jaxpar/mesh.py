@@ -71,8 +71,6 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if dp * tp * pp != num_devices:
         raise UserError(f"mesh {spec} uses {dp * tp * pp} devices but {num_devices} are available; "
                         f"make the product {num_devices}, or use -1 for one axis")
-    if pp > 1:
-        raise UserError("pipeline parallelism (pp > 1) is not yet supported; use dp and tp")
     if cfg.model.n_head % tp:
         raise UserError(f"tp={tp} does not divide model.n_head={cfg.model.n_head}; "
                         f"choose tp from the divisors of n_head")
@@ -80,6 +78,9 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if micro_batch % dp:
         raise UserError(f"dp={dp} does not divide the batch of {micro_batch} sequences per "
                         f"microbatch (train.batch_size / train.grad_accum); change one of them")
+    if pp > 1:
+        from jaxpar.schedule import resolve_microbatches
+        resolve_microbatches(cfg, dp, pp)
     return dp, tp, pp
 
 

@@ -142,17 +142,68 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key) -> jax.Arr
     return constrain(x.reshape(B, T, C), ("batch", "seq", "embed"))
 
 
+def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
+    """(top params, top axes, stacked layer params, per-layer axes without the 'layers' axis)."""
+    top, top_axes = dict(params), dict(axes)
+    layer_params, stacked_axes = top.pop("blocks"), top_axes.pop("blocks")
+    layer_axes = jax.tree.map(lambda names: names[1:], stacked_axes,
+                              is_leaf=lambda n: isinstance(n, tuple))
+    return top, top_axes, layer_params, layer_axes
+
+
+def embed(top: dict, tokens: jax.Array, rate: float, key) -> jax.Array:
+    """Token + position embeddings of (batch, seq) tokens, with dropout."""
+    x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
+    return dropout(constrain(x, ("batch", "seq", "embed")), rate, key)
+
+
+def apply_blocks(layer_params: dict, layer_axes: dict, x: jax.Array, cfg: ModelConfig,
+                 layer_keys=None, regather_weights: bool = False) -> jax.Array:
+    """Run x through the stacked layers in `layer_params` (all of them, or one pipeline stage's)."""
+    dtype = jnp.dtype(cfg.dtype)
+
+    def step(x, layer):
+        p, key = layer
+        return block(x, p, layer_axes, cfg.dropout, dtype, key), None
+
+    if regather_weights:
+        # A rolled scan gathers one layer at a time, in the forward and again in the backward.
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(
+            GATHERED))
+    x, _ = jax.lax.scan(step, x, (layer_params, layer_keys),
+                        unroll=cfg.unroll_layers and not regather_weights)
+    return x
+
+
+def logits_of(top: dict, x: jax.Array, vocab_size: int, dtype) -> jax.Array:
+    """Final LayerNorm and the tied lm_head: (batch, seq, embed) -> float32 logits over the padded vocab."""
+    x = layer_norm(x, top["ln_f"])
+    logits = jnp.einsum("btc,vc->btv", x.astype(dtype), top["wte"].astype(dtype),
+                        preferred_element_type=jnp.float32)
+    logits = constrain(logits, ("batch", "seq", "vocab"))
+    # Padding rows of the vocabulary can never be predicted.
+    is_real = jnp.arange(logits.shape[-1]) < vocab_size
+    return jnp.where(is_real, logits, -1e9)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy; logits are float32."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    # A one-hot sum, not a gather: exact all the same, it splits over a vocab-parallel axis, and
+    # XLA's partitioner crashes on this gather inside a pipeline stage with data and tensor axes.
+    picked = jnp.sum(jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=bool), logits, 0.0), -1)
+    return jnp.mean(log_z - picked)
+
+
 class GPT(nnx.Module):
     """Token + position embeddings, stacked blocks, final LayerNorm, lm_head tied to wte."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs,
                  regather_weights: bool = False):
+        self.cfg = cfg
         self.vocab_size = vocab_size
         # Recompute each layer's gathered weights in the backward pass instead of saving them.
         self.regather_weights = regather_weights
-        self.dropout_rate = cfg.dropout
-        self.dtype = cfg.dtype
-        self.unroll_layers = cfg.unroll_layers
         self.wte = normal_param(rngs, 0.02, (padded_vocab(vocab_size), cfg.n_embd), ("vocab", "embed"))
         self.wpe = normal_param(rngs, 0.02, (cfg.block_size, cfg.n_embd), ("pos", "embed"))
         self.blocks = Blocks(cfg, rngs)
@@ -160,36 +211,14 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array, dropout_key=None) -> jax.Array:
         """tokens (batch, seq) int -> logits (batch, seq, padded vocab) float32."""
-        dtype = jnp.dtype(self.dtype)
         state = nnx.state(self)
-        params, axes = nnx.to_pure_dict(state), param_axes(state)
-        layer_params = params.pop("blocks")
-        # Inside the scan each weight has lost its leading 'layers' axis.
-        layer_axes = jax.tree.map(lambda names: names[1:], axes.pop("blocks"),
-                                  is_leaf=lambda n: isinstance(n, tuple))
-        top = weights_for_compute(params, axes)
-        n_layer = self.blocks.ln_1.scale.shape[0]
-        keys = jax.random.split(dropout_key, n_layer + 1) if dropout_key is not None else None
-        x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
-        x = dropout(constrain(x, ("batch", "seq", "embed")), self.dropout_rate,
-                    None if keys is None else keys[0])
-
-        layer_keys = None if keys is None else keys[1:]
-
-        def step(x, layer):
-            p, key = layer
-            return block(x, p, layer_axes, self.dropout_rate, dtype, key), None
-
-        if self.regather_weights:
-            # A rolled scan gathers one layer at a time, in the forward and again in the backward.
-            step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(
-                GATHERED))
-        x, _ = jax.lax.scan(step, x, (layer_params, layer_keys),
-                            unroll=self.unroll_layers and not self.regather_weights)
-        x = layer_norm(x, top["ln_f"])
-        logits = jnp.einsum("btc,vc->btv", x.astype(dtype), top["wte"].astype(dtype),
-                            preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", "seq", "vocab"))
-        # Padding rows of the vocabulary can never be predicted.
-        is_real = jnp.arange(logits.shape[-1]) < self.vocab_size
-        return jnp.where(is_real, logits, -1e9)
+        top, top_axes, layer_params, layer_axes = split_layers(nnx.to_pure_dict(state),
+                                                               param_axes(state))
+        top = weights_for_compute(top, top_axes)
+        keys = layer_keys = None
+        if dropout_key is not None:
+            keys = jax.random.split(dropout_key, self.cfg.n_layer + 1)
+            layer_keys = keys[1:]
+        x = embed(top, tokens, self.cfg.dropout, None if keys is None else keys[0])
+        x = apply_blocks(layer_params, layer_axes, x, self.cfg, layer_keys, self.regather_weights)
+        return logits_of(top, x, self.vocab_size, jnp.dtype(self.cfg.dtype))

@@ -51,7 +51,7 @@ def dry_run(cfg: Config, devices=None) -> str:
                         f"{per_device:>12,d}")
 
         abstract_opt = jax.eval_shape(tx.init, shapes)
-        micro = steps.num_microbatches(cfg.train, mesh.shape["data"])
+        micro = steps.microbatches_for(cfg, mesh)
         rows_per_pass = cfg.train.batch_size // micro // mesh.shape["data"]
         estimate = {
             "params": expected_bytes_per_device(plan.params, shapes),

@@ -22,6 +22,7 @@ RULES: dict[str, str | None] = {
     "seq": None,
     "qkv": None,
     "head_dim": None,
+    "microbatch": None,  # the pipeline's per-stage buffers of microbatches
 }
 
 

@@ -15,9 +15,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import zero
+from jaxpar import pipeline, zero
 from jaxpar.config import Config, TrainConfig
-from jaxpar.model import GPT
+from jaxpar.model import GPT, cross_entropy
 from jaxpar.sharding import param_axes, shardings_for
 
 DECAYED = ("kernel", "embedding")  # weight decay on matmul weights and embeddings only
@@ -45,13 +45,6 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(*clip, optax.adamw(functools.partial(learning_rate, t=t), b1=t.beta1,
                                           b2=t.beta2, eps=1e-8, weight_decay=t.weight_decay,
                                           mask=decay_mask))
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy; logits are float32."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(log_z - picked)
 
 
 def build_model(cfg: Config, vocab_size: int) -> GPT:
@@ -108,33 +101,61 @@ def make_loss_fn(graphdef):
     return loss_fn
 
 
+def microbatches_for(cfg: Config, mesh) -> int:
+    """Microbatches per step: the pipeline's M per grad_accum round when pp > 1."""
+    dp, pp = mesh.shape["data"], mesh.shape["pipe"]
+    if pp > 1:
+        from jaxpar.schedule import resolve_microbatches
+        return cfg.train.grad_accum * resolve_microbatches(cfg, dp, pp)
+    return num_microbatches(cfg.train, dp)
+
+
+def model_axes(graphdef, params) -> tuple[dict, int]:
+    """(logical axes of every param, vocab size) of the model these params belong to."""
+    model = nnx.merge(graphdef, params)
+    return param_axes(nnx.state(model)), model.vocab_size
+
+
 def make_grad_fn(cfg: Config, graphdef, grad_shardings: dict):
     """(params, inputs, targets, step) -> (mean loss, mean grads) over all microbatches.
 
-    Gradients are pinned to `grad_shardings`: under ZeRO-2/3 that turns their all-reduce into a
-    reduce-scatter, and each microbatch's gradients are added in that sharded form.
+    Without a pipeline each microbatch is one pass; with one (pp > 1) a round of M microbatches
+    goes through the schedule at once. Gradients are pinned to `grad_shardings`: under ZeRO-2/3
+    that turns their all-reduce into a reduce-scatter, and they are added in that sharded form.
     """
     loss_and_grad = jax.value_and_grad(make_loss_fn(graphdef))
     use_dropout, seed = cfg.model.dropout > 0, cfg.train.seed
 
     def grads_of(params, inputs, targets, step):
-        accum = inputs.shape[0]
         step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.shape["pipe"] > 1:
+            axes, vocab = model_axes(graphdef, params)
+            round_fn = pipeline.make_round_fn(cfg, vocab, axes, mesh)
+            rounds = cfg.train.grad_accum
+            inputs, targets = (a.reshape(rounds, -1, *a.shape[1:]) for a in (inputs, targets))
+
+            def one_pass(i, x, y):
+                return round_fn(params, x, y, None if step_key is None else (step_key, i))
+        else:
+            def one_pass(i, x, y):
+                key = None if step_key is None else jax.random.fold_in(step_key, i)
+                return loss_and_grad(params, x, y, key)
 
         def micro(i, x, y):
-            key = None if step_key is None else jax.random.fold_in(step_key, i)
-            loss, grads = loss_and_grad(params, x, y, key)
+            loss, grads = one_pass(i, x, y)
             return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-        if accum == 1:
+        passes = inputs.shape[0]
+        if passes == 1:
             return micro(0, inputs[0], targets[0])
 
         def accumulate(total, batch):
             loss, grads = micro(*batch)
             return jax.tree.map(jnp.add, total, grads), loss
         zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_shardings)
-        grads, losses = jax.lax.scan(accumulate, zeros, (jnp.arange(accum), inputs, targets))
-        return losses.mean(), jax.tree.map(lambda g: g / accum, grads)
+        grads, losses = jax.lax.scan(accumulate, zeros, (jnp.arange(passes), inputs, targets))
+        return losses.mean(), jax.tree.map(lambda g: g / passes, grads)
 
     return grads_of
 
@@ -159,12 +180,19 @@ def make_train_step(cfg: Config, graphdef, tx, shardings: TrainState, plan: zero
                    out_shardings=(shardings, None), donate_argnums=0)
 
 
-def make_eval_step(graphdef, param_shardings, batch_sharding):
+def make_eval_step(cfg: Config, graphdef, param_shardings, batch_sharding):
     """jit(eval)(params, (inputs, targets)) -> mean loss over every row of the batch."""
     loss_fn = make_loss_fn(graphdef)
 
     def evaluate(params, batch):
         inputs, targets = batch
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.shape["pipe"] > 1:  # a forward-only pipeline: each stage runs its own layers
+            axes, vocab = model_axes(graphdef, params)
+            forward = pipeline.make_round_fn(cfg, vocab, axes, mesh, forward_only=True)
+            M = pipeline.schedule_for(cfg, mesh).microbatches
+            inputs, targets = (a.reshape(-1, M, *a.shape[1:]) for a in (inputs, targets))
+            return jnp.mean(jax.lax.map(lambda xy: forward(params, *xy), (inputs, targets)))
         return jnp.mean(jax.lax.map(lambda xy: loss_fn(params, *xy), (inputs, targets)))
 
     return jax.jit(evaluate, in_shardings=(param_shardings, (batch_sharding, batch_sharding)))

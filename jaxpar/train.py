@@ -96,19 +96,6 @@ def check_zero(state, shardings) -> None:
     zero.check_sharded("optimizer state", state.opt_state, shardings.opt_state)
 
 
-def compiled_summary(compiled) -> dict:
-    """Per-device memory of the compiled step (XLA's estimate) and the collectives it runs."""
-    from jaxpar.hlo import collectives
-    memory = compiled.memory_analysis()
-    sizes = {} if memory is None else {
-        "argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
-        "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
-    if sizes:  # donated outputs reuse their argument buffers
-        sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
-                                      - sizes["alias_bytes"] + sizes["temp_bytes"])
-    return {**sizes, "collectives": collectives(compiled.as_text())}
-
-
 FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
 
 
@@ -118,8 +105,9 @@ class StepLogger:
     A step's time is the average over the fetch window it belongs to (compile time excluded).
     """
 
-    def __init__(self, on_record, lr_at, tokens_per_step: int, flops_per_token: int, peak: float):
-        self.on_record, self.lr_at = on_record, lr_at
+    def __init__(self, on_record, lr_at, tokens_per_step: int, flops_per_token: int, peak: float,
+                 constants: dict):
+        self.on_record, self.lr_at, self.constants = on_record, lr_at, constants
         self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
         self.pending: list = []
         self.step_times: list[float] = []
@@ -148,7 +136,7 @@ class StepLogger:
                             "grad_norm": float(metrics["grad_norm"]),
                             "step_time_ms": round(1e3 * step_time, 3),
                             "tokens_per_s": round(tokens_per_s, 1),
-                            "mfu": tokens_per_s * self.flops_per_token / self.peak})
+                            "mfu": tokens_per_s * self.flops_per_token / self.peak, **self.constants})
         self.pending = []
 
 
@@ -158,7 +146,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     import numpy as np
     from tqdm import tqdm
 
-    from jaxpar import flops, step as steps
+    from jaxpar import flops, hlo, pipeline, step as steps
     from jaxpar.data import BatchLoader, load_dataset
     from jaxpar.mesh import build_mesh, mesh_shape
 
@@ -176,7 +164,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
         state = steps.init_state(cfg, vocab, tx, shardings)
         check_zero(state, shardings)
-        microbatches = steps.num_microbatches(t, mesh.shape["data"])
+        microbatches = steps.microbatches_for(cfg, mesh)
         train_batches = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches,
                                     cfg.model.block_size, mesh)
         val_loader = BatchLoader(dataset.val, "val", t.seed, t.batch_size, microbatches,
@@ -184,7 +172,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
         train_step = steps.make_train_step(cfg, graphdef, tx, shardings, plan,
                                            train_batches.sharding)
-        eval_step = steps.make_eval_step(graphdef, shardings.params, val_loader.sharding)
+        eval_step = steps.make_eval_step(cfg, graphdef, shardings.params, val_loader.sharding)
 
         compile_start = time.perf_counter()
         compiled = train_step.lower(state, train_batches(0)).compile()
@@ -207,7 +195,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
                             "opt_state": steps.bytes_total(state.opt_state)},
             "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
             "compile_s": round(compile_s, 3),
-            "compiled": compiled_summary(compiled),
+            "compiled": hlo.compiled_summary(compiled),
+            "pipeline": pipeline.summary(cfg, mesh),
         }
         if writing:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -235,7 +224,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
 
         logger = StepLogger(on_record, lambda s: float(steps.learning_rate(s, t, xp=np)),
-                            tokens_per_step, flops_per_token, peak)
+                            tokens_per_step, flops_per_token, peak,
+                            {"bubble": info["pipeline"]["bubble_fraction"]})
         if val_batches:
             evaluate(0)
         logger.restart_clock(-1)

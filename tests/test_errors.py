@@ -30,7 +30,12 @@ def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
     (["--mesh", "dp=0,tp=8"], ["mesh.dp must be a positive integer"]),
     (["--mesh", "tp=8"], ["tp=8 does not divide model.n_head=4"]),
     (["--mesh", "dp=8", "--train.batch_size=12"], ["dp=8 does not divide the batch of 12"]),
-    (["--mesh", "dp=4,pp=2"], ["not yet supported"]),
+    (["--mesh", "pp=8"], ["pp=8 does not divide model.n_layer=2"]),
+    (["--mesh", "dp=4,pp=2", "--pipeline.microbatches=4"], ["do not split into dp=4 x 4 microbatches"]),
+    (["--mesh", "tp=4,pp=2", "--train.batch_size=3"], ["cannot split 3 sequences", "pipeline.microbatches"]),
+    (["--mesh", "dp=4,pp=2", "--pipeline.microbatches=1"], ["1f1b needs at least pp=2 microbatches"]),
+    (["--mesh", "dp=4,pp=2", "--zero", "3"], ["ZeRO stage 3 with pipeline parallelism is not supported"]),
+    (["--mesh", "dp=4,pp=2", "--pipeline.schedule=zigzag"], ["pipeline.schedule must be gpipe or 1f1b"]),
 ])
 def test_bad_mesh(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)
