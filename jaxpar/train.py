@@ -226,7 +226,9 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
                 metrics_file.flush()
 
         def evaluate(updates: int):
-            val = float(sum(eval_step(state.params, b) for b in val_batches)) / len(val_batches)
+            # One eval in flight at a time: many multi-device evals queued at once deadlocked
+            # XLA:CPU's collectives (rendezvous timeout, abort) on dp=2.
+            val = sum(float(eval_step(state.params, b)) for b in val_batches) / len(val_batches)
             result.val_losses[updates] = val
             write({"step": updates, "val_loss": val})
             if not bar.disable:
