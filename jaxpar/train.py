@@ -15,6 +15,8 @@ from pathlib import Path
 from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config, valid_keys
 from jaxpar.errors import UserError, exit_on_user_error
 from jaxpar.mesh import force_host_devices, parse_mesh_spec
+from jaxpar.plot import plot_after_training
+from jaxpar.profiling import StepProfiler
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +38,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="print where every tensor lives and the memory per device; no training")
     parser.add_argument("--out", help="output directory (default: out/<config name>)")
+    parser.add_argument("--profile", metavar="START:END",
+                        help="jax.profiler trace of steps START..END-1 into <out>/profile")
     return parser
 
 
@@ -140,7 +144,8 @@ class StepLogger:
         self.pending = []
 
 
-def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True) -> RunResult:
+def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True,
+        profile: str | None = None) -> RunResult:
     """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing."""
     import jax
     import numpy as np
@@ -150,6 +155,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     from jaxpar.data import BatchLoader, load_dataset
     from jaxpar.mesh import build_mesh, mesh_shape
 
+    profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     mesh = build_mesh(cfg, devices)
     t, vocab = cfg.train, dataset.tokenizer.vocab_size
@@ -209,7 +215,9 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
                 metrics_file.flush()
 
         def evaluate(updates: int):
-            val = float(sum(eval_step(state.params, b) for b in val_batches)) / len(val_batches)
+            # One eval in flight at a time: many multi-device evals queued at once deadlocked
+            # XLA:CPU's collectives (rendezvous timeout, abort) on dp=2.
+            val = sum(float(eval_step(state.params, b)) for b in val_batches) / len(val_batches)
             result.val_losses[updates] = val
             write({"step": updates, "val_loss": val})
             if not bar.disable:
@@ -230,7 +238,9 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             evaluate(0)
         logger.restart_clock(-1)
         for step in range(t.steps):
+            profiler.before_step(step)
             state, metrics = compiled(state, train_batches(step))
+            profiler.after_step(step, (state, metrics))
             if step % t.log_every == 0 or step == t.steps - 1:
                 logger.add(step, metrics)
             if (step + 1) % FETCH_EVERY == 0:
@@ -270,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
             from jaxpar.placement import dry_run
             print(dry_run(cfg))
             return
-        result = run(cfg, out_dir)
+        result = run(cfg, out_dir, profile=args.profile)
+        plot_after_training(out_dir)
     s = result.info["summary"]
     print(f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"
           + (f", val loss {s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "")

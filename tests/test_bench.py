@@ -1,0 +1,114 @@
+"""jaxpar.bench: two tiny layouts in fresh processes, up-front validation, and failed layouts.
+
+The layouts train the same model, so their final losses must agree within rtol 1e-5 (as in
+test_equivalence.py). No assertion is about speed: only that the ratios are computed consistently.
+"""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from jaxpar import bench
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+LOSS_RTOL = 1e-5
+ROW_KEYS = {"layout", "devices", "tokens_per_s", "step_time_ms", "compile_s", "mfu", "hfu", "speedup",
+            "efficiency", "peak_memory_bytes", "bytes_per_device", "collectives", "final_loss"}
+
+
+@pytest.fixture(scope="module")
+def bench_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    bench.main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--steps", "3",
+                "--train.eval_every=0", "--out", str(out)])  # no eval: one compile fewer
+    return out
+
+
+def test_bench_rows(bench_out):
+    rows = json.loads((bench_out / "bench.json").read_text())
+    assert [r["layout"] for r in rows] == ["dp=1", "dp=2"]
+    assert [r["devices"] for r in rows] == [1, 2]
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["error"] is None
+        assert r["tokens_per_s"] > 0 and r["compile_s"] > 0 and r["peak_memory_bytes"] > 0
+        assert r["hfu"] == r["mfu"]  # no activation remat exists
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
+        assert r["efficiency"] == pytest.approx(r["speedup"] / r["devices"])
+    for run_dir in ("dp1", "dp2"):  # the steps and the override reached jaxpar.train
+        train_cfg = json.loads((bench_out / run_dir / "run.json").read_text())["config"]["train"]
+        assert (train_cfg["steps"], train_cfg["eval_every"]) == (3, 0)
+    np.testing.assert_allclose(rows[1]["final_loss"], rows[0]["final_loss"], rtol=LOSS_RTOL)
+    # One device communicates nothing; dp=2 all-reduces its gradients and (ZeRO-1, the default)
+    # holds half the optimizer state.
+    assert all(c["count"] == 0 for c in rows[0]["collectives"].values())
+    assert rows[1]["collectives"]["all-reduce"]["count"] >= 1
+    assert rows[1]["bytes_per_device"]["opt_state"] < rows[0]["bytes_per_device"]["opt_state"]
+    markdown = (bench_out / "bench.md").read_text()
+    assert "| layout | devices |" in markdown and "| dp=2 | 2 |" in markdown
+    assert "Final losses agree" in markdown
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_bench_and_train_write_pngs(bench_out):
+    assert (bench_out / "bench.png").read_bytes().startswith(b"\x89PNG")
+    for run_dir in ("dp1", "dp2"):
+        assert (bench_out / run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize("layouts, expected", [
+    ("dp=3", "layout 'dp=3': dp=3 does not divide the batch of 8"),
+    ("dp=1;xx=2", "layout 'xx=2': bad mesh entry 'xx=2'"),
+    ("dp=2;dp=2,tp=1", "layout 'dp=2,tp=1' repeats dp=2"),
+])
+def test_bad_layout_exits_2_and_writes_nothing(capsys, tmp_path, layouts, expected):
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--config", "tiny", "--layouts", layouts, "--steps", "3", "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"jaxpar.bench: error: {err.removeprefix('jaxpar.bench: error: ')}"
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists()
+
+
+def test_plan_adds_the_baseline_and_scales_batch_when_weak(capsys):
+    strong = bench.plan_layouts("dp=2;tp=2", "tiny", {})
+    assert [(lay.spec, lay.devices, lay.cfg.train.batch_size) for lay in strong] == [
+        ("dp=1", 1, 8), ("dp=2", 2, 8), ("tp=2", 2, 8)]
+    assert "added dp=1" in capsys.readouterr().err
+    weak = bench.plan_layouts("dp=4;dp=1;dp=2,tp=2", "tiny", {}, weak=True)
+    assert [(lay.spec, lay.cfg.train.batch_size) for lay in weak] == [
+        ("dp=1", 8), ("dp=4", 32), ("dp=2,tp=2", 32)]
+    assert weak[1].overrides["train.batch_size"] == "32"
+
+
+def test_failed_layout_is_reported_and_exits_1(bench_out, tmp_path, monkeypatch, capsys):
+    rows = json.loads((bench_out / "bench.json").read_text())
+    failed = {"layout": "dp=2", "devices": 2, "mesh": {}, "batch_size": 8, "error": "exit 1: boom"}
+
+    def fake_train(layout, config, out_dir):  # the real one is covered by bench_out
+        return dict(rows[0]) if layout.devices == 1 else dict(failed)
+
+    monkeypatch.setattr(bench, "train_layout", fake_train)
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--out", str(out)])
+    assert exit_info.value.code == 1
+    assert "1 of 2 layouts failed: dp=2" in capsys.readouterr().err
+    written = json.loads((out / "bench.json").read_text())
+    assert written[1]["error"] == "exit 1: boom" and written[1]["speedup"] is None
+    failed_line = next(line for line in (out / "bench.md").read_text().splitlines()
+                       if line.startswith("| dp=2"))
+    header = (out / "bench.md").read_text().splitlines()[0]
+    assert "failed: exit 1: boom" in failed_line and failed_line.count("|") == header.count("|")
+
+
+def test_failure_line_skips_native_stack_frames():
+    stderr = ("100%|###| 3/3\rF1122 rendezvous.cc:161] Termination timeout for all reduce\n"
+              "*** Check failure stack trace: ***\n    @     0x7f7cc56a71f5  (unknown)\n")
+    assert bench.failure(-6, stderr) == (
+        "killed by SIGABRT: F1122 rendezvous.cc:161] Termination timeout for all reduce")
+    assert bench.failure(2, "jaxpar.train: error: bad\n") == "exit 2: jaxpar.train: error: bad"
