@@ -41,6 +41,12 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:
     return 6 * matmul_params(cfg, vocab_size) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
+def recompute_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOPs a pipeline backward adds by rerunning its stage's forward: the blocks' 2N and attention."""
+    block_params = matmul_params(cfg, 0)
+    return 2 * block_params + 4 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
 @functools.cache
 def measure_matmul_peak(device, dtype: str, size: int = 2048, repeats: int = 5) -> float:
     """Best FLOP/s of a jitted size^3 matmul on one device (on CPU, all host cores take part)."""

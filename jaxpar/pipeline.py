@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config
+from jaxpar.flops import flops_per_token, recompute_flops_per_token
 from jaxpar.model import apply_blocks, cross_entropy, embed, logits_of, split_layers
 from jaxpar.schedule import BACKWARD, FORWARD, IDLE, Schedule, resolve_microbatches
 from jaxpar.sharding import constrain
@@ -167,12 +168,13 @@ def make_round_fn(cfg: Config, vocab_size: int, axes: dict, mesh, forward_only: 
     return round_fn
 
 
-def summary(cfg: Config, mesh) -> dict:
+def summary(cfg: Config, mesh, vocab_size: int) -> dict:
     """The schedule's shape and theoretical bubble; a bubble of 0 without a pipeline."""
     if mesh.shape["pipe"] == 1:
         return {"bubble_fraction": 0.0}
     schedule = schedule_for(cfg, mesh)
-    # Each backward recomputes its stage's forward from the saved input: 8N FLOPs per token, not 6N.
+    model_flops = flops_per_token(cfg.model, vocab_size)
     return {"schedule": schedule.name, "microbatches": schedule.microbatches, "ticks": schedule.ticks,
             "bubble_fraction": schedule.bubble_fraction, "inputs_held_per_stage": schedule.input_slots,
-            "hardware_flops_factor": 8 / 6}
+            # Each backward reruns its stage's forward from the saved input: HFU = MFU x this.
+            "hardware_flops_factor": (model_flops + recompute_flops_per_token(cfg.model)) / model_flops}

@@ -183,9 +183,8 @@ class Schedule:
 
     def draw(self, path: str) -> None:
         """A PNG of the table: stages as rows, ticks as columns, F and B coloured, bubbles blank."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from jaxpar.plot import require_pyplot, save
+        plt = require_pyplot()
         fig, ax = plt.subplots(figsize=(max(6, 0.35 * self.ticks), 0.6 * self.pp + 1.2))
         colours = {FORWARD: "#4c78a8", BACKWARD: "#f58518"}
         for t, row in enumerate(self.table):
@@ -197,9 +196,7 @@ class Schedule:
                yticklabels=[f"stage {s}" for s in range(self.pp)],
                title=f"{self.name}, pp={self.pp}, M={self.microbatches}: "
                      f"bubble {self.bubble_fraction:.1%}")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save(plt, fig, path)
 
 
 def check_schedule(name: str, pp: int, microbatches: int) -> None:
@@ -250,11 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         schedule = Schedule(args.schedule, args.pp, args.microbatches)
         print(schedule.grid())
         out = args.out or f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}.png"
-        try:
-            schedule.draw(out)
-        except ImportError:
-            print("matplotlib is not installed: no PNG (pip install matplotlib)", file=sys.stderr)
-            return
+        schedule.draw(out)
     print(f"wrote {out}")
 
 

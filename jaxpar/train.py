@@ -202,7 +202,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
             "compile_s": round(compile_s, 3),
             "compiled": hlo.compiled_summary(compiled),
-            "pipeline": pipeline.summary(cfg, mesh),
+            "pipeline": pipeline.summary(cfg, mesh, vocab),
         }
         if writing:
             out_dir.mkdir(parents=True, exist_ok=True)

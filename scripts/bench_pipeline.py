@@ -1,0 +1,59 @@
+"""Benchmark (not a test): GPipe against 1F1B at pp=4 on forced CPU host devices.
+
+For each schedule and microbatch count: the compiled step's memory (XLA memory_analysis), the
+median step time, the theoretical bubble and the stage inputs each stage holds. Prints Markdown.
+
+    python scripts/bench_pipeline.py [--steps N] [--section.field=value ...]
+"""
+
+import argparse
+import json
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 4)
+
+from jaxpar.config import load_config  # noqa: E402
+from jaxpar.mesh import parse_mesh_spec  # noqa: E402
+from jaxpar.train import parse_overrides, run  # noqa: E402
+
+# The default model (4 layers: one per stage) on a batch that splits into 4, 8 and 16 microbatches.
+BASE = {"train.batch_size": "32", "train.eval_every": "0", "train.micro_batch": "0"}
+RUNS = [("dp=1", None, None)] + [("pp=4", schedule, M) for M in (4, 8, 16)
+                                 for schedule in ("gpipe", "1f1b")]
+
+
+def measure(spec: str, schedule: str | None, microbatches: int | None, overrides: dict, steps: int) -> dict:
+    pipeline = {} if schedule is None else {"pipeline.schedule": schedule,
+                                            "pipeline.microbatches": str(microbatches)}
+    cfg = load_config(None, {**BASE, **parse_mesh_spec(spec), **pipeline, **overrides,
+                             "train.steps": str(steps)})
+    n_devices = cfg.mesh.dp * cfg.mesh.tp * cfg.mesh.pp
+    info = run(cfg, devices=jax.devices()[:n_devices], progress=False).info
+    compiled, summary, pipe = info["compiled"], info["summary"], info["pipeline"]
+    return {"layout": spec, "schedule": schedule or "-", "microbatches": microbatches or 1,
+            "bubble": pipe["bubble_fraction"], "inputs_held": pipe.get("inputs_held_per_stage", "-"),
+            "temp_bytes": compiled["temp_bytes"], "peak_memory_bytes": compiled["peak_memory_bytes"],
+            "step_ms": summary["step_time_ms_median"], "final_loss": summary["final_loss"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    args, rest = parser.parse_known_args()
+    rows = [measure(*r, parse_overrides(rest), args.steps) for r in RUNS]
+    print(json.dumps(rows, indent=1), file=sys.stderr)
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    print("| layout | schedule | M | bubble (theory) | inputs held per stage | temporaries (MiB) "
+          "| peak (MiB) | step (ms) | vs 1 device | final loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    single = rows[0]["step_ms"]
+    for r in rows:
+        print(f"| {r['layout']} | {r['schedule']} | {r['microbatches']} | {r['bubble']:.1%} "
+              f"| {r['inputs_held']} | {mib(r['temp_bytes'])} | {mib(r['peak_memory_bytes'])} "
+              f"| {r['step_ms']:.1f} | {r['step_ms'] / single:.2f}x | {r['final_loss']:.5f} |")
+
+
+if __name__ == "__main__":
+    main()
