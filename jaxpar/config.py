@@ -73,12 +73,21 @@ class PipelineConfig:
 
 
 @dataclass
+class DistConfig:
+    # jax.distributed over several processes. Left empty, a SLURM or Open MPI launch is detected.
+    coordinator: str = ""  # HOST:PORT of process 0's coordination service
+    num_processes: int = 1
+    process_id: int = 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -190,5 +199,13 @@ def validate(cfg: Config) -> None:
         size = getattr(cfg.mesh, axis)
         if size != -1 and size < 1:
             raise UserError(f"mesh.{axis} must be a positive integer or -1 (inferred), got {size}")
+    d = cfg.dist
+    if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
+        raise UserError(f"dist.process_id must be in [0, dist.num_processes={d.num_processes}), "
+                        f"got {d.process_id}")
+    host, _, port = d.coordinator.rpartition(":")
+    if d.num_processes > 1 and not (host and port.isdigit()):
+        raise UserError(f"dist.coordinator must be HOST:PORT when dist.num_processes > 1, "
+                        f"got '{d.coordinator}'")
     if [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp].count(-1) > 1:
         raise UserError("at most one mesh axis may be -1 (inferred)")

@@ -40,14 +40,14 @@ def requested_devices(mesh: MeshConfig) -> int | None:
     return None if -1 in sizes else math.prod(sizes)
 
 
-def force_host_devices(mesh: MeshConfig) -> None:
+def force_host_devices(mesh: MeshConfig, per_process: int | None = None) -> None:
     """On a CPU-only machine, give JAX as many host devices as the mesh needs.
 
     Must run before JAX initialises its backends. A device count the user set (XLA_FLAGS,
     JAX_NUM_CPU_DEVICES, or jax.config) wins. On a GPU or TPU host the CPU count is irrelevant: the mesh uses the
     accelerators, so setting it is harmless.
     """
-    needed = requested_devices(mesh)
+    needed = per_process or requested_devices(mesh)
     user_set = ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
                 or "JAX_NUM_CPU_DEVICES" in os.environ or jax.config.jax_num_cpu_devices > 0)
     if needed and needed > 1 and not user_set:
@@ -87,9 +87,13 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
 def build_mesh(cfg: Config, devices=None) -> Mesh:
     """An Auto-typed Mesh over `devices` (default: all), validated against cfg."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_mesh_shape(cfg, len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    dp, tp, pp = resolve_mesh_shape(cfg, len(devices))
+    # jax.make_mesh lays devices out by topology and process, the last axis the most local.
+    # Tensor goes last, so a tensor group stays on one host where it can: its all-reduces run in
+    # every layer. The axes are then put back in MESH_AXES order.
+    local_last = jax.make_mesh((dp, pp, tp), ("data", "pipe", "tensor"), devices=devices)
+    return Mesh(local_last.devices.transpose(0, 2, 1), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

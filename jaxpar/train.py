@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config, valid_keys
 from jaxpar.errors import UserError, exit_on_user_error
-from jaxpar.mesh import force_host_devices, parse_mesh_spec
+from jaxpar.mesh import parse_mesh_spec
 from jaxpar.plot import plot_after_training
 from jaxpar.profiling import StepProfiler
 
@@ -275,12 +275,15 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.train"):
         cfg, out_dir, args = parse_args(sys.argv[1:] if argv is None else argv)
-        force_host_devices(cfg.mesh)
+        from jaxpar.distributed import initialize, is_main_process
+        initialize(cfg)
         if args.dry_run:
             from jaxpar.placement import dry_run
             print(dry_run(cfg))
             return
         result = run(cfg, out_dir, profile=args.profile)
+        if not is_main_process():
+            return
         plot_after_training(out_dir)
     s = result.info["summary"]
     print(f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"
