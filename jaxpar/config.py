@@ -81,16 +81,33 @@ class DistConfig:
 
 
 @dataclass
+class CkptConfig:
+    every: int = 250  # save every N steps; 0: only at the end and on interruption
+    keep: int = 3  # newest checkpoints kept in <out>/checkpoints
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, sections: dict) -> "Config":
+        """The inverse of to_dict (e.g. a checkpoint's resolved config); validated."""
+        cfg = cls()
+        for section, table in sections.items():
+            for name, value in table.items():
+                set_value(cfg, f"{section}.{name}", value)
+        validate(cfg)
+        return cfg
 
 
 def valid_keys(cfg: Config) -> list[str]:
@@ -168,10 +185,9 @@ def validate(cfg: Config) -> None:
     """Reject values that cannot train; every message names the key and what it needs."""
     positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
-                "train.log_every", "train.lr"]
+                "train.log_every", "train.lr", "ckpt.keep"]
     non_negative = ["train.micro_batch", "train.min_lr", "train.warmup_steps", "train.decay_steps", "train.weight_decay",
-                    "train.grad_clip", "train.eval_every",
-                    "pipeline.microbatches"]
+                    "train.grad_clip", "train.eval_every", "pipeline.microbatches", "ckpt.every"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     for key in positive:
         if get(key) <= 0:

@@ -1,5 +1,6 @@
 """User-facing errors: one line that names the problem and the fix, and exit code 2."""
 
+import argparse
 import contextlib
 import sys
 
@@ -16,3 +17,10 @@ def exit_on_user_error(prog: str = "jaxpar"):
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are UserErrors: one line and exit 2, like every other bad input."""
+
+    def error(self, message):
+        raise UserError(f"{message}; see --help")

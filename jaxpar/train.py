@@ -13,20 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config, valid_keys
-from jaxpar.errors import UserError, exit_on_user_error
+from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.mesh import parse_mesh_spec
 from jaxpar.plot import plot_after_training
 from jaxpar.profiling import StepProfiler
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other bad input
-        raise UserError(f"{message}; see --help")
-
-
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, epilog="Any config field can be set as --section.field=value, "
-                     f"with keys: {', '.join(valid_keys(Config()))}.")
+    parser = ArgumentParser(prog=prog, epilog="Any config field can be set as "
+                            f"--section.field=value, with keys: {', '.join(valid_keys(Config()))}.")
     parser.add_argument("--config", help=f"TOML file, or a name in configs/ (default: "
                         f"{DEFAULT_CONFIG_NAME}, which equals the built-in defaults)")
     parser.add_argument("--mesh", help="e.g. dp=2,tp=2; axes dp, tp, pp; omitted axes are 1, "
@@ -37,7 +32,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--zero", help="ZeRO stage 0-3 over the data axis (train.zero; default 1)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print where every tensor lives and the memory per device; no training")
-    parser.add_argument("--out", help="output directory (default: out/<config name>)")
+    parser.add_argument("--out", help="output directory (default: out/<config name>); a run "
+                        "started again with the same --out resumes from its latest checkpoint")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over: delete the checkpoints in --out instead of resuming")
     parser.add_argument("--profile", metavar="START:END",
                         help="jax.profiler trace of steps START..END-1 into <out>/profile")
     return parser
@@ -100,67 +98,31 @@ def check_zero(state, shardings) -> None:
     zero.check_sharded("optimizer state", state.opt_state, shardings.opt_state)
 
 
-FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
+def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True, *,
+        fresh: bool = False, stop_at: int | None = None, profile: str | None = None) -> RunResult:
+    """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing.
 
-
-class StepLogger:
-    """Holds logged steps' metrics on device and fetches them in one go every FETCH_EVERY steps.
-
-    A step's time is the average over the fetch window it belongs to (compile time excluded).
+    With `out_dir`, it checkpoints to out_dir/checkpoints and resumes from the newest checkpoint
+    there, unless `fresh`. `stop_at` stops after that step as SIGTERM would (tests use it).
     """
-
-    def __init__(self, on_record, lr_at, tokens_per_step: int, flops_per_token: int, peak: float,
-                 constants: dict):
-        self.on_record, self.lr_at, self.constants = on_record, lr_at, constants
-        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
-        self.pending: list = []
-        self.step_times: list[float] = []
-
-    def restart_clock(self, completed_step: int):
-        """Time from now on; `completed_step` has already finished."""
-        self.clock, self.clock_step = time.perf_counter(), completed_step
-
-    def add(self, step: int, metrics):
-        self.pending.append((step, metrics))
-
-    def flush(self, last_step: int | None = None):
-        """Fetch pending metrics; `last_step` (default: the newest pending) ends the window."""
-        import jax
-        if not self.pending:
-            return
-        fetched = jax.device_get([m for _, m in self.pending])  # waits for the newest step
-        last_step = self.pending[-1][0] if last_step is None else last_step
-        now = time.perf_counter()
-        step_time = (now - self.clock) / max(last_step - self.clock_step, 1)
-        self.restart_clock(last_step)
-        tokens_per_s = self.tokens_per_step / step_time
-        for (step, _), metrics in zip(self.pending, fetched):
-            self.step_times.append(step_time)
-            self.on_record({"step": step, "loss": float(metrics["loss"]), "lr": self.lr_at(step),
-                            "grad_norm": float(metrics["grad_norm"]),
-                            "step_time_ms": round(1e3 * step_time, 3),
-                            "tokens_per_s": round(tokens_per_s, 1),
-                            "mfu": tokens_per_s * self.flops_per_token / self.peak, **self.constants})
-        self.pending = []
-
-
-def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True,
-        profile: str | None = None) -> RunResult:
-    """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing."""
     import jax
     import numpy as np
     from tqdm import tqdm
 
     from jaxpar import flops, hlo, pipeline, step as steps
+    from jaxpar.checkpoint import (CHECKPOINTS, Checkpoints, StopRequest, make_meta,
+                                   restore_train_state)
     from jaxpar.data import BatchLoader, load_dataset
     from jaxpar.mesh import build_mesh, mesh_shape
+    from jaxpar.metrics import FETCH_EVERY, StepLogger, open_metrics
 
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     mesh = build_mesh(cfg, devices)
-    t, vocab = cfg.train, dataset.tokenizer.vocab_size
+    t, chars, vocab = cfg.train, dataset.tokenizer.chars, dataset.tokenizer.vocab_size
     is_main = jax.process_index() == 0
     writing = out_dir is not None and is_main
+    ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
     result = RunResult()
     peak, peak_source = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
 
@@ -168,7 +130,19 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         tx = steps.make_optimizer(t)
         graphdef, _, _ = steps.abstract_model(cfg, vocab)
         shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
-        state = steps.init_state(cfg, vocab, tx, shardings)
+        restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, chars, tx,
+                                                                           shardings)
+        state, meta, damaged = restored or (steps.init_state(cfg, vocab, tx, shardings), None, [])
+        start = meta["step"] if meta else 0
+        if start > t.steps:
+            raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past "
+                            f"--steps {t.steps}; pass --steps {start} or more, or start over "
+                            "with --fresh")
+        if start == t.steps:  # already trained this far: nothing to do or write
+            result.params = state.params
+            result.info = {"resumed_from": start, "checkpoints": str(ckpt.directory),
+                           "summary": None}
+            return result
         check_zero(state, shardings)
         microbatches = steps.microbatches_for(cfg, mesh)
         train_batches = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches,
@@ -200,14 +174,20 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             "bytes_total": {"params": steps.bytes_total(state.params),
                             "opt_state": steps.bytes_total(state.opt_state)},
             "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
-            "compile_s": round(compile_s, 3),
-            "compiled": hlo.compiled_summary(compiled),
-            "pipeline": pipeline.summary(cfg, mesh, vocab),
+            "compile_s": round(compile_s, 3), "compiled": hlo.compiled_summary(compiled),
+            "pipeline": pipeline.summary(cfg, mesh, vocab), "resumed_from": start,
+            "checkpoints": str(ckpt.directory) if ckpt else None,
         }
+        if ckpt is not None:
+            if fresh and is_main:
+                ckpt.remove_all()
+            ckpt.delete(damaged)  # newer than the restored step: a new save may need the name
         if writing:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "run.json").write_text(json.dumps(info, indent=2))
-            metrics_file = open(out_dir / "metrics.jsonl", "w")
+            metrics_file = open_metrics(out_dir / "metrics.jsonl", start)
+        if start and progress and is_main:
+            print(f"resuming from step {start} in {ckpt.directory}", file=sys.stderr)
 
         def write(record: dict):
             if writing:
@@ -223,8 +203,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             if not bar.disable:
                 bar.write(f"step {updates}: val loss {val:.4f}")
 
-        bar = tqdm(total=t.steps, disable=not (progress and is_main), dynamic_ncols=True,
-                   mininterval=0.5)
+        bar = tqdm(total=t.steps, initial=start, disable=not (progress and is_main),
+                   dynamic_ncols=True, mininterval=0.5)
 
         def on_record(record: dict):
             result.losses[record["step"]] = record["loss"]
@@ -234,25 +214,38 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         logger = StepLogger(on_record, lambda s: float(steps.learning_rate(s, t, xp=np)),
                             tokens_per_step, flops_per_token, peak,
                             {"bubble": info["pipeline"]["bubble_fraction"]})
-        if val_batches:
-            evaluate(0)
-        logger.restart_clock(-1)
-        for step in range(t.steps):
-            profiler.before_step(step)
-            state, metrics = compiled(state, train_batches(step))
-            profiler.after_step(step, (state, metrics))
-            if step % t.log_every == 0 or step == t.steps - 1:
-                logger.add(step, metrics)
-            if (step + 1) % FETCH_EVERY == 0:
-                logger.flush()
-            bar.update(1)
-            updates = step + 1
-            if val_batches and (updates % t.eval_every == 0 or updates == t.steps):
-                logger.flush(step)
-                evaluate(updates)
-                logger.restart_clock(step)
-        logger.flush(t.steps - 1)
-        bar.close()
+        if val_batches and start % t.eval_every == 0:  # a resumed run repeats its eval
+            evaluate(start)
+        logger.restart_clock(start - 1)
+        with StopRequest() as stop:
+            for step in range(start, t.steps):
+                profiler.before_step(step)
+                state, metrics = compiled(state, train_batches(step))
+                profiler.after_step(step, (state, metrics))
+                if step % t.log_every == 0 or step == t.steps - 1:
+                    logger.add(step, metrics)
+                if (step + 1) % FETCH_EVERY == 0:
+                    logger.flush()
+                bar.update(1)
+                updates = step + 1
+                if val_batches and (updates % t.eval_every == 0 or updates == t.steps):
+                    logger.flush(step)
+                    evaluate(updates)
+                    logger.restart_clock(step)
+                if updates == stop_at:
+                    stop.request()
+                every = cfg.ckpt.every and updates % cfg.ckpt.every == 0
+                if ckpt is not None and (every or updates == t.steps or stop.signal_name):
+                    # Training goes on while it writes; the next save waits for this one.
+                    ckpt.save(updates, state.params, state.opt_state, make_meta(cfg, chars, updates))
+                if stop.signal_name:
+                    info["interrupted"] = {"step": updates, "signal": stop.signal_name}
+                    break
+            logger.flush(step)
+            bar.close()
+            if ckpt is not None:
+                ckpt.wait()  # inside the handlers: a signal now cannot cut the last write short
+                ckpt.close()
         step_times = logger.step_times
 
         # The first logged interval can include one-off work (allocation, caches): use the median.
@@ -281,15 +274,23 @@ def main(argv: list[str] | None = None) -> None:
             from jaxpar.placement import dry_run
             print(dry_run(cfg))
             return
-        result = run(cfg, out_dir, profile=args.profile)
+        result = run(cfg, out_dir, fresh=args.fresh, profile=args.profile)
         if not is_main_process():
             return
         plot_after_training(out_dir)
-    s = result.info["summary"]
-    print(f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"
-          + (f", val loss {s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "")
-          + f", {s['tokens_per_s_median']:,.0f} tok/s (median), MFU {100 * s['mfu_median']:.1f}%"
-          + f"; wrote {out_dir}/metrics.jsonl and run.json")
+    info, s = result.info, result.info["summary"]
+    if s is None:
+        print(f"nothing to do: {info['checkpoints']} already holds step {cfg.train.steps}; pass a "
+              "larger --steps to train on, or --fresh to start over")
+    elif "interrupted" in info:
+        stop = info["interrupted"]
+        print(f"interrupted by {stop['signal']} at step {stop['step']}; saved "
+              f"{info['checkpoints']}/{stop['step']}; run the same command again to resume")
+    else:
+        print(f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"
+              + (f", val loss {s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "")
+              + f", {s['tokens_per_s_median']:,.0f} tok/s (median), MFU {100 * s['mfu_median']:.1f}%"
+              + f"; wrote {out_dir}/metrics.jsonl, run.json and checkpoints/{cfg.train.steps}")
 
 
 if __name__ == "__main__":

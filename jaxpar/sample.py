@@ -1,0 +1,209 @@
+"""`python -m jaxpar.sample --ckpt DIR`: generate text from a checkpoint on any mesh, with a KV cache.
+
+Usable as a library: `model = load(dir, "tp=2")`, then `generate(model, "ROMEO:")`.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar import step as steps
+from jaxpar.checkpoint import Checkpoints, abstract_tree, find_checkpoints
+from jaxpar.config import Config, load_config
+from jaxpar.data import CharTokenizer
+from jaxpar.decode import empty_cache, forward, pick
+from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
+from jaxpar.sharding import shardings_for
+
+
+@dataclass
+class Model:
+    cfg: Config  # the checkpoint's resolved config, with this mesh
+    tokenizer: CharTokenizer
+    params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
+    mesh: Mesh
+    step: int  # the training step the checkpoint holds
+    decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
+
+
+@dataclass
+class Generation:
+    texts: list[str]  # each sample: the prompt, then the new tokens
+    new_tokens: int  # per sample
+    seconds: float  # generating, compile excluded
+    compile_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.texts) * self.new_tokens / self.seconds
+
+
+def load(path, mesh: str = "dp=1", devices=None) -> Model:
+    """The newest readable checkpoint's params in `path` (a run's --out or its checkpoints folder),
+    placed on a `mesh` over `devices` (default: the first devices the mesh needs)."""
+    ckpt = Checkpoints(find_checkpoints(path))
+    built = {}
+
+    def targets_for(meta: dict) -> dict:
+        cfg = Config.from_dict(meta["config"])
+        for key, value in parse_mesh_spec(mesh).items():
+            setattr(cfg.mesh, key.split(".")[1], int(value))
+        cfg.train.zero = 0  # no optimizer here, and the whole params on every data replica
+        wanted = requested_devices(cfg.mesh)
+        chosen = devices if devices is not None else jax.devices()[:wanted or len(jax.devices())]
+        # Sampling replicates its batch over 'data': the training batch does not bind the mesh.
+        cfg.train.batch_size, cfg.train.grad_accum = len(chosen), 1
+        built["mesh"] = build_mesh(cfg, chosen)
+        built["cfg"], built["tokenizer"] = cfg, CharTokenizer(meta["tokenizer"]["chars"])
+        _, shapes, axes = steps.abstract_model(cfg, built["tokenizer"].vocab_size)
+        return {"params": abstract_tree(shapes, shardings_for(axes, shapes, built["mesh"]))}
+
+    found = ckpt.restore_latest(targets_for)
+    if found is None:
+        raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
+    step, _, items, _ = found
+    return Model(built["cfg"], built["tokenizer"], items.params, built["mesh"], step)
+
+
+def prompt_ids(tokenizer: CharTokenizer, prompt: str) -> np.ndarray:
+    """The prompt's token ids; an unknown character is a UserError naming it."""
+    if not prompt:
+        raise UserError("the prompt is empty; pass at least one character with --prompt")
+    return tokenizer.encode(prompt)
+
+
+def make_decoders(model: Model, temperature: float, top_k: int):
+    """Jitted (prefill, step, recompute). Each returns the next token of every sample; token i
+    uses the key fold_in(key(seed), i) on either path, so both sample the same way."""
+    m, vocab = model.cfg.model, model.tokenizer.vocab_size
+
+    def next_token(logits, seed, i):
+        return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)
+
+    def prefill(params, tokens, seed, i):
+        logits, cache = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype)
+        return next_token(logits[:, -1], seed, i), cache
+
+    def step(params, cache, token, pos, seed, i):
+        logits, cache = forward(params, token[:, None], cache, pos, vocab, m.dtype)
+        return next_token(logits[:, 0], seed, i), cache
+
+    def recompute(params, tokens, length, seed, i):
+        """The whole window again; tokens are padded to block_size, and causal attention keeps
+        the padding from reaching position length - 1."""
+        logits, _ = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype)
+        return next_token(jax.lax.dynamic_index_in_dim(logits, length - 1, 1, False), seed, i)
+
+    return jax.jit(prefill), jax.jit(step, donate_argnums=1), jax.jit(recompute)
+
+
+def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
+             temperature: float = 0.8, top_k: int = 200, seed: int = 1337, num_samples: int = 1,
+             use_cache: bool = True, on_tokens=None) -> Generation:
+    """Sample `num_samples` continuations of `prompt`; `on_tokens(ids)` sees each new token of
+    every sample as it comes.
+
+    The window is block_size tokens, as the model was trained (learned positions go no
+    further). A longer prompt keeps its last block_size tokens, as nanoGPT does. When the window
+    is full, it restarts with its last block_size // 2 tokens, re-prefilled: nanoGPT instead
+    recomputes the last block_size tokens for every new token, which a cache cannot do.
+    """
+    ids = prompt_ids(model.tokenizer, prompt)
+    block = model.cfg.model.block_size
+    keep = max(block // 2, 1)
+    window = np.tile(ids[-block:], (num_samples, 1))
+    if (temperature, top_k) not in model.decoders:
+        model.decoders[temperature, top_k] = make_decoders(model, temperature, top_k)
+    prefill, step, recompute = model.decoders[temperature, top_k]
+    replicated = NamedSharding(model.mesh, P())
+    put = lambda a: jax.device_put(np.asarray(a, np.int32), replicated)  # noqa: E731
+    params, new = model.params, []
+
+    def padded(window):
+        out = np.zeros((num_samples, block), np.int32)
+        out[:, :window.shape[1]] = window
+        return put(out)
+
+    with jax.set_mesh(model.mesh):
+        # Compile outside the timing: one call of each, on the shapes the loop will use.
+        compile_start = time.perf_counter()
+        if use_cache:
+            for n in {window.shape[1], keep}:
+                token, cache = prefill(params, put(np.zeros((num_samples, n))), seed, 0)
+            jax.block_until_ready(step(params, cache, token, 0, seed, 0))
+        else:
+            jax.block_until_ready(recompute(params, padded(window), 1, seed, 0))
+        compile_seconds = time.perf_counter() - compile_start
+
+        start, new_window = time.perf_counter(), True
+        for i in range(max_new_tokens):
+            if not use_cache:
+                token = recompute(params, padded(window), window.shape[1], seed, i)
+            elif new_window:
+                token, cache = prefill(params, put(window), seed, i)
+            else:
+                token, cache = step(params, cache, token, window.shape[1] - 1, seed, i)
+            new_window = False
+            latest = np.asarray(token)
+            new.append(latest)
+            if on_tokens is not None:
+                on_tokens(latest)
+            window = np.concatenate([window, latest[:, None]], axis=1)
+            if window.shape[1] > block:  # no position left for the newest token
+                window, new_window = window[:, -keep:], True
+        seconds = time.perf_counter() - start
+    tokens = np.stack(new, axis=1)
+    texts = [prompt + model.tokenizer.decode(row) for row in tokens]
+    return Generation(texts, max_new_tokens, seconds, compile_seconds)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="jaxpar.sample", description="Generate text from a checkpoint.")
+    parser.add_argument("--ckpt", required=True,
+                        help="a training run's --out directory, or its checkpoints folder")
+    parser.add_argument("--mesh", default="dp=1", help="e.g. tp=2 (default: one device)")
+    parser.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=500)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy decoding")
+    parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest; 0: all")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--no-cache", action="store_true",
+                        help="recompute the whole window for every token (to compare speed)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error("jaxpar.sample"):
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        for name, least in [("max_new_tokens", 1), ("temperature", 0), ("top_k", 0),
+                            ("num_samples", 1)]:
+            if getattr(args, name) < least:
+                raise UserError(f"--{name.replace('_', '-')} must be at least {least}, "
+                                f"got {getattr(args, name)}")
+        force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
+        model = load(args.ckpt, args.mesh)
+        prompt_ids(model.tokenizer, args.prompt)  # before anything is printed
+        single = args.num_samples == 1
+        if single:
+            print(args.prompt, end="", flush=True)
+
+        def stream(ids):
+            print(model.tokenizer.decode(ids), end="", flush=True)
+        result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                          args.seed, args.num_samples, not args.no_cache,
+                          stream if single else None)
+    print("" if single else "\n---------------\n".join(result.texts))
+    print(f"jaxpar.sample: step {model.step} of {args.ckpt}, {args.num_samples} x "
+          f"{result.new_tokens} tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} "
+          f"tokens/s ({'full recomputation, no cache' if args.no_cache else 'KV cache'}; "
+          f"compile {result.compile_seconds:.1f} s not counted)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

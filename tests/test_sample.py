@@ -1,0 +1,99 @@
+"""Sampling from a checkpoint: the decode forward is the model's, the KV cache gives the tokens
+that recomputing the window gives, and the command line streams text from a run directory.
+
+Tolerance: the decode forward's logits are within 1e-5 of the model's (absolute; the logits
+are of order 1). Greedy tokens must be equal.
+"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from jaxpar import sample
+from jaxpar.decode import empty_cache, forward
+from jaxpar.step import abstract_model
+from jaxpar.train import run
+
+LOGITS_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run directory with a checkpoint of the tiny model after 30 steps on dp=2."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = tiny_config(**{"train.steps": 30, "train.eval_every": 0, "mesh.dp": 2})
+    run(cfg, out, jax.devices()[:2], progress=False)
+    return out
+
+
+@pytest.mark.parametrize("spec, n_devices", [("dp=1", 1), ("tp=2", 2)])
+def test_decode_forward_matches_the_model(trained, spec, n_devices):
+    model = sample.load(trained, spec)
+    assert model.step == 30 and model.mesh.size == n_devices
+    vocab, m = model.tokenizer.vocab_size, model.cfg.model
+    tokens = np.asarray(model.tokenizer.encode("First Citizen:\nBefore we proceed"))[None, :]
+    graphdef, _, _ = abstract_model(model.cfg, vocab)
+    with jax.set_mesh(model.mesh):
+        expected = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params, tokens)
+
+        @jax.jit
+        def decode(params, tokens):
+            logits, _ = forward(params, tokens, empty_cache(m, 1), 0, vocab, m.dtype)
+            # The same positions fed in two parts: the second reads the first from the cache.
+            _, cache = forward(params, tokens[:, :20], empty_cache(m, 1), 0, vocab, m.dtype)
+            rest, _ = forward(params, tokens[:, 20:], cache, 20, vocab, m.dtype)
+            return logits, rest
+        logits, rest = decode(model.params, tokens)
+    real = slice(0, vocab)
+    np.testing.assert_allclose(logits[..., real], expected[..., real], atol=LOGITS_ATOL)
+    np.testing.assert_allclose(rest[..., real], expected[:, 20:, real], atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("spec", ["dp=1", "tp=2"])
+def test_kv_cache_greedy_equals_recomputing_greedy(trained, spec):
+    """50 greedy tokens: past the 32-token window, so the window restart is covered too."""
+    model = sample.load(trained, spec)
+    kwargs = dict(prompt="ROMEO:", max_new_tokens=50, temperature=0, num_samples=2)
+    cached = sample.generate(model, use_cache=True, **kwargs)
+    recomputed = sample.generate(model, use_cache=False, **kwargs)
+    assert cached.texts == recomputed.texts
+    assert len(cached.texts[0]) == len("ROMEO:") + 50
+    assert cached.tokens_per_s > 0 and recomputed.tokens_per_s > 0
+
+
+def test_the_same_seed_samples_the_same_text(trained):
+    model = sample.load(trained)
+    first, again, other = (sample.generate(model, max_new_tokens=20, seed=s) for s in (1, 1, 2))
+    assert first.texts == again.texts != other.texts
+
+
+@pytest.mark.parametrize("where", ["run", "checkpoints"])
+def test_cli_streams_text_from_a_run_or_its_checkpoints(trained, capsys, where):
+    path = trained if where == "run" else trained / "checkpoints"
+    sample.main(["--ckpt", str(path), "--prompt", "ROMEO:", "--max-new-tokens", "40"])
+    out, err = capsys.readouterr()
+    assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 40 + 1  # and a newline
+    assert "tokens/s (KV cache" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--prompt", "caf\u00e9"], "character '\u00e9' is not in the vocabulary"),
+    (["--prompt", ""], "the prompt is empty"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--mesh", "tp=3"], "tp=3 does not divide model.n_head=4"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(trained, capsys, argv, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(["--ckpt", str(trained)] + argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("jaxpar.sample: error: ") and expected in err, err
+
+
+def test_cli_without_checkpoints_names_the_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sample.main(["--ckpt", str(tmp_path)])
+    assert f"no checkpoints in '{tmp_path}'" in capsys.readouterr().err
