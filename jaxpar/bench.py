@@ -226,8 +226,9 @@ def write_outputs(rows: list[dict], out_dir: Path, weak: bool) -> str:
 
 
 def parse_args(argv: list[str]):
-    from jaxpar.train import _Parser, parse_overrides
-    parser = _Parser(prog="jaxpar.bench", description="Train one config on several mesh layouts "
+    from jaxpar.errors import ArgumentParser
+    from jaxpar.train import parse_overrides
+    parser = ArgumentParser(prog="jaxpar.bench", description="Train one config on several mesh layouts "
                      "and compare speed, memory, collectives and final loss.",
                      epilog="Any other --section.field=value is passed to jaxpar.train.")
     parser.add_argument("--config", help="TOML file or a name in configs/ (as jaxpar.train)")

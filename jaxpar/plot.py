@@ -120,8 +120,8 @@ def plot_bench(rows: list[dict], out_png) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.plot"):
-        from jaxpar.train import _Parser
-        parser = _Parser(prog="jaxpar.plot", description="Overlay the loss curves of jaxpar runs.")
+        from jaxpar.errors import ArgumentParser
+        parser = ArgumentParser(prog="jaxpar.plot", description="Overlay the loss curves of jaxpar runs.")
         parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="jaxpar.train --out dirs")
         parser.add_argument("--out", default="loss.png", help="PNG to write (default: loss.png)")
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)

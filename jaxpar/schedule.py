@@ -5,14 +5,13 @@ read the same table. Each stage's order of work is written down, then placed on 
 its dependencies allow: F(k) on stage s after F(k) on s-1; B(k) after F(k) and after B(k) on s+1.
 """
 
-import argparse
 import sys
 from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
-from jaxpar.errors import UserError, exit_on_user_error
+from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
 
 SCHEDULES = ("gpipe", "1f1b")
 IDLE, FORWARD, BACKWARD = 0, 1, 2
@@ -234,13 +233,13 @@ def resolve_microbatches(cfg, dp: int, pp: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="jaxpar.schedule", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="jaxpar.schedule", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--out", help="PNG path (default: schedule_<schedule>_pp<P>_m<M>.png)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     with exit_on_user_error("jaxpar.schedule"):
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if args.pp < 1:
             raise UserError(f"--pp must be positive, got {args.pp}")
         check_schedule(args.schedule, args.pp, args.microbatches)
