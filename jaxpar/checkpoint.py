@@ -186,6 +186,9 @@ def restore_train_state(ckpt: Checkpoints, cfg: Config, chars: str, tx, sharding
     return steps.TrainState(counter, items.params, items.opt_state), meta, skipped
 
 
+SYNC_EVERY = 10  # steps between the processes' comparisons of their stop flags
+
+
 class StopRequest:
     """SIGTERM and SIGINT ask the training loop to save and stop after the current step.
 
@@ -206,6 +209,21 @@ class StopRequest:
     def request(self, signum: int = signal.SIGTERM, frame=None) -> None:
         self.signal_name = signal.Signals(signum).name
         self._restore_handlers()
+
+    def agreed(self, updates: int) -> str | None:
+        """The signal to stop on after `updates` steps, or None to go on.
+
+        A save is collective, so every process must stop at the same step: with several, they
+        compare their flags every SYNC_EVERY steps (a small all-gather), and stop if any has one.
+        """
+        if jax.process_count() == 1:
+            return self.signal_name
+        if updates % SYNC_EVERY:
+            return None
+        from jax.experimental import multihost_utils
+        if not multihost_utils.process_allgather(np.int32(self.signal_name is not None)).any():
+            return None
+        return self.signal_name or "SIGTERM (on another process)"
 
     def _restore_handlers(self) -> None:
         for s, handler in self._previous.items():

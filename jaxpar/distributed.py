@@ -3,7 +3,9 @@
 Must run before JAX initialises its backends. Each process then sees every process's devices.
 """
 
+import contextlib
 import os
+import sys
 
 import jax
 
@@ -46,3 +48,20 @@ def initialize(cfg: Config) -> None:
 def is_main_process() -> bool:
     """Process 0 prints the progress bar and writes the run's files."""
     return jax.process_index() == 0
+
+
+@contextlib.contextmanager
+def exit_if_a_peer_fails(prog: str):
+    """With several processes, a runtime error (a peer died: its collectives fail) ends this one
+    with one line and exit code 1, at once: a normal exit would wait at the distributed shutdown
+    barrier for the dead peer and then abort with a long trace."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if jax.process_count() == 1:
+            raise
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        print(f"{prog}: error: process {jax.process_index()} of {jax.process_count()} stopped: "
+              f"{first_line}; another process probably died, see its log", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)

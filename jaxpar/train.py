@@ -234,12 +234,13 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
                     logger.restart_clock(step)
                 if updates == stop_at:
                     stop.request()
+                stopping = stop.agreed(updates)
                 every = cfg.ckpt.every and updates % cfg.ckpt.every == 0
-                if ckpt is not None and (every or updates == t.steps or stop.signal_name):
+                if ckpt is not None and (every or updates == t.steps or stopping):
                     # Training goes on while it writes; the next save waits for this one.
                     ckpt.save(updates, state.params, state.opt_state, make_meta(cfg, chars, updates))
-                if stop.signal_name:
-                    info["interrupted"] = {"step": updates, "signal": stop.signal_name}
+                if stopping:
+                    info["interrupted"] = {"step": updates, "signal": stopping}
                     break
             logger.flush(step)
             bar.close()
@@ -268,13 +269,14 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.train"):
         cfg, out_dir, args = parse_args(sys.argv[1:] if argv is None else argv)
-        from jaxpar.distributed import initialize, is_main_process
+        from jaxpar.distributed import exit_if_a_peer_fails, initialize, is_main_process
         initialize(cfg)
         if args.dry_run:
             from jaxpar.placement import dry_run
             print(dry_run(cfg))
             return
-        result = run(cfg, out_dir, fresh=args.fresh, profile=args.profile)
+        with exit_if_a_peer_fails("jaxpar.train"):
+            result = run(cfg, out_dir, fresh=args.fresh, profile=args.profile)
         if not is_main_process():
             return
         plot_after_training(out_dir)

@@ -53,8 +53,8 @@ def assert_trees_equal(a, b):
 
 SAVE_ON = "dp=2,tp=2"  # with the default ZeRO-1
 STOP_AT, TOTAL = 10, 20
-# (mesh, ZeRO stage) to restore onto; the pipeline will add ("pp=2", 1) and the like here.
-RESTORE_ONTO = [("dp=1", 0), ("tp=4", 1), ("dp=4", 3)]
+# (mesh, ZeRO stage) to restore onto.
+RESTORE_ONTO = [("dp=1", 0), ("tp=4", 1), ("dp=4", 3), ("pp=2", 1), ("dp=2,tp=2,pp=2", 2)]
 
 
 @pytest.fixture(scope="module")

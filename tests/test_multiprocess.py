@@ -1,0 +1,118 @@
+"""Multi-process training on jax.distributed, on CPU: 2 processes x 2 devices via launch_local.sh.
+
+Tolerance: per-step losses within rtol 1e-5 of the single-process run on 4 devices. Every process
+listens on 127.0.0.1 only, and every launch is bounded by a timeout.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import mesh_overrides, tiny_config
+from jaxpar.train import run
+
+LAUNCH = Path(__file__).resolve().parent.parent / "scripts" / "launch_local.sh"
+LAUNCH_TIMEOUT_S = 300
+LOSS_RTOL = 1e-5
+STEPS = 10
+
+
+def launch(out: Path, *train_args: str, background: bool = False):
+    command = ["bash", str(LAUNCH), "2", "2", "--", "--config", "tiny", "--out", str(out), *train_args]
+    env = {**os.environ, "PYTHON": sys.executable}
+    if background:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def logged_losses(out: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+
+def one_process(spec: str, out: Path | None = None, stop_at: int | None = None):
+    cfg = tiny_config(**mesh_overrides(spec), **{"train.steps": STEPS, "ckpt.every": 5})
+    return run(cfg, out, jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False,
+               stop_at=stop_at)
+
+
+def assert_close(losses: dict, reference: dict, steps):
+    np.testing.assert_allclose([losses[s] for s in steps], [reference[s] for s in steps],
+                               rtol=LOSS_RTOL)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return one_process("dp=2,tp=2").losses
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two") / "run"
+    launch(out, "--mesh", "dp=2,tp=2", "--steps", str(STEPS), "--ckpt.every=5")
+    return out
+
+
+def test_two_processes_match_one(two_process_run, reference):
+    assert_close(logged_losses(two_process_run), reference, range(STEPS))
+    info = json.loads((two_process_run / "run.json").read_text())
+    assert info["devices"] == {**info["devices"], "count": 4, "processes": 2}
+
+
+def test_two_processes_with_a_pipeline_match_one(tmp_path):
+    out = tmp_path / "run"
+    launch(out, "--mesh", "dp=2,pp=2", "--steps", str(STEPS))
+    assert_close(logged_losses(out), one_process("dp=2,pp=2").losses, range(STEPS))
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process(two_process_run, reference, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(two_process_run, out)
+    shutil.rmtree(out / "checkpoints" / str(STEPS))  # keep step 5 only
+    resumed = one_process("dp=2,tp=2", out=out)
+    assert resumed.info["resumed_from"] == 5
+    assert_close(resumed.losses, reference, range(5, STEPS))
+
+
+def test_a_one_process_checkpoint_resumes_in_two(reference, tmp_path):
+    out = tmp_path / "run"
+    one_process("dp=2,tp=2", out=out, stop_at=5)
+    launch(out, "--mesh", "dp=2,tp=2", "--steps", str(STEPS), "--ckpt.every=5")
+    assert_close(logged_losses(out), reference, range(STEPS))
+
+
+def test_a_dead_process_stops_the_launch_within_a_minute(tmp_path):
+    out = tmp_path / "run"
+    launcher = launch(out, "--mesh", "dp=2,tp=2", "--steps", "1000000", "--train.eval_every=0",
+                      background=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").stat().st_size):
+            assert launcher.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        rank_1 = subprocess.run(["pgrep", "-f", f"process_id=1 .*{out}"], capture_output=True,
+                                text=True).stdout.split()
+        assert len(rank_1) == 1, rank_1
+        os.kill(int(rank_1[0]), signal.SIGKILL)
+        killed = time.monotonic()
+        status = launcher.wait(timeout=60)
+        assert status != 0 and time.monotonic() - killed < 60
+        assert "exited with status" in launcher.stdout.read()
+        leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
+        assert not leftover, f"processes left behind: {leftover}"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
