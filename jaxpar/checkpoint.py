@@ -6,6 +6,7 @@ state, the resolved config and the tokenizer), so sampling reads only `params` a
 
 import contextlib
 import dataclasses
+import logging
 import shutil
 import signal
 import sys
@@ -58,8 +59,14 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def _reader(self):
-        options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-        manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+        absl_logger = logging.getLogger("absl")
+        level = absl_logger.level  # orbax warns that a read-only manager is read-only
+        absl_logger.setLevel(logging.ERROR)
+        try:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+            manager = ocp.CheckpointManager(self.directory.absolute(), options=options)
+        finally:
+            absl_logger.setLevel(level)
         try:
             yield manager
         finally:
