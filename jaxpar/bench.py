@@ -22,7 +22,7 @@ from jaxpar.hlo import KINDS
 from jaxpar.mesh import CLI_AXES, parse_mesh_spec, resolve_mesh_shape
 from jaxpar.plot import mesh_label, plot_bench, pyplot
 
-DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;dp=2,tp=2;dp=4;dp=4,tp=2"  # all valid for the default batch of 12
+DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
 DEFAULT_STEPS = 50
 BASELINE = "dp=1"
 LOSS_RTOL = 1e-5  # the equivalence tests' tolerance for the same model on any layout
