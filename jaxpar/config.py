@@ -207,8 +207,10 @@ def validate(cfg: Config) -> None:
                         f"train.grad_accum={t.grad_accum}")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    if cfg.pipeline.schedule not in ("gpipe", "1f1b"):
-        raise UserError(f"pipeline.schedule must be gpipe or 1f1b, got '{cfg.pipeline.schedule}'")
+    from jaxpar.schedule import SCHEDULES
+    if cfg.pipeline.schedule not in SCHEDULES:
+        raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
+                        f"got '{cfg.pipeline.schedule}'")
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
     for axis in ("dp", "tp", "pp"):
