@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpar import pipeline, zero
 from jaxpar.config import Config, TrainConfig
 from jaxpar.model import GPT, cross_entropy
+from jaxpar.schedule import resolve_microbatches
 from jaxpar.sharding import param_axes, shardings_for
 
 DECAYED = ("kernel", "embedding")  # weight decay on matmul weights and embeddings only
@@ -105,7 +106,6 @@ def microbatches_for(cfg: Config, mesh) -> int:
     """Microbatches per step: the pipeline's M per grad_accum round when pp > 1."""
     dp, pp = mesh.shape["data"], mesh.shape["pipe"]
     if pp > 1:
-        from jaxpar.schedule import resolve_microbatches
         return cfg.train.grad_accum * resolve_microbatches(cfg, dp, pp)
     return num_microbatches(cfg.train, dp)
 
