@@ -47,8 +47,10 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
         stage = jax.lax.axis_index(PIPE)
         is_first, is_last = stage == 0, stage == pp - 1
 
+        arrays = {name: jnp.asarray(a) for name, a in table.items()}  # one constant each
+
         def at(name, t):  # this stage's entry of a schedule array at tick t
-            return jnp.asarray(table[name])[t, stage]
+            return arrays[name][t, stage]
 
         def run_stage(params, x, k):
             return apply_blocks(params, layer_axes, x, cfg.model, None if layer_keys is None else layer_keys[k])
