@@ -21,7 +21,9 @@ from jaxpar.model import GPT, cross_entropy
 from jaxpar.schedule import resolve_microbatches
 from jaxpar.sharding import param_axes, shardings_for
 
-DECAYED = ("kernel", "embedding")  # weight decay on matmul weights and embeddings only
+# nanoGPT decays every weight of 2 or more dims: the matmul kernels and both embeddings (wte is
+# also the tied lm_head). LayerNorm scales and biases are not decayed.
+DECAYED = ("kernel", "wte", "wpe")
 
 
 class TrainState(NamedTuple):
