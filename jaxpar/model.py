@@ -80,7 +80,12 @@ def dropout(x: jax.Array, rate: float, key) -> jax.Array:
     if key is None or rate == 0.0:
         return x
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+    return apply_dropout(x, keep, rate).astype(x.dtype)
+
+
+def apply_dropout(x: jax.Array, keep, rate: float) -> jax.Array:
+    """x zeroed outside the mask `keep` and scaled by 1/(1 - rate) inside it; x itself if keep is None."""
+    return x if keep is None else jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
 def gelu(x: jax.Array) -> jax.Array:
@@ -111,10 +116,6 @@ def attention_scores(q, k) -> jax.Array:
     return jnp.where(causal, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
 
 
-def drop_probs(probs, keep, rate: float):
-    return probs if keep is None else jnp.where(keep, probs / (1.0 - rate), 0.0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attention_core(q, k, v, keep, rate: float) -> jax.Array:
     """Attention as (batch, heads, seq, head_dim); `keep` is the dropout mask of the probs or None.
@@ -126,16 +127,16 @@ def attention_core(q, k, v, keep, rate: float) -> jax.Array:
 
 def attention_forward(q, k, v, keep, rate: float):
     probs = jax.nn.softmax(attention_scores(q, k), axis=-1)
-    out = jnp.einsum("bhts,bhsd->bhtd", drop_probs(probs, keep, rate).astype(v.dtype), v)
+    out = jnp.einsum("bhts,bhsd->bhtd", apply_dropout(probs, keep, rate).astype(v.dtype), v)
     return out, (q, k, v, keep, probs)
 
 
 def attention_backward(rate: float, saved, d_out):
     q, k, v, keep, probs = saved
-    dropped = drop_probs(probs, keep, rate).astype(v.dtype)
+    dropped = apply_dropout(probs, keep, rate).astype(v.dtype)
     d_v = jnp.einsum("bhst,bhtd->bhsd", physical_transpose(dropped), d_out)
     d_dropped = jnp.einsum("bhtd,bhsd->bhts", d_out, v, preferred_element_type=jnp.float32)
-    d_probs = drop_probs(d_dropped, keep, rate)
+    d_probs = apply_dropout(d_dropped, keep, rate)
     # softmax's backward, then the 1/sqrt(d) scale; masked scores have probs 0, so gradient 0
     d_scores = probs * (d_probs - jnp.sum(d_probs * probs, -1, keepdims=True))
     d_scores = (d_scores / math.sqrt(q.shape[-1])).astype(q.dtype)
