@@ -84,7 +84,7 @@ def dropout(x: jax.Array, rate: float, key) -> jax.Array:
 
 
 def apply_dropout(x: jax.Array, keep, rate: float) -> jax.Array:
-    """x zeroed outside the mask `keep` and scaled by 1/(1 - rate) inside it; x itself if keep is None."""
+    """x zeroed outside the mask `keep` and scaled by 1/(1 - rate) inside it (x if keep is None)."""
     return x if keep is None else jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
