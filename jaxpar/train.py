@@ -113,6 +113,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     from jaxpar.checkpoint import (CHECKPOINTS, Checkpoints, StopRequest, make_meta,
                                    restore_train_state)
     from jaxpar.data import BatchLoader, load_dataset
+    from jaxpar.distributed import is_main_process
     from jaxpar.mesh import build_mesh, mesh_shape
     from jaxpar.metrics import FETCH_EVERY, StepLogger, open_metrics
 
@@ -120,7 +121,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     mesh = build_mesh(cfg, devices)
     t, chars, vocab = cfg.train, dataset.tokenizer.chars, dataset.tokenizer.vocab_size
-    is_main = jax.process_index() == 0
+    is_main = is_main_process()
     writing = out_dir is not None and is_main
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
     result = RunResult()
