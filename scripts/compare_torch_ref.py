@@ -1,0 +1,132 @@
+"""Loss-compare harness against the PyTorch reference: same initial weights, same batches, step by step.
+
+Copies jaxpar's initial weights into ../shared/bench/torch_ref.py's model, trains both on the batches
+jaxpar draws for (seed, step), and prints how far apart their train losses and final val losses are.
+It needs torch installed beside jaxpar; the project itself never imports torch.
+
+    python scripts/compare_torch_ref.py [--torch-ref PATH] [--steps N] [--section.field=value ...]
+"""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+
+from jaxpar import step as steps
+from jaxpar.config import load_config
+from jaxpar.data import BatchLoader, load_dataset
+from jaxpar.mesh import build_mesh
+from jaxpar.train import parse_overrides
+
+DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "bench" / "torch_ref.py"
+REPORT_AT = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 1500, 2000)
+
+
+def fail(message: str):
+    print(f"compare_torch_ref: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load_module(path: Path):
+    spec = importlib.util.spec_from_file_location("torch_ref", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def copy_weights(model, params: dict, vocab: int):
+    """jaxpar's param tree into torch_ref's CharGPT. torch's Linear stores (out, in)."""
+    t = lambda a: torch.tensor(np.asarray(a))  # noqa: E731
+    blocks = params["blocks"]
+    with torch.no_grad():
+        model.tok_emb.weight.copy_(t(params["wte"][:vocab]))  # the tied head: one tensor
+        model.pos_emb.weight.copy_(t(params["wpe"]))
+        for i, block in enumerate(model.blocks):
+            pairs = [(block.norm_attn, blocks["ln_1"]), (block.attn.qkv, blocks["qkv"]),
+                     (block.attn.out, blocks["attn_out"]), (block.norm_mlp, blocks["ln_2"]),
+                     (block.mlp.up, blocks["mlp_in"]), (block.mlp.down, blocks["mlp_out"])]
+            for layer, p in pairs:
+                if "kernel" in p:  # jaxpar's kernel is (*in, *out) after the layer axis
+                    fan_out, fan_in = layer.weight.shape
+                    layer.weight.copy_(t(np.asarray(p["kernel"][i]).reshape(fan_in, fan_out).T))
+                else:
+                    layer.weight.copy_(t(p["scale"][i]))
+                if "bias" in p:
+                    layer.bias.copy_(t(np.asarray(p["bias"][i]).reshape(-1)))
+        model.norm_out.weight.copy_(t(params["ln_f"]["scale"]))
+        if "bias" in params["ln_f"]:
+            model.norm_out.bias.copy_(t(params["ln_f"]["bias"]))
+
+
+def as_rows(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(microbatches, rows, seq) device arrays -> (batch, seq) int64 tensors, the same rows in order."""
+    return tuple(torch.tensor(np.asarray(a).reshape(-1, a.shape[-1]), dtype=torch.long) for a in batch)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--torch-ref", type=Path, default=DEFAULT_REF)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--config", default=None)
+    args, rest = ap.parse_known_args()
+    overrides = parse_overrides(rest)
+    overrides["train.steps"] = str(args.steps)
+    cfg = load_config(args.config, overrides)
+    m, t = cfg.model, cfg.train
+    if m.dropout:
+        fail("torch_ref has no dropout: pass --model.dropout=0")
+    if not args.torch_ref.is_file():
+        fail(f"'{args.torch_ref}' not found: pass the path of torch_ref.py with --torch-ref")
+    ref = load_module(args.torch_ref)
+    torch.set_num_threads(2)
+
+    dataset = load_dataset(cfg.data, m.block_size)
+    vocab = dataset.tokenizer.vocab_size
+    mesh = build_mesh(cfg, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        tx = steps.make_optimizer(t)
+        graphdef, _, _ = steps.abstract_model(cfg, vocab)
+        shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
+        state = steps.init_state(cfg, vocab, tx, shardings)
+        microbatches = steps.microbatches_for(cfg, mesh)
+        train = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches, m.block_size, mesh)
+        val = BatchLoader(dataset.val, "val", t.seed, t.batch_size, microbatches, m.block_size, mesh)
+        train_step = steps.make_train_step(cfg, graphdef, tx, shardings, plan, train.sharding)
+        eval_step = steps.make_eval_step(cfg, graphdef, shardings.params, val.sharding)
+
+        model = ref.CharGPT(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias)
+        copy_weights(model, jax.device_get(state.params), vocab)
+        opt = ref.build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
+
+        print("| step | jaxpar loss | torch loss | rel. diff | max rel. diff so far |\n|---|---|---|---|---|")
+        worst = 0.0
+        for s in range(t.steps):
+            batch = train(s)
+            state, metrics = train_step(state, batch)
+            for group in opt.param_groups:
+                group["lr"] = ref.lr_at(s, t.lr, t.min_lr, t.warmup_steps, t.decay_steps)
+            _, loss = model(*as_rows(batch))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            ours, theirs = float(metrics["loss"]), loss.item()
+            worst = max(worst, abs(ours - theirs) / abs(theirs))
+            if s in REPORT_AT or s == t.steps - 1:
+                print(f"| {s} | {ours:.5f} | {theirs:.5f} | {abs(ours - theirs) / abs(theirs):.1e} "
+                      f"| {worst:.1e} |", flush=True)
+
+        batches = [val(i) for i in range(t.eval_batches)]
+        ours = np.mean([float(eval_step(state.params, b)) for b in batches])
+        with torch.no_grad():
+            theirs = np.mean([model(*as_rows(b))[1].item() for b in batches])
+    print(f"\nval loss after {t.steps} steps on the same {t.eval_batches} batches: "
+          f"jaxpar {ours:.4f}, torch_ref {theirs:.4f}")
+
+
+if __name__ == "__main__":
+    main()
