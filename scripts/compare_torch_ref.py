@@ -9,7 +9,6 @@ It needs torch installed beside jaxpar; the project itself never imports torch.
 
 import argparse
 import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -19,16 +18,12 @@ import torch
 from jaxpar import step as steps
 from jaxpar.config import load_config
 from jaxpar.data import BatchLoader, load_dataset
+from jaxpar.errors import UserError, exit_on_user_error
 from jaxpar.mesh import build_mesh
 from jaxpar.train import parse_overrides
 
 DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "bench" / "torch_ref.py"
 REPORT_AT = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 1500, 2000)
-
-
-def fail(message: str):
-    print(f"compare_torch_ref: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def load_module(path: Path):
@@ -78,9 +73,9 @@ def main():
     cfg = load_config(args.config, overrides)
     m, t = cfg.model, cfg.train
     if m.dropout:
-        fail("torch_ref has no dropout: pass --model.dropout=0")
+        raise UserError("torch_ref has no dropout: pass --model.dropout=0")
     if not args.torch_ref.is_file():
-        fail(f"'{args.torch_ref}' not found: pass the path of torch_ref.py with --torch-ref")
+        raise UserError(f"'{args.torch_ref}' not found: pass the path of torch_ref.py with --torch-ref")
     ref = load_module(args.torch_ref)
     torch.set_num_threads(2)
 
@@ -129,4 +124,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_user_error("compare_torch_ref"):
+        main()
