@@ -22,6 +22,9 @@ from jaxpar.errors import UserError
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # the params' shapes follow these
+# Raised whenever a param's shape or axis order changes, so that an older checkpoint is named as
+# such rather than reported as damaged. 2: mlp_out's kernel is (layers, embed, mlp).
+PARAM_LAYOUT = 2
 
 
 def find_checkpoints(path) -> Path:
@@ -37,7 +40,16 @@ def find_checkpoints(path) -> Path:
 def make_meta(cfg: Config, chars: str, step: int) -> dict:
     # Data order and dropout keys are pure functions of (seed, step): that is the whole RNG state.
     return {"step": step, "rng": {"seed": cfg.train.seed, "step": step},
-            "config": cfg.to_dict(), "tokenizer": {"chars": chars}}
+            "config": cfg.to_dict(), "tokenizer": {"chars": chars}, "param_layout": PARAM_LAYOUT}
+
+
+def check_layout(meta: dict, where: Path) -> None:
+    layout = meta.get("param_layout", 1)  # checkpoints from before the field have layout 1
+    if layout != PARAM_LAYOUT:
+        age = "an older" if layout < PARAM_LAYOUT else "a newer"
+        raise UserError(f"the checkpoint '{where}' was written by {age} jaxpar (param layout "
+                        f"{layout}; this one reads {PARAM_LAYOUT}); train it again with --fresh, or "
+                        "use the jaxpar that wrote it")
 
 
 def abstract_tree(shapes, shardings):
@@ -120,6 +132,7 @@ class Checkpoints:
                 try:
                     meta = manager.restore(step, args=ocp.args.Composite(
                         meta=ocp.args.JsonRestore())).meta
+                    check_layout(meta, self.directory / str(step))
                     targets = targets_for(meta)
                     items = manager.restore(step, args=ocp.args.Composite(
                         **{name: ocp.args.StandardRestore(tree) for name, tree in targets.items()}))

@@ -36,11 +36,19 @@ class LayerNorm(nnx.Module):
 
 
 class StackedDense(nnx.Module):
-    """A linear layer per block: kernel (layers, *in, *out), bias (layers, *out)."""
+    """A linear layer per block: kernel (layers, *in, *out), bias (layers, *out).
+
+    With `out_first` (one in and one out axis) the kernel is stored as (layers, out, in), as
+    torch's nn.Linear stores it; it is drawn as (in, out) all the same, so a seed gives the same
+    weights in either layout.
+    """
 
     def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int,
-                 bias: bool):
+                 bias: bool, out_first: bool = False):
         self.kernel = normal_param(rngs, std, shape, axes)
+        if out_first:
+            self.kernel = nnx.Param(jnp.swapaxes(self.kernel[...], 1, 2),
+                                    axes=(axes[0], axes[2], axes[1]))
         if bias:
             self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
                                   axes=axes[:1] + axes[-n_out_dims:])
@@ -61,7 +69,10 @@ class Blocks(nnx.Module):
                                      ("layers", "heads", "head_dim", "embed"), 1, b)
         self.ln_2 = LayerNorm((L, C), ("layers", "embed"), b)
         self.mlp_in = StackedDense(rngs, std, (L, C, F), ("layers", "embed", "mlp"), 1, b)
-        self.mlp_out = StackedDense(rngs, resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, b)
+        # Stored (layers, embed, mlp): its weight gradient dy^T·h then has the wide 'mlp' axis
+        # last, which XLA:CPU computes about 1.4x faster than h^T·dy (the whole step: about 4%).
+        self.mlp_out = StackedDense(rngs, resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, b,
+                                    out_first=True)
 
 
 def layer_norm(x: jax.Array, p: dict) -> jax.Array:
@@ -188,7 +199,7 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key) -> jax.Arr
     x = x + dropout(y, rate, keys[1])
     h = layer_norm(x, p["ln_2"]).astype(dtype)
     h = constrain(gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"])), ("tokens", "mlp"))
-    y = add_bias(h @ p["mlp_out"]["kernel"], p["mlp_out"])
+    y = add_bias(jnp.einsum("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"])
     x = x + dropout(y, rate, keys[2])
     return constrain(x.reshape(B, T, C), ("batch", "seq", "embed"))
 

@@ -45,9 +45,11 @@ def copy_weights(model, params: dict, vocab: int):
                      (block.attn.out, blocks["attn_out"]), (block.norm_mlp, blocks["ln_2"]),
                      (block.mlp.up, blocks["mlp_in"]), (block.mlp.down, blocks["mlp_out"])]
             for layer, p in pairs:
-                if "kernel" in p:  # jaxpar's kernel is (*in, *out) after the layer axis
+                if "kernel" in p:  # (*in, *out) after the layer axis; mlp_out's is (out, in) already
                     fan_out, fan_in = layer.weight.shape
-                    layer.weight.copy_(t(np.asarray(p["kernel"][i]).reshape(fan_in, fan_out).T))
+                    kernel = np.asarray(p["kernel"][i])
+                    layer.weight.copy_(t(kernel if p is blocks["mlp_out"]
+                                         else kernel.reshape(fan_in, fan_out).T))
                 else:
                     layer.weight.copy_(t(p["scale"][i]))
                 if "bias" in p:

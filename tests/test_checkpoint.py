@@ -133,6 +133,20 @@ def test_a_checkpoint_that_does_not_fit_is_an_error(saved, tmp_path, overrides, 
         assert Checkpoints(out / "checkpoints").steps() == [2]
 
 
+def test_a_checkpoint_of_another_param_layout_is_named_as_such(saved, tmp_path):
+    """An older jaxpar's checkpoint (its meta has no param_layout) is an error, not 'damaged'."""
+    out = tmp_path / "run"
+    shutil.copytree(saved[0], out)
+    meta_file = out / "checkpoints" / str(STOP_AT) / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    del meta["param_layout"]
+    meta_file.write_text(json.dumps(meta))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(UserError, match="older jaxpar .param layout 1; this one reads 2.*--fresh"):
+        train(config("dp=1", TOTAL), out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 # A restore that fails can leave reads in flight that later report to orbax's closed event loop
 # (orbax _src/asyncio_utils); the ignored RuntimeError is harmless.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
