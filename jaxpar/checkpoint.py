@@ -22,7 +22,7 @@ from jaxpar.errors import UserError
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # the params' shapes follow these
-# Raised whenever a param's shape or axis order changes, so that an older checkpoint is named as
+# Bumped whenever a param's shape or axis order changes, so that an older checkpoint is named as
 # such rather than reported as damaged. 2: mlp_out's kernel is (layers, embed, mlp).
 PARAM_LAYOUT = 2
 

@@ -45,10 +45,10 @@ class StackedDense(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int,
                  bias: bool, out_first: bool = False):
-        self.kernel = normal_param(rngs, std, shape, axes)
+        kernel = normal_param(rngs, std, shape, axes)
         if out_first:
-            self.kernel = nnx.Param(jnp.swapaxes(self.kernel[...], 1, 2),
-                                    axes=(axes[0], axes[2], axes[1]))
+            kernel = nnx.Param(jnp.swapaxes(kernel[...], 1, 2), axes=(axes[0], axes[2], axes[1]))
+        self.kernel = kernel
         if bias:
             self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
                                   axes=axes[:1] + axes[-n_out_dims:])
