@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ModelConfig
-from jaxpar.model import add_bias, gelu, layer_norm
+from jaxpar.model import add_bias, gelu, layer_norm, mlp_output
 
 
 def empty_cache(cfg: ModelConfig, batch: int) -> dict:
@@ -40,7 +40,7 @@ def block(x, p: dict, k_cache, v_cache, pos, dtype):
                                        p["attn_out"])
     h = layer_norm(x, p["ln_2"]).astype(dtype)
     h = gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"]))
-    x = x + add_bias(jnp.einsum("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"])
+    x = x + mlp_output(h, p["mlp_out"])
     return x.reshape(B, T, C), k_cache, v_cache
 
 

@@ -87,6 +87,11 @@ def add_bias(y: jax.Array, p: dict) -> jax.Array:
     return y + p["bias"] if "bias" in p else y
 
 
+def mlp_output(h: jax.Array, p: dict) -> jax.Array:
+    """The MLP's output projection of h (tokens, mlp); its kernel is stored (embed, mlp)."""
+    return add_bias(jnp.einsum("nf,cf->nc", h, p["kernel"]), p)
+
+
 def dropout(x: jax.Array, rate: float, key) -> jax.Array:
     if key is None or rate == 0.0:
         return x
@@ -199,7 +204,7 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key) -> jax.Arr
     x = x + dropout(y, rate, keys[1])
     h = layer_norm(x, p["ln_2"]).astype(dtype)
     h = constrain(gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"])), ("tokens", "mlp"))
-    y = add_bias(jnp.einsum("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"])
+    y = mlp_output(h, p["mlp_out"])
     x = x + dropout(y, rate, keys[2])
     return constrain(x.reshape(B, T, C), ("batch", "seq", "embed"))
 
