@@ -59,14 +59,20 @@ def read_text(path: str) -> str:
         return gzip.decompress(resources.files("jaxpar").joinpath("assets", BUILTIN_NAME)
                                .read_bytes()).decode("utf-8")
     file = Path(path)
-    if not file.is_file():
-        raise UserError(f"data file '{path}' not found; pass an existing UTF-8 text file "
+    # Anything but a directory is read: a pipe such as <(zcat corpus.gz) is a fine corpus.
+    problem = ("not found" if not file.exists() else "is a directory" if file.is_dir()
+               else None)
+    if problem:
+        raise UserError(f"data file '{path}' {problem}; pass an existing UTF-8 text file "
                         "with --data.path, or omit it for the built-in Tiny Shakespeare")
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"data file '{path}' is not UTF-8 text (byte {e.start}); "
                         "convert it to UTF-8 first") from None
+    except PermissionError:
+        raise UserError(f"data file '{path}' is not readable by this user; fix its "
+                        "permissions or copy it somewhere readable") from None
 
 
 def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:

@@ -1,8 +1,11 @@
 """Read a compiled step's HLO: which collectives it runs, how many, and how many bytes they carry."""
 
 import math
+import os
 import re
 from collections import defaultdict
+
+from jaxpar.errors import UserError
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 # `%name = <result shape> <op>(` where <op> may carry an async `-start` suffix.
@@ -49,3 +52,39 @@ def compiled_summary(compiled) -> dict:
         sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
                                       - sizes["alias_bytes"] + sizes["temp_bytes"])
     return {**sizes, "collectives": collectives(compiled.as_text())}
+
+
+def host_available_bytes() -> int | None:
+    """RAM the OS can still give this process: MemAvailable on Linux, else physical RAM."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_in_memory(summary: dict, local: list, what: str = "the train step") -> None:
+    """A UserError, before anything is written, when XLA's memory estimate cannot fit the devices.
+
+    An accelerator reports its own limit; this process's host (CPU) devices share the host's RAM,
+    so there the estimate counts once per local device.
+    """
+    need = summary.get("peak_memory_bytes")
+    if not need or not local:
+        return
+    stats = local[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        have, where, need_all = stats["bytes_limit"], "a device holds", need
+    else:
+        have, where, need_all = host_available_bytes(), "this host has free", need * len(local)
+    if have and need_all > have:
+        gib = 2**30
+        raise UserError(f"{what} needs {need_all / gib:,.1f} GiB (XLA's estimate) but {where} "
+                        f"{have / gib:,.1f} GiB; lower train.micro_batch, model.block_size or the "
+                        "model size, or spread it over more devices with --mesh")

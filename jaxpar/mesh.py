@@ -29,6 +29,8 @@ def parse_mesh_spec(spec: str) -> dict[str, str]:
             int(size)
         except ValueError:
             raise UserError(f"mesh axis {axis} needs an integer size (or -1), got {size!r}") from None
+        if f"mesh.{axis}" in overrides:
+            raise UserError(f"mesh axis {axis} is given twice in --mesh {spec!r}; name each axis once")
         overrides[f"mesh.{axis}"] = size.strip()
     # A spec replaces the whole mesh: axes it omits are 1.
     return {f"mesh.{a}": "1" for a in CLI_AXES} | overrides

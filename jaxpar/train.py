@@ -158,6 +158,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         compile_start = time.perf_counter()
         compiled = train_step.lower(state, train_batches(0)).compile()
         compile_s = time.perf_counter() - compile_start
+        compiled_summary = hlo.compiled_summary(compiled)
+        hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
         tokens_per_step = t.batch_size * cfg.model.block_size
         flops_per_token = flops.flops_per_token(cfg.model, vocab)
 
@@ -175,7 +177,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             "bytes_total": {"params": steps.bytes_total(state.params),
                             "opt_state": steps.bytes_total(state.opt_state)},
             "flops_per_token": flops_per_token, "peak_flops": peak, "peak_flops_source": peak_source,
-            "compile_s": round(compile_s, 3), "compiled": hlo.compiled_summary(compiled),
+            "compile_s": round(compile_s, 3), "compiled": compiled_summary,
             "pipeline": pipeline.summary(cfg, mesh, vocab), "resumed_from": start,
             "checkpoints": str(ckpt.directory) if ckpt else None,
         }

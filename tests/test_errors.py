@@ -27,6 +27,7 @@ def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
     (["--mesh", "dp=two"], ["integer", "'two'"]),
     (["--mesh", "dp=3"], ["uses 3 devices but 8 are available"]),
     (["--mesh", "dp=-1,tp=-1"], ["at most one mesh axis may be -1"]),
+    (["--mesh", "dp=2,tp=2,dp=4"], ["mesh axis dp is given twice"]),
     (["--mesh", "dp=0,tp=8"], ["mesh.dp must be a positive integer"]),
     (["--mesh", "tp=8"], ["tp=8 does not divide model.n_head=4"]),
     (["--mesh", "dp=8", "--train.batch_size=12"], ["dp=8 does not divide the batch of 12"]),
@@ -78,6 +79,12 @@ def test_bad_data_file(capsys, tmp_path, content, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={path}"], *expected)
 
 
+def test_a_directory_as_data_file_is_named_as_such(capsys, tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={folder}"], "is a directory")
+
+
 def test_cli_process_exits_2_with_one_line(tmp_path):
     """The real entry point, in a fresh process: exit code 2 and a single line, nothing written."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -89,3 +96,23 @@ def test_cli_process_exits_2_with_one_line(tmp_path):
     assert proc.stderr.strip() == ("jaxpar.train: error: tp=3 does not divide model.n_head=4; "
                                    "choose tp from the divisors of n_head")
     assert not out.exists()
+
+
+def test_a_step_too_big_for_memory_is_refused_before_anything_is_written(capsys, tmp_path,
+                                                                        monkeypatch):
+    """XLA's memory estimate of the compiled step (n_head * block_size^2 floats of attention
+    scores per sequence: ~460 GiB over 8 devices) against a host with 64 GiB free."""
+    monkeypatch.setattr("jaxpar.hlo.host_available_bytes", lambda: 64 * 2**30)
+    fails_with(capsys, tmp_path, ["--config", "tiny", "--mesh", "dp=8",
+                                  "--model.block_size=60000"],
+               "the train step needs", "XLA's estimate", "lower train.micro_batch, model.block_size")
+
+
+def test_the_memory_check_passes_a_step_that_fits():
+    import jax
+
+    from jaxpar.errors import UserError
+    from jaxpar.hlo import check_fits_in_memory
+    check_fits_in_memory({"peak_memory_bytes": 2**20}, jax.local_devices()[:2])
+    with pytest.raises(UserError, match="needs 2,048.0 GiB"):
+        check_fits_in_memory({"peak_memory_bytes": 2**40}, jax.local_devices()[:2])
