@@ -1,4 +1,4 @@
-"""Read a compiled step's HLO: which collectives it runs, how many, and how many bytes they carry."""
+"""Read a compiled step: which collectives it runs (count and bytes), and whether its memory fits."""
 
 import math
 import os
@@ -69,7 +69,7 @@ def host_available_bytes() -> int | None:
         return None
 
 
-def check_fits_in_memory(summary: dict, local: list, what: str = "the train step") -> None:
+def check_fits_in_memory(summary: dict, local: list) -> None:
     """A UserError, before anything is written, when XLA's memory estimate cannot fit the devices.
 
     An accelerator reports its own limit; this process's host (CPU) devices share the host's RAM,
@@ -85,6 +85,6 @@ def check_fits_in_memory(summary: dict, local: list, what: str = "the train step
         have, where, need_all = host_available_bytes(), "this host has free", need * len(local)
     if have and need_all > have:
         gib = 2**30
-        raise UserError(f"{what} needs {need_all / gib:,.1f} GiB (XLA's estimate) but {where} "
+        raise UserError(f"the train step needs {need_all / gib:,.1f} GiB (XLA's estimate) but {where} "
                         f"{have / gib:,.1f} GiB; lower train.micro_batch, model.block_size or the "
                         "model size, or spread it over more devices with --mesh")
