@@ -2,6 +2,7 @@
 
 import argparse
 import contextlib
+import re
 import sys
 
 
@@ -17,6 +18,18 @@ def exit_on_user_error(prog: str = "jaxpar"):
     except UserError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+@contextlib.contextmanager
+def out_of_memory_as_user_error(fix: str):
+    """XLA running out of device or host memory becomes a UserError: XLA's own words, then `fix`."""
+    try:
+        yield
+    except Exception as e:
+        found = re.search(r"out of memory[^.;\n]*", str(e), re.IGNORECASE)
+        if type(e).__name__ != "JaxRuntimeError" or not found:
+            raise
+        raise UserError(f"{found.group(0).lower()}; {fix}") from None
 
 
 class ArgumentParser(argparse.ArgumentParser):

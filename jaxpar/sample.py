@@ -16,7 +16,8 @@ from jaxpar.checkpoint import Checkpoints, abstract_tree, find_checkpoints
 from jaxpar.config import Config, load_config
 from jaxpar.data import CharTokenizer
 from jaxpar.decode import empty_cache, forward, pick
-from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.errors import (ArgumentParser, UserError, exit_on_user_error,
+                           out_of_memory_as_user_error)
 from jaxpar.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
 from jaxpar.sharding import shardings_for
 
@@ -195,9 +196,10 @@ def main(argv: list[str] | None = None) -> None:
 
         def stream(ids):
             print(model.tokenizer.decode(ids), end="", flush=True)
-        result = generate(model, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                          args.seed, args.num_samples, not args.no_cache,
-                          stream if single else None)
+        with out_of_memory_as_user_error("lower --num-samples"):
+            result = generate(model, args.prompt, args.max_new_tokens, args.temperature,
+                              args.top_k, args.seed, args.num_samples, not args.no_cache,
+                              stream if single else None)
     print("" if single else "\n---------------\n".join(result.texts))
     print(f"jaxpar.sample: step {model.step} of {args.ckpt}, {args.num_samples} x "
           f"{result.new_tokens} tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} "

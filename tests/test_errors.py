@@ -119,3 +119,17 @@ def test_the_memory_check_counts_each_host_device_against_the_hosts_ram(monkeypa
     with pytest.raises(UserError, match=r"needs 66\.0 GiB \(XLA's estimate\) but this host "
                                         r"has free 64\.0 GiB"):
         check_fits_in_memory({"peak_memory_bytes": 33 * 2**30}, two_cpus)
+
+
+def test_xla_out_of_memory_becomes_one_line_and_other_errors_pass_through():
+    import jax
+
+    from jaxpar.errors import UserError, out_of_memory_as_user_error
+    message = "INTERNAL: Error dispatching computation: Out of memory allocating 819200 bytes."
+    with pytest.raises(UserError, match=r"^out of memory allocating 819200 bytes; lower --x$"):
+        with out_of_memory_as_user_error("lower --x"):
+            raise jax.errors.JaxRuntimeError(message)
+    for other in (jax.errors.JaxRuntimeError("INTERNAL: a compiler bug"), MemoryError()):
+        with pytest.raises(type(other)):
+            with out_of_memory_as_user_error("lower --x"):
+                raise other
