@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config
-from jaxpar.errors import UserError, exit_on_user_error
+from jaxpar.errors import UserError, check_output_dir, exit_on_user_error
 from jaxpar.hlo import KINDS
 from jaxpar.mesh import CLI_AXES, parse_mesh_spec, resolve_mesh_shape
 from jaxpar.plot import mesh_label, plot_bench, pyplot
@@ -244,6 +244,7 @@ def parse_args(argv: list[str]):
         overrides["train.steps"] = str(DEFAULT_STEPS if args.steps is None else args.steps)
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / f"bench_{name}"
+    check_output_dir(out_dir)
     return args, overrides, out_dir
 
 

@@ -2,8 +2,10 @@
 
 import argparse
 import contextlib
+import os
 import re
 import sys
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -30,6 +32,19 @@ def out_of_memory_as_user_error(fix: str):
         if type(e).__name__ != "JaxRuntimeError" or not found:
             raise
         raise UserError(f"{found.group(0).lower()}; {fix}") from None
+
+
+def check_output_dir(path: Path, flag: str = "--out") -> None:
+    """A UserError unless `path` is a directory, or one that mkdir can make, that we may write."""
+    existing = path
+    while not existing.exists():  # mkdir(parents=True) starts from the nearest existing ancestor
+        existing = existing.parent
+    if not existing.is_dir():
+        inside = "" if existing == path else f" is inside '{existing}', which"
+        raise UserError(f"{flag} '{path}'{inside} is a file, not a directory; pass a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} '{path}' cannot be written: this user may not write in "
+                        f"'{existing}'; pass another directory")
 
 
 class ArgumentParser(argparse.ArgumentParser):

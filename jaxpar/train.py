@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config, valid_keys
-from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.mesh import parse_mesh_spec
 from jaxpar.plot import plot_after_training
 from jaxpar.profiling import StepProfiler
@@ -69,6 +69,8 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
     cfg = load_config(args.config, overrides)
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name
+    if not args.dry_run:  # which writes nothing
+        check_output_dir(out_dir)
     return cfg, out_dir, args
 
 
@@ -91,13 +93,6 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
-def check_zero(state, shardings) -> None:
-    """Every param and optimizer tensor lives where the ZeRO plan put it, and so do its bytes."""
-    from jaxpar import zero
-    zero.check_sharded("params", state.params, shardings.params)
-    zero.check_sharded("optimizer state", state.opt_state, shardings.opt_state)
-
-
 def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True, *,
         fresh: bool = False, stop_at: int | None = None, profile: str | None = None) -> RunResult:
     """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing.
@@ -109,7 +104,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     import numpy as np
     from tqdm import tqdm
 
-    from jaxpar import flops, hlo, pipeline, step as steps
+    from jaxpar import flops, hlo, pipeline, step as steps, zero
     from jaxpar.checkpoint import (CHECKPOINTS, Checkpoints, StopRequest, make_meta,
                                    restore_train_state)
     from jaxpar.data import BatchLoader, load_dataset
@@ -144,7 +139,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             result.info = {"resumed_from": start, "checkpoints": str(ckpt.directory),
                            "summary": None}
             return result
-        check_zero(state, shardings)
+        zero.check_state(state, shardings)
         microbatches = steps.microbatches_for(cfg, mesh)
         train_batches = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches,
                                     cfg.model.block_size, mesh)
@@ -261,7 +256,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             "tokens_per_s_median": round(tokens_per_step / median, 1),
             "mfu_median": tokens_per_step / median * flops_per_token / peak,
         }
-        check_zero(state, shardings)  # out_shardings pin them; this proves it after training
+        zero.check_state(state, shardings)  # out_shardings pin them; this proves it after training
         if writing:
             metrics_file.close()
             (out_dir / "run.json").write_text(json.dumps(info, indent=2))

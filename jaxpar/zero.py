@@ -99,3 +99,9 @@ def check_sharded(name: str, arrays: dict, planned: dict) -> None:
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays))
     if measured > expected * (1 + BYTES_TOLERANCE):
         raise RuntimeError(f"ZeRO: {name} uses {measured} bytes on one device, planned {expected}")
+
+
+def check_state(state, shardings) -> None:
+    """Every param and optimizer tensor lives where the ZeRO plan put it, and so do its bytes."""
+    check_sharded("params", state.params, shardings.params)
+    check_sharded("optimizer state", state.opt_state, shardings.opt_state)

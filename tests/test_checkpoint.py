@@ -25,7 +25,8 @@ from jaxpar.checkpoint import Checkpoints, restore_train_state
 from jaxpar.data import load_dataset
 from jaxpar.errors import UserError
 from jaxpar.mesh import build_mesh
-from jaxpar.train import check_zero, run
+from jaxpar.train import run
+from jaxpar.zero import check_state
 
 LOSS_RTOL = 1e-5
 
@@ -99,7 +100,7 @@ def test_restore_onto_another_mesh_and_zero_stage(saved, tmp_path, spec, stage):
         shardings, _ = steps.state_shardings(cfg, len(chars), mesh, tx)
         state, meta, _ = restore_train_state(Checkpoints(tmp_path / "checkpoints"), cfg, chars,
                                              tx, shardings)
-        check_zero(state, shardings)  # where this mesh and stage put each tensor
+        check_state(state, shardings)  # where this mesh and stage put each tensor
     assert meta["step"] == int(state.step) == STOP_AT
     assert_trees_equal(state.params, stopped.params)
 

@@ -85,6 +85,20 @@ def test_a_directory_as_data_file_is_named_as_such(capsys, tmp_path):
     fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={folder}"], "is a directory")
 
 
+@pytest.mark.parametrize("below", ["", "run"])
+def test_an_out_dir_that_is_or_is_inside_a_file_is_named_as_such(capsys, tmp_path, below):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    out = a_file / below if below else a_file
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", "tiny", "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("is a file, not a directory; pass a directory"), err
+    assert (f"inside '{a_file}'" in err) == bool(below)
+    assert a_file.read_text() == "mine"
+
+
 def test_cli_process_exits_2_with_one_line(tmp_path):
     """The real entry point, in a fresh process: exit code 2 and a single line, nothing written."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
