@@ -25,11 +25,12 @@ def exit_on_user_error(prog: str = "jaxpar"):
 @contextlib.contextmanager
 def out_of_memory_as_user_error(fix: str):
     """XLA running out of device or host memory becomes a UserError: XLA's own words, then `fix`."""
+    from jax.errors import JaxRuntimeError
     try:
         yield
-    except Exception as e:
+    except JaxRuntimeError as e:
         found = re.search(r"out of memory[^.;\n]*", str(e), re.IGNORECASE)
-        if type(e).__name__ != "JaxRuntimeError" or not found:
+        if not found:
             raise
         raise UserError(f"{found.group(0).lower()}; {fix}") from None
 
