@@ -1,8 +1,25 @@
 """Force 8 host CPU devices before JAX initialises, so every mesh layout can run on one machine."""
 
+import atexit
+import os
+import shutil
+import tempfile
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# XLA compiles take most of the suite's time, and many tests compile the same steps (the one-device
+# reference above all). A compilation cache that lives for this session only compiles each once;
+# it starts empty, so no result can come from an earlier session's code. The environment variables
+# carry it to the CLI and multi-process tests' subprocesses.
+COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
+atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
+for name, value in [("jax_compilation_cache_dir", COMPILE_CACHE),
+                    ("jax_persistent_cache_min_compile_time_secs", 0),
+                    ("jax_persistent_cache_min_entry_size_bytes", -1)]:
+    jax.config.update(name, value)
+    os.environ[name.upper()] = str(value)
 
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.mesh import parse_mesh_spec  # noqa: E402
