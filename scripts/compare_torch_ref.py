@@ -1,14 +1,19 @@
-"""Loss-compare harness against the PyTorch reference: same initial weights, same batches, step by step.
+"""Compare harness against the PyTorch reference: losses step by step, or speed in alternating blocks.
 
-Copies jaxpar's initial weights into ../shared/bench/torch_ref.py's model, trains both on the batches
-jaxpar draws for (seed, step), and prints how far apart their train losses and final val losses are.
+Losses: copies jaxpar's initial weights into ../shared/bench/torch_ref.py's model, trains both on
+the batches jaxpar draws for (seed, step), and prints how far apart their train losses and final
+val losses are. Speed (--speed ROUNDS): alternates blocks of --block steps of jaxpar's train step
+and of torch_ref's own loop body, in one process, so that both see the same load on a shared host.
 It needs torch installed beside jaxpar; the project itself never imports torch.
 
-    python scripts/compare_torch_ref.py [--torch-ref PATH] [--steps N] [--section.field=value ...]
+    python scripts/compare_torch_ref.py [--torch-ref PATH] [--steps N] [--speed ROUNDS [--block K]]
+                                        [--section.field=value ...]
 """
 
 import argparse
 import importlib.util
+import statistics
+import time
 from pathlib import Path
 
 import jax
@@ -69,6 +74,9 @@ def main():
     ap.add_argument("--torch-ref", type=Path, default=DEFAULT_REF)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--config", default=None)
+    ap.add_argument("--speed", type=int, default=0, metavar="ROUNDS",
+                    help="time ROUNDS pairs of blocks instead of comparing losses")
+    ap.add_argument("--block", type=int, default=20, metavar="K", help="steps per timed block")
     args, rest = ap.parse_known_args()
     overrides = parse_overrides(rest)
     overrides["train.steps"] = str(args.steps)
@@ -99,19 +107,27 @@ def main():
         copy_weights(model, jax.device_get(state.params), vocab)
         opt = ref.build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
 
+        def torch_step(s: int, rows) -> float:
+            """torch_ref's loop body at step s on (inputs, targets) rows; returns the loss."""
+            for group in opt.param_groups:
+                group["lr"] = ref.lr_at(s, t.lr, t.min_lr, t.warmup_steps, t.decay_steps)
+            _, loss = model(*rows)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            return loss.item()
+
+        if args.speed:
+            compare_speed(args.speed, args.block, state, train, train_step, torch_step, ref,
+                          torch.from_numpy(dataset.train.astype(np.int64)))
+            return
         print("| step | jaxpar loss | torch loss | rel. diff | max rel. diff so far |\n|---|---|---|---|---|")
         worst = 0.0
         for s in range(t.steps):
             batch = train(s)
             state, metrics = train_step(state, batch)
-            for group in opt.param_groups:
-                group["lr"] = ref.lr_at(s, t.lr, t.min_lr, t.warmup_steps, t.decay_steps)
-            _, loss = model(*as_rows(batch))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            opt.step()
-            ours, theirs = float(metrics["loss"]), loss.item()
+            ours, theirs = float(metrics["loss"]), torch_step(s, as_rows(batch))
             worst = max(worst, abs(ours - theirs) / abs(theirs))
             if s in REPORT_AT or s == t.steps - 1:
                 print(f"| {s} | {ours:.5f} | {theirs:.5f} | {abs(ours - theirs) / abs(theirs):.1e} "
@@ -123,6 +139,54 @@ def main():
             theirs = np.mean([model(*as_rows(b))[1].item() for b in batches])
     print(f"\nval loss after {t.steps} steps on the same {t.eval_batches} batches: "
           f"jaxpar {ours:.4f}, torch_ref {theirs:.4f}")
+
+
+def compare_speed(rounds: int, block: int, state, train, train_step, torch_step, ref,
+                  train_tokens: torch.Tensor):
+    """Alternate `block` steps of each side, `rounds` times (who goes first alternates too).
+
+    Each side runs its own training loop as it runs alone: jaxpar draws its batches and fetches
+    its metrics every 10 steps, as jaxpar.train does; torch_ref samples its own batches from the
+    same train split and syncs on its loss every step, as torch_ref.py does. Each first runs 10
+    untimed steps (jaxpar's compile among them).
+    """
+    rng = torch.Generator().manual_seed(0)
+    rows, seq = train.batch_size, train.block_size
+    done = {"jaxpar": 0, "torch_ref": 0}
+
+    def jaxpar_block(n: int):
+        nonlocal state
+        for _ in range(n):
+            state, metrics = train_step(state, train(done["jaxpar"]))
+            done["jaxpar"] += 1
+            if done["jaxpar"] % 10 == 0:
+                float(metrics["loss"])
+        jax.block_until_ready(state)
+
+    def torch_block(n: int):
+        for _ in range(n):
+            torch_step(done["torch_ref"], ref.sample_batch(train_tokens, rows, seq, rng))
+            done["torch_ref"] += 1
+
+    def tokens_per_s(run, n: int) -> float:
+        start = time.perf_counter()
+        run(n)
+        return n * rows * seq / (time.perf_counter() - start)
+
+    jaxpar_block(10)
+    torch_block(10)
+    ours, theirs = [], []
+    print("| round | jaxpar tok/s | torch_ref tok/s | ratio |\n|---|---|---|---|")
+    for r in range(rounds):
+        order = [(jaxpar_block, ours), (torch_block, theirs)]
+        for run, figures in order if r % 2 == 0 else order[::-1]:
+            figures.append(tokens_per_s(run, block))
+        print(f"| {r} | {ours[-1]:,.0f} | {theirs[-1]:,.0f} | {ours[-1] / theirs[-1]:.3f} |", flush=True)
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    print(f"\nmedians over {rounds} rounds of {block} steps: jaxpar {statistics.median(ours):,.0f} "
+          f"tok/s, torch_ref {statistics.median(theirs):,.0f} tok/s; ratio median "
+          f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
+          f"jaxpar faster in {sum(x > 1 for x in ratios)} of {rounds}")
 
 
 if __name__ == "__main__":
