@@ -84,6 +84,8 @@ def main():
     m, t = cfg.model, cfg.train
     if m.dropout:
         raise UserError("torch_ref has no dropout: pass --model.dropout=0")
+    if args.speed < 0 or args.block <= 0:
+        raise UserError(f"--speed must be >= 0 and --block positive, got {args.speed} and {args.block}")
     if not args.torch_ref.is_file():
         raise UserError(f"'{args.torch_ref}' not found: pass the path of torch_ref.py with --torch-ref")
     ref = load_module(args.torch_ref)
