@@ -12,6 +12,7 @@ It needs torch installed beside jaxpar; the project itself never imports torch.
 
 import argparse
 import importlib.util
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -154,21 +155,20 @@ def compare_speed(rounds: int, block: int, state, train, train_step, torch_step,
     """
     rng = torch.Generator().manual_seed(0)
     rows, seq = train.batch_size, train.block_size
-    done = {"jaxpar": 0, "torch_ref": 0}
+    jaxpar_steps, torch_steps = itertools.count(), itertools.count()
 
     def jaxpar_block(n: int):
         nonlocal state
         for _ in range(n):
-            state, metrics = train_step(state, train(done["jaxpar"]))
-            done["jaxpar"] += 1
-            if done["jaxpar"] % 10 == 0:
+            s = next(jaxpar_steps)
+            state, metrics = train_step(state, train(s))
+            if s % 10 == 9:
                 float(metrics["loss"])
         jax.block_until_ready(state)
 
     def torch_block(n: int):
         for _ in range(n):
-            torch_step(done["torch_ref"], ref.sample_batch(train_tokens, rows, seq, rng))
-            done["torch_ref"] += 1
+            torch_step(next(torch_steps), ref.sample_batch(train_tokens, rows, seq, rng))
 
     def tokens_per_s(run, n: int) -> float:
         start = time.perf_counter()
