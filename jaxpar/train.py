@@ -207,7 +207,9 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         def on_record(record: dict):
             result.losses[record["step"]] = record["loss"]
             write(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            # No redraw here: a fetch delivers 10 records at once, and the bar shows the newest.
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                            refresh=False)
 
         logger = StepLogger(on_record, lambda s: float(steps.learning_rate(s, t, xp=np)),
                             tokens_per_step, flops_per_token, peak,
