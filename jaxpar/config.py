@@ -42,6 +42,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
+    adam_eps: float = 1e-8  # AdamW's epsilon: torch's and nanoGPT's
     grad_clip: float = 1.0  # 0 disables clipping
     # ZeRO over the data axis: 1 shards the AdamW moments, 2 also the gradients, 3 also the params
     # (FSDP); 0 is plain data parallelism. 1 is the default: it saves memory at no extra
@@ -186,8 +187,9 @@ def validate(cfg: Config) -> None:
     positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
                 "train.log_every", "train.lr", "ckpt.keep"]
-    non_negative = ["train.micro_batch", "train.min_lr", "train.warmup_steps", "train.decay_steps", "train.weight_decay",
-                    "train.grad_clip", "train.eval_every", "pipeline.microbatches", "ckpt.every"]
+    non_negative = ["train.micro_batch", "train.min_lr", "train.warmup_steps", "train.decay_steps",
+                    "train.weight_decay", "train.adam_eps", "train.grad_clip", "train.eval_every",
+                    "pipeline.microbatches", "ckpt.every"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     for key in positive:
         if get(key) <= 0:

@@ -46,7 +46,7 @@ def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
 
     clip = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     return optax.chain(*clip, optax.adamw(functools.partial(learning_rate, t=t), b1=t.beta1,
-                                          b2=t.beta2, eps=1e-8, weight_decay=t.weight_decay,
+                                          b2=t.beta2, eps=t.adam_eps, weight_decay=t.weight_decay,
                                           mask=decay_mask))
 
 

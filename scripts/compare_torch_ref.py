@@ -109,6 +109,8 @@ def main():
         model = ref.CharGPT(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias)
         copy_weights(model, jax.device_get(state.params), vocab)
         opt = ref.build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
+        for group in opt.param_groups:
+            group["eps"] = t.adam_eps
 
         def torch_step(s: int, rows) -> float:
             """torch_ref's loop body at step s on (inputs, targets) rows; returns the loss."""

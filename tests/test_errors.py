@@ -46,6 +46,7 @@ def test_bad_mesh(capsys, tmp_path, argv, expected):
     (["--model.n_layer=0"], ["model.n_layer must be positive, got 0"]),
     (["--steps", "0"], ["train.steps must be positive"]),
     (["--train.batch_size=-4"], ["train.batch_size must be positive"]),
+    (["--train.adam_eps=-1e-8"], ["train.adam_eps must be >= 0, got -1e-08"]),
     (["--model.foo=1"], ["unknown config key 'model.foo'", "model.n_layer", "train.lr"]),
     (["--train.lr=fast"], ["train.lr expects float, got 'fast'"]),
     (["--model.n_head=3"], ["model.n_embd=32 must be divisible by model.n_head=3"]),
