@@ -20,7 +20,7 @@ from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config
 from jaxpar.errors import UserError, check_output_dir, exit_on_user_error
 from jaxpar.hlo import KINDS
 from jaxpar.mesh import CLI_AXES, parse_mesh_spec, resolve_mesh_shape
-from jaxpar.plot import mesh_label, plot_bench, pyplot
+from jaxpar.plot import mesh_label, plot_bench
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
 DEFAULT_STEPS = 50
@@ -213,15 +213,11 @@ def notes(rows: list[dict], weak: bool) -> list[str]:
 
 
 def write_outputs(rows: list[dict], out_dir: Path, weak: bool) -> str:
-    """bench.json, bench.md and (with matplotlib) bench.png; returns the Markdown."""
+    """bench.json, bench.md and bench.png; returns the Markdown."""
     (out_dir / "bench.json").write_text(json.dumps(rows, indent=2))
     markdown = table(rows) + "\n\n" + "\n".join(f"- {note}" for note in notes(rows, weak)) + "\n"
     (out_dir / "bench.md").write_text(markdown)
-    if pyplot() is not None:
-        plot_bench(rows, out_dir / "bench.png")
-    else:
-        print("note: matplotlib is not installed, so no bench.png (pip install 'jaxpar[plot]')",
-              file=sys.stderr)
+    plot_bench(rows, out_dir / "bench.png")
     return markdown
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 
 from jaxpar.config import Config
@@ -164,7 +165,7 @@ def model_shape(model: dict, vocab_size: int) -> str:
 
 
 def check_fits(meta: dict, cfg: Config, chars: str, directory: Path) -> None:
-    """A checkpoint resumes this run only with the same model, vocabulary, seed and optimizer."""
+    """A checkpoint resumes this run only with the same model, vocabulary and seed."""
     saved, saved_chars = meta["config"], meta["tokenizer"]["chars"]
     fresh = "or start over with --fresh"
     have = model_shape(saved["model"], len(saved_chars))
@@ -179,12 +180,6 @@ def check_fits(meta: dict, cfg: Config, chars: str, directory: Path) -> None:
         raise UserError(f"the checkpoint in '{directory}' was trained with train.seed="
                         f"{meta['rng']['seed']}, not {cfg.train.seed}; resume with --seed "
                         f"{meta['rng']['seed']}, {fresh}")
-    clip = saved["train"]["grad_clip"]
-    if (clip > 0) != (cfg.train.grad_clip > 0):  # clipping adds a node to the optimizer state
-        raise UserError(f"the checkpoint in '{directory}' was trained with train.grad_clip={clip}, "
-                        f"and its optimizer state does not fit train.grad_clip="
-                        f"{cfg.train.grad_clip}; resume with {'a positive' if clip > 0 else 'no'} "
-                        f"grad_clip, {fresh}")
 
 
 def restore_train_state(ckpt: Checkpoints, cfg: Config, chars: str, tx, shardings):
@@ -196,14 +191,25 @@ def restore_train_state(ckpt: Checkpoints, cfg: Config, chars: str, tx, sharding
 
     def targets_for(meta: dict) -> dict:
         check_fits(meta, cfg, chars, ckpt.directory)
-        return targets
+        clipped = meta["config"]["train"]["grad_clip"] > 0
+        return {**targets, "opt_state": with_clip_entry(targets["opt_state"], clipped)}
 
     found = ckpt.restore_latest(targets_for)
     if found is None:
         return None
     step, meta, items, skipped = found
     counter = jax.device_put(np.int32(meta["step"]), shardings.step)
-    return steps.TrainState(counter, items.params, items.opt_state), meta, skipped
+    opt_state = with_clip_entry(items.opt_state, cfg.train.grad_clip > 0)
+    return steps.TrainState(counter, items.params, opt_state), meta, skipped
+
+
+def with_clip_entry(opt_state: tuple, clipped: bool) -> tuple:
+    """The optimizer chain's state with or without gradient clipping's entry in front. Clipping
+    keeps no state (an EmptyState), so a run may turn train.grad_clip on or off when it resumes."""
+    has_entry = isinstance(opt_state[0], optax.EmptyState)
+    if has_entry == clipped:
+        return opt_state
+    return (optax.EmptyState(), *opt_state) if clipped else tuple(opt_state[1:])
 
 
 SYNC_EVERY = 10  # steps between the processes' comparisons of their stop flags

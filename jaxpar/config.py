@@ -10,7 +10,11 @@ from pathlib import Path
 
 from jaxpar.errors import UserError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
+# the repository's top-level configs/ in an editable install.
+_PACKAGE = Path(__file__).resolve().parent
+CONFIG_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if d.is_dir()),
+                  _PACKAGE / "configs")
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
 
 
@@ -88,6 +92,12 @@ class CkptConfig:
 
 
 @dataclass
+class LogConfig:
+    tensorboard: bool = True  # scalars into <out>/tensorboard (process 0), beside --profile's trace
+    wandb: str = ""  # a W&B project name: log the same scalars there too (needs `pip install wandb`)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -96,6 +106,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

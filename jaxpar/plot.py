@@ -1,6 +1,6 @@
 """Plots: loss curves of runs (`python -m jaxpar.plot RUN_DIR ... [--out FILE]`) and the bench bars.
 
-matplotlib is optional (`pip install 'jaxpar[plot]'`); training skips its loss.png without it.
+Every figure is drawn on matplotlib's file-only Agg backend, so no display is needed.
 """
 
 import json
@@ -9,24 +9,12 @@ from pathlib import Path
 
 from jaxpar.errors import UserError, exit_on_user_error
 
-INSTALL_HINT = "pip install 'jaxpar[plot]'"
-
 
 def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend (no display needed), or None if missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
+    """matplotlib.pyplot on the file-only Agg backend."""
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    return plt
-
-
-def require_pyplot():
-    plt = pyplot()
-    if plt is None:
-        raise UserError(f"plotting needs matplotlib: {INSTALL_HINT}")
     return plt
 
 
@@ -38,16 +26,17 @@ def save(plt, fig, out_png) -> Path:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """(train [(step, loss)], val [(step, val_loss)]) from run_dir/metrics.jsonl."""
+    """(train [(step, loss)], val [(step, val_loss)]) from run_dir/metrics.jsonl; a diverged step's
+    null loss is left out."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"'{run_dir}' has no metrics.jsonl; pass a jaxpar.train output directory")
     train, val = [], []
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        if "loss" in record:
+        if record.get("loss") is not None:
             train.append((record["step"], record["loss"]))
-        elif "val_loss" in record:
+        elif record.get("val_loss") is not None:
             val.append((record["step"], record["val_loss"]))
     return train, val
 
@@ -68,7 +57,7 @@ def run_label(run_dir: Path) -> str:
 def plot_runs(run_dirs: list, out_png) -> Path:
     """Overlay runs' losses in one PNG: train solid, val dashed with markers, a colour per run."""
     runs = [(run_label(d), *read_metrics(d)) for d in run_dirs]  # a bad dir fails before drawing
-    plt = require_pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (label, train, val) in enumerate(runs):
         colour = f"C{i % 10}"
@@ -84,21 +73,16 @@ def plot_runs(run_dirs: list, out_png) -> Path:
 
 
 def plot_after_training(out_dir: Path) -> None:
-    """loss.png in a finished run's directory; a one-line note instead if matplotlib is missing.
-
-    A process that wrote no metrics (not the main one) plots nothing.
-    """
+    """loss.png in a finished run's directory; a process that wrote no metrics (not the main one)
+    plots nothing."""
     if not (Path(out_dir) / "metrics.jsonl").is_file():
-        return
-    if pyplot() is None:
-        print(f"note: matplotlib is not installed, so no loss.png ({INSTALL_HINT})")
         return
     plot_runs([out_dir], Path(out_dir) / "loss.png")
 
 
 def plot_bench(rows: list[dict], out_png) -> Path:
     """Two bar panels, one bar per layout: tokens/s, and the compiled peak memory per device."""
-    plt = require_pyplot()
+    plt = pyplot()
     labels = [row["layout"] for row in rows]
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows)), 4))
     # A failed layout keeps its place, with an empty bar, so the panels line up with the table.

@@ -1,6 +1,7 @@
-"""`--profile START:END`: a jax.profiler trace of training steps START..END-1 in <out>/profile.
+"""`--profile START:END`: a jax.profiler trace of training steps START..END-1 in <out>/tensorboard.
 
-The trace opens in TensorBoard's profile plugin or in Perfetto (the *.trace.json.gz file).
+The trace lies beside the run's TensorBoard scalars (under plugins/profile), so
+`tensorboard --logdir <out>/tensorboard` shows both; the *.trace.json.gz file opens in Perfetto.
 """
 
 from pathlib import Path
@@ -9,6 +10,7 @@ import jax
 from tqdm import tqdm
 
 from jaxpar.errors import UserError
+from jaxpar.metrics import TENSORBOARD
 
 
 def parse_spec(spec: str, total_steps: int) -> tuple[int, int]:
@@ -41,7 +43,7 @@ class StepProfiler:
         self.steps = None if spec is None else parse_spec(spec, total_steps)
         if self.steps is not None and out_dir is None:
             raise UserError("--profile needs an output directory (--out) to write the trace to")
-        self.trace_dir = None if out_dir is None else Path(out_dir) / "profile"
+        self.trace_dir = None if out_dir is None else Path(out_dir) / TENSORBOARD
 
     def before_step(self, step: int) -> None:
         if self.steps is not None and step == self.steps[0]:

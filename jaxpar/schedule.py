@@ -182,8 +182,8 @@ class Schedule:
 
     def draw(self, path: str) -> None:
         """A PNG of the table: stages as rows, ticks as columns, F and B coloured, bubbles blank."""
-        from jaxpar.plot import require_pyplot, save
-        plt = require_pyplot()
+        from jaxpar.plot import pyplot, save
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(max(6, 0.35 * self.ticks), 0.6 * self.pp + 1.2))
         colours = {FORWARD: "#4c78a8", BACKWARD: "#f58518"}
         for t, row in enumerate(self.table):

@@ -4,7 +4,6 @@ The layouts train the same model, so their final losses must agree within rtol 1
 test_equivalence.py). No assertion is about speed: only that the ratios are computed consistently.
 """
 
-import importlib.util
 import json
 
 import numpy as np
@@ -12,7 +11,6 @@ import pytest
 
 from jaxpar import bench
 
-HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 LOSS_RTOL = 1e-5
 ROW_KEYS = {"layout", "devices", "tokens_per_s", "step_time_ms", "compile_s", "mfu", "hfu", "speedup",
             "efficiency", "peak_memory_bytes", "bytes_per_device", "collectives", "final_loss"}
@@ -51,7 +49,6 @@ def test_bench_rows(bench_out):
     assert "Final losses agree" in markdown
 
 
-@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
 def test_bench_and_train_write_pngs(bench_out):
     assert (bench_out / "bench.png").read_bytes().startswith(b"\x89PNG")
     for run_dir in ("dp1", "dp2"):

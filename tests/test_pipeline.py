@@ -70,7 +70,6 @@ def test_executor_arrays_route_every_message():
 
 
 def test_schedule_picture(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "s.png"
     schedule_main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png)])
     out = capsys.readouterr().out

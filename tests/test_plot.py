@@ -1,7 +1,6 @@
-"""jaxpar.plot: loss curves from run directories, and a one-line note or error without matplotlib."""
+"""jaxpar.plot: loss curves from run directories, and a one-line error for a directory without them."""
 
 import json
-import sys
 
 import pytest
 
@@ -20,7 +19,6 @@ def make_run(run_dir, losses, val_losses, mesh=None):
 
 
 def test_cli_overlays_runs(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     a = make_run(tmp_path / "a", [4.0, 3.5, 3.2], {0: 4.1, 3: 3.3}, {"dp": 2, "tp": 2, "pp": 1})
     b = make_run(tmp_path / "b", [4.0, 3.6, 3.1], {})
     out = tmp_path / "both.png"
@@ -37,18 +35,3 @@ def test_cli_rejects_a_dir_without_metrics(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("jaxpar.plot: error: ") and "has no metrics.jsonl" in err
     assert len(err.splitlines()) == 1
-
-
-def test_without_matplotlib_training_notes_and_cli_errors(tmp_path, capsys, monkeypatch):
-    run = make_run(tmp_path / "run", [4.0, 3.5], {0: 4.1})
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    plot.plot_after_training(run)
-    assert not (run / "loss.png").exists()
-    assert capsys.readouterr().out.strip() == (
-        "note: matplotlib is not installed, so no loss.png (pip install 'jaxpar[plot]')")
-    with pytest.raises(SystemExit) as exit_info:
-        plot.main([str(run)])
-    assert exit_info.value.code == 2
-    assert "plotting needs matplotlib" in capsys.readouterr().err

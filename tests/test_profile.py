@@ -57,5 +57,5 @@ def test_cli_bad_spec_exits_2_and_writes_nothing(tmp_path, capsys):
 def test_real_trace_of_a_tiny_run(tmp_path):
     cfg = tiny_config(**{"train.steps": 3, "train.eval_every": 0})
     run(cfg, tmp_path, devices=jax.devices()[:1], progress=False, profile="1:3")
-    traces = list((tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb"))
+    traces = list((tmp_path / "tensorboard").glob("plugins/profile/*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
