@@ -73,10 +73,9 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
-def prepare(cfg: Config, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
-    """Phase 1: the dataset and the train state, restored from out_dir's newest checkpoint unless
-    `fresh`. Call under `jax.set_mesh(mesh)`."""
-    dataset = load_dataset(cfg.data, cfg.model.block_size)
+def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
+    """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
+    under `jax.set_mesh(mesh)`."""
     chars, vocab = dataset.tokenizer.chars, dataset.tokenizer.vocab_size
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
     tx = steps.make_optimizer(cfg.train)
@@ -254,11 +253,12 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     """
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
+    dataset = load_dataset(cfg.data, cfg.model.block_size)
     mesh = build_mesh(cfg, devices)
     peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
     result = RunResult()
     with jax.set_mesh(mesh):
-        p = prepare(cfg, mesh, out_dir, fresh)
+        p = prepare(cfg, dataset, mesh, out_dir, fresh)
         if p.start == cfg.train.steps:  # already trained this far: nothing to do or write
             result.params = p.state.params
             result.info = {"resumed_from": p.start, "checkpoints": str(p.ckpt.directory),
