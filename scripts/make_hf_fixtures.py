@@ -1,0 +1,137 @@
+"""Make the Hugging Face GPT-2 test fixtures with real transformers, and check an export with it.
+
+Needs torch and transformers, which jaxpar itself never does: run it in a separate venv, e.g.
+
+    python -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers safetensors numpy
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py            # writes tests/fixtures/hf_gpt2_tiny
+
+The fixture is a tiny random GPT2LMHeadModel (vocab 101, not a multiple of 64, so jaxpar's
+vocabulary padding is exercised), saved with save_pretrained, with its float32 logits on a fixed
+2 x 16 input: tests/test_hf.py loads it into jaxpar and compares.
+
+    /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --check HF_DIR --ckpt RUN_DIR
+
+loads an export (python -m jaxpar.export) with transformers and compares its logits and greedy
+tokens with jaxpar's own from the run's checkpoint; jaxpar is imported from this checkout, so the
+venv needs jaxpar's dependencies too (pip install -e .).
+"""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "hf_gpt2_tiny"
+SEED = 1234
+INPUT_SHAPE = (2, 16)
+
+
+def make_fixture(out: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(SEED)
+    config = GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        activation_function="gelu_new", bos_token_id=100, eos_token_id=100,
+                        initializer_range=0.2)  # GPT-2's 0.02 gives logits near 0: a weaker test
+    model = GPT2LMHeadModel(config).eval()
+    # The init leaves every bias and LayerNorm at 0 and 1: random ones check their mapping too.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    input_ids = np.random.default_rng(SEED).integers(0, config.vocab_size, INPUT_SHAPE)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(input_ids)).logits.float().numpy()
+    np.save(out / "input_ids.npy", input_ids.astype(np.int32))
+    np.save(out / "logits.npy", logits.astype(np.float32))
+    sizes = ", ".join(f"{p.name} {p.stat().st_size:,} B" for p in sorted(out.iterdir()))
+    print(f"wrote {out}: {sizes}")
+
+
+JAXPAR_SIDE = """
+import json, sys
+import jax, numpy as np
+from flax import nnx
+from jaxpar import sample
+from jaxpar.step import abstract_model
+model = sample.load(sys.argv[1])
+ids = np.load(sys.argv[2])
+graphdef, _, _ = abstract_model(model.cfg, model.tokenizer.vocab_size)
+with jax.set_mesh(model.mesh):
+    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params, ids)
+np.save(sys.argv[3], np.asarray(logits)[..., :model.tokenizer.vocab_size])
+generated = sample.generate(model, model.tokenizer.decode(ids[0, :8]), int(sys.argv[4]),
+                            temperature=0)
+print(json.dumps(generated.texts[0]))
+"""
+
+
+def check_export(export_dir: Path, run_dir: Path, new_tokens: int) -> None:
+    """Compare transformers on the export with jaxpar on the run (in a jaxpar subprocess, so this
+    venv only needs jaxpar's dependencies importable from the checkout)."""
+    import json
+    import tempfile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    vocab, block = model.config.vocab_size, model.config.n_positions
+    ids = np.random.default_rng(SEED).integers(0, vocab, (2, min(16, block))).astype(np.int32)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp) / "ids.npy", ids)
+        done = subprocess.run([sys.executable, "-c", JAXPAR_SIDE, str(run_dir), f"{tmp}/ids.npy",
+                               f"{tmp}/logits.npy", str(new_tokens)], cwd=ROOT,
+                              capture_output=True, text=True, env={"PYTHONPATH": str(ROOT),
+                                                                    **_env()})
+        if done.returncode:
+            sys.exit(f"the jaxpar side failed:\n{done.stderr}")
+        theirs = np.load(f"{tmp}/logits.npy")
+        jaxpar_text = json.loads(done.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        ours = model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+    diff = np.abs(ours - theirs)
+    print(f"logits on {ids.shape[0]} x {ids.shape[1]} tokens: max abs diff {diff.max():.3g}, "
+          f"max rel diff {(diff / np.maximum(np.abs(theirs), 1e-6)).max():.3g} "
+          f"(max |logit| {np.abs(theirs).max():.3g})")
+    prompt = tokenizer.decode(ids[0, :8].tolist())
+    prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=model.config.eos_token_id or 0)
+    hf_text = tokenizer.decode(out[0].tolist())
+    same = hf_text == jaxpar_text
+    print(f"greedy {new_tokens} tokens after {prompt!r}: transformers and jaxpar "
+          f"{'match' if same else 'DIFFER'}")
+    print(f"  transformers: {hf_text!r}")
+    if not same:
+        print(f"  jaxpar:       {jaxpar_text!r}")
+        sys.exit(1)
+
+
+def _env() -> dict:
+    import os
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=FIXTURE, help=f"default: {FIXTURE}")
+    parser.add_argument("--check", type=Path, metavar="HF_EXPORT_DIR",
+                        help="compare this export with its run (--ckpt) instead of making fixtures")
+    parser.add_argument("--ckpt", type=Path, metavar="RUN_DIR", help="the run exported to --check")
+    parser.add_argument("--new-tokens", type=int, default=20)
+    args = parser.parse_args()
+    if args.check is None:
+        make_fixture(args.out)
+    elif args.ckpt is None:
+        parser.error("--check needs --ckpt RUN_DIR, the run that was exported")
+    else:
+        check_export(args.check, args.ckpt, args.new_tokens)
+
+
+if __name__ == "__main__":
+    main()
