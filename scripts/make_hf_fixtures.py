@@ -12,8 +12,8 @@ vocabulary padding is exercised), saved with save_pretrained, with its float32 l
     /tmp/hfvenv/bin/python scripts/make_hf_fixtures.py --check HF_DIR --ckpt RUN_DIR
 
 loads an export (python -m jaxpar.export) with transformers and compares its logits and greedy
-tokens with jaxpar's own from the run's checkpoint; jaxpar is imported from this checkout, so the
-venv needs jaxpar's dependencies too (pip install -e .).
+tokens with jaxpar's own from the run's checkpoint. jaxpar runs from this checkout in
+--jaxpar-python (default: this Python), which needs jaxpar's dependencies, e.g. .venv/bin/python.
 """
 
 import argparse
@@ -59,62 +59,62 @@ import jax, numpy as np
 from flax import nnx
 from jaxpar import sample
 from jaxpar.step import abstract_model
-model = sample.load(sys.argv[1])
-ids = np.load(sys.argv[2])
+run_dir, ids_file, logits_file, prompt, new_tokens = sys.argv[1:]
+model = sample.load(run_dir)
+ids = np.load(ids_file)
 graphdef, _, _ = abstract_model(model.cfg, model.tokenizer.vocab_size)
 with jax.set_mesh(model.mesh):
     logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params, ids)
-np.save(sys.argv[3], np.asarray(logits)[..., :model.tokenizer.vocab_size])
-generated = sample.generate(model, model.tokenizer.decode(ids[0, :8]), int(sys.argv[4]),
-                            temperature=0)
+np.save(logits_file, np.asarray(logits)[..., :model.tokenizer.vocab_size])
+generated = sample.generate(model, prompt, int(new_tokens), temperature=0)
 print(json.dumps(generated.texts[0]))
 """
 
 
-def check_export(export_dir: Path, run_dir: Path, new_tokens: int) -> None:
-    """Compare transformers on the export with jaxpar on the run (in a jaxpar subprocess, so this
-    venv only needs jaxpar's dependencies importable from the checkout)."""
+def jaxpar_side(python: str, run_dir: Path, ids: np.ndarray, prompt: str, new_tokens: int):
+    """(jaxpar's logits of ids, its greedy text after prompt), from `python`, which has jax."""
     import json
+    import os
     import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(f"{tmp}/ids.npy", ids)
+        env = os.environ | {"PYTHONPATH": str(ROOT)}
+        done = subprocess.run([python, "-c", JAXPAR_SIDE, str(run_dir), f"{tmp}/ids.npy",
+                               f"{tmp}/logits.npy", prompt, str(new_tokens)], cwd=ROOT,
+                              capture_output=True, text=True, env=env)
+        if done.returncode:
+            sys.exit(f"the jaxpar side failed:\n{done.stderr}")
+        return np.load(f"{tmp}/logits.npy"), json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_export(export_dir: Path, run_dir: Path, new_tokens: int, python: str) -> None:
+    """Compare transformers on the export with jaxpar on the run it came from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     vocab, block = model.config.vocab_size, model.config.n_positions
     ids = np.random.default_rng(SEED).integers(0, vocab, (2, min(16, block))).astype(np.int32)
-    with tempfile.TemporaryDirectory() as tmp:
-        np.save(Path(tmp) / "ids.npy", ids)
-        done = subprocess.run([sys.executable, "-c", JAXPAR_SIDE, str(run_dir), f"{tmp}/ids.npy",
-                               f"{tmp}/logits.npy", str(new_tokens)], cwd=ROOT,
-                              capture_output=True, text=True, env={"PYTHONPATH": str(ROOT),
-                                                                    **_env()})
-        if done.returncode:
-            sys.exit(f"the jaxpar side failed:\n{done.stderr}")
-        theirs = np.load(f"{tmp}/logits.npy")
-        jaxpar_text = json.loads(done.stdout.strip().splitlines()[-1])
-    with torch.no_grad():
-        ours = model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
-    diff = np.abs(ours - theirs)
-    print(f"logits on {ids.shape[0]} x {ids.shape[1]} tokens: max abs diff {diff.max():.3g}, "
-          f"max rel diff {(diff / np.maximum(np.abs(theirs), 1e-6)).max():.3g} "
-          f"(max |logit| {np.abs(theirs).max():.3g})")
     prompt = tokenizer.decode(ids[0, :8].tolist())
+    jaxpar_logits, jaxpar_text = jaxpar_side(python, run_dir, ids, prompt, new_tokens)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+    diff = np.abs(logits - jaxpar_logits)
+    print(f"logits on {ids.shape[0]} x {ids.shape[1]} random tokens: max abs diff {diff.max():.3g}, "
+          f"max rel diff {(diff / np.maximum(np.abs(jaxpar_logits), 1e-6)).max():.3g} "
+          f"(largest |logit| {np.abs(jaxpar_logits).max():.3g})")
     prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False,
+                             attention_mask=torch.ones_like(prompt_ids),
                              pad_token_id=model.config.eos_token_id or 0)
     hf_text = tokenizer.decode(out[0].tolist())
     same = hf_text == jaxpar_text
     print(f"greedy {new_tokens} tokens after {prompt!r}: transformers and jaxpar "
           f"{'match' if same else 'DIFFER'}")
     print(f"  transformers: {hf_text!r}")
+    print(f"  jaxpar:       {jaxpar_text!r}")
     if not same:
-        print(f"  jaxpar:       {jaxpar_text!r}")
         sys.exit(1)
-
-
-def _env() -> dict:
-    import os
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def main() -> None:
@@ -124,13 +124,15 @@ def main() -> None:
                         help="compare this export with its run (--ckpt) instead of making fixtures")
     parser.add_argument("--ckpt", type=Path, metavar="RUN_DIR", help="the run exported to --check")
     parser.add_argument("--new-tokens", type=int, default=20)
+    parser.add_argument("--jaxpar-python", default=sys.executable,
+                        help="a Python with jaxpar's dependencies (default: this one)")
     args = parser.parse_args()
     if args.check is None:
         make_fixture(args.out)
     elif args.ckpt is None:
         parser.error("--check needs --ckpt RUN_DIR, the run that was exported")
     else:
-        check_export(args.check, args.ckpt, args.new_tokens)
+        check_export(args.check, args.ckpt, args.new_tokens, args.jaxpar_python)
 
 
 if __name__ == "__main__":
