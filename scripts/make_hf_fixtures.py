@@ -87,14 +87,15 @@ def jaxpar_side(python: str, run_dir: Path, ids: np.ndarray, prompt: str, new_to
         return np.load(f"{tmp}/logits.npy"), json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def check_export(export_dir: Path, run_dir: Path, new_tokens: int, python: str) -> None:
+def check_export(export_dir: Path, run_dir: Path, prompt: str, new_tokens: int, python: str) -> None:
     """Compare transformers on the export with jaxpar on the run it came from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(export_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
     vocab, block = model.config.vocab_size, model.config.n_positions
     ids = np.random.default_rng(SEED).integers(0, vocab, (2, min(16, block))).astype(np.int32)
-    prompt = tokenizer.decode(ids[0, :8].tolist())
+    prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
+    new_tokens = min(new_tokens, block - prompt_ids.shape[1])  # transformers stops at n_positions
     jaxpar_logits, jaxpar_text = jaxpar_side(python, run_dir, ids, prompt, new_tokens)
     with torch.no_grad():
         logits = model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
@@ -102,7 +103,6 @@ def check_export(export_dir: Path, run_dir: Path, new_tokens: int, python: str) 
     print(f"logits on {ids.shape[0]} x {ids.shape[1]} random tokens: max abs diff {diff.max():.3g}, "
           f"max rel diff {(diff / np.maximum(np.abs(jaxpar_logits), 1e-6)).max():.3g} "
           f"(largest |logit| {np.abs(jaxpar_logits).max():.3g})")
-    prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False,
                              attention_mask=torch.ones_like(prompt_ids),
@@ -123,7 +123,8 @@ def main() -> None:
     parser.add_argument("--check", type=Path, metavar="HF_EXPORT_DIR",
                         help="compare this export with its run (--ckpt) instead of making fixtures")
     parser.add_argument("--ckpt", type=Path, metavar="RUN_DIR", help="the run exported to --check")
-    parser.add_argument("--new-tokens", type=int, default=20)
+    parser.add_argument("--prompt", default="ROMEO:\n", help="for the greedy generation")
+    parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--jaxpar-python", default=sys.executable,
                         help="a Python with jaxpar's dependencies (default: this one)")
     args = parser.parse_args()
@@ -132,7 +133,7 @@ def main() -> None:
     elif args.ckpt is None:
         parser.error("--check needs --ckpt RUN_DIR, the run that was exported")
     else:
-        check_export(args.check, args.ckpt, args.new_tokens, args.jaxpar_python)
+        check_export(args.check, args.ckpt, args.prompt, args.new_tokens, args.jaxpar_python)
 
 
 if __name__ == "__main__":
