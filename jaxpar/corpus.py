@@ -101,7 +101,7 @@ def read_pieces(path: Path, chunk_bytes: int = CHUNK_BYTES, limit: int | None = 
     offset, carry = 0, b""
     with open(path, "rb") as file:
         while True:
-            wanted = chunk_bytes - len(carry)  # > chunk_bytes / 2: a piece ends past half its buffer
+            wanted = chunk_bytes - len(carry)  # > chunk_bytes / 2: pieces end past mid-buffer
             block = file.read(wanted)
             buf = carry + block
             at_end = len(block) < wanted  # a regular file reads short only at its end
@@ -161,8 +161,9 @@ def ordered_map(make_fn, args: tuple, items, workers: int, per_worker: int = 3):
 
 
 def progress_bar(total_bytes: int, desc: str, progress: bool | None):
-    """A tqdm bar in bytes on stderr; progress=None shows it only when stderr is a terminal."""
+    """A tqdm bar in bytes on stderr; progress=None shows it only when stderr is a terminal.
+    It is erased when done: a summary line, or an error's one line, takes its place."""
     from tqdm import tqdm
     return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 disable=None if progress is None else not progress, dynamic_ncols=True,
-                mininterval=0.5)
+                mininterval=0.5, leave=False)
