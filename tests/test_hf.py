@@ -18,12 +18,16 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer
 
 from conftest import mesh_overrides, tiny_config
-from jaxpar import hf, step as steps
+from jaxpar import export, hf, sample, step as steps
+from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+from jaxpar.data import load_dataset
 from jaxpar.errors import UserError
 from jaxpar.mesh import build_mesh
 from jaxpar.model import padded_vocab
+from jaxpar.train import run
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 RTOL = ATOL = 1e-5
@@ -211,3 +215,90 @@ def test_weights_that_disagree_with_the_config_are_named(tmp_path):
     with pytest.raises(UserError, match=r"transformer.wpe.weight has shape \(32, 32\), but its "
                                         r"config.json implies \(64, 32\)"):
         hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+
+
+# ---- python -m jaxpar.export ----
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run directory with a checkpoint of the tiny model (tanh GELU) after 3 steps."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = tiny_config(**{"train.steps": 3, "train.eval_every": 0, "model.gelu": "tanh"})
+    run(cfg, out, jax.devices()[:1], progress=False)
+    return out
+
+
+def test_export_writes_what_transformers_loads(trained, tmp_path, capsys):
+    out = tmp_path / "hf"
+    export.main(["--ckpt", str(trained), "--out", str(out)])
+    assert f"step 3 of {trained} -> {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    with safe_open(out / "model.safetensors", framework="numpy") as f:
+        assert f.metadata() == {"format": "pt"} and sorted(f.keys()) == sorted(fixture_tensors())
+    model = sample.load(trained)
+    vocab = model.tokenizer.vocab_size
+    config = json.loads((out / "config.json").read_text())
+    assert (config["vocab_size"], config["activation_function"], config["n_positions"]) == (
+        vocab, "gelu_new", 32)
+    cfg, loaded_vocab, _, shardings = placed(hf_dir=out)
+    assert loaded_vocab == vocab and cfg.model == model.cfg.model
+    loaded = host(hf.load_hf_params(out, cfg, vocab, shardings))
+    params = host(model.params)
+    params["wte"][vocab:] = 0  # padding rows are not exported
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    # The tokenizer files: AutoTokenizer reads tokenizer.json through tokenizer_config.json.
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "First Citizen:\nBefore we proceed"
+    assert tokenizer.encode(text).ids == model.tokenizer.encode(text).tolist()
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tokenizer_config["model_max_length"] == 32
+
+
+def test_export_replaces_a_non_empty_out_only_with_force(trained, tmp_path, capsys):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        export.main(["--ckpt", str(trained), "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"jaxpar.export: error: --out '{out}' exists and is not empty; pass --force to "
+                   "replace it, or another directory\n")
+    export.main(["--ckpt", str(trained), "--out", str(out), "--force"])
+    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left behind
+
+
+def assert_one_line_exit_2(capsys, argv, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        export.main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("jaxpar.export: error: ") and expected in err, err
+
+
+def test_export_of_a_run_without_checkpoint_is_one_line(tmp_path, capsys):
+    assert_one_line_exit_2(capsys, ["--ckpt", str(tmp_path), "--out", str(tmp_path / "hf")],
+                           f"no checkpoints in '{tmp_path}'")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_of_a_model_without_biases_is_refused(tmp_path, capsys):
+    """A checkpoint of an untrained bias=false model, saved as training saves one."""
+    cfg = tiny_config(**{"model.bias": "false"})
+    chars = load_dataset(cfg.data, cfg.model.block_size).tokenizer.chars
+    mesh = build_mesh(cfg, jax.devices()[:1])
+    tx = steps.make_optimizer(cfg.train)
+    with jax.set_mesh(mesh):
+        shardings, _ = steps.state_shardings(cfg, len(chars), mesh, tx)
+        state = steps.init_state(cfg, len(chars), tx, shardings)
+    checkpoints = Checkpoints(tmp_path / "run" / CHECKPOINTS)
+    checkpoints.save(0, state.params, state.opt_state, make_meta(cfg, chars, 0))
+    checkpoints.wait()
+    checkpoints.close()
+    assert_one_line_exit_2(capsys, ["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")],
+                           "this model was trained with model.bias=false")
+    assert not (tmp_path / "hf").exists()
