@@ -24,9 +24,11 @@ from conftest import mesh_overrides, tiny_config
 from jaxpar import export, hf, sample, step as steps
 from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 from jaxpar.data import load_dataset
+from jaxpar.decode import empty_cache, forward
 from jaxpar.errors import UserError
 from jaxpar.mesh import build_mesh
 from jaxpar.model import padded_vocab
+from jaxpar.tokenizer import ByteTokenizer, CharTokenizer
 from jaxpar.train import run
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
@@ -66,7 +68,14 @@ def test_hf_checkpoint_gives_transformers_logits_on_any_mesh(spec, zero):
     ids = np.load(FIXTURE / "input_ids.npy")
     expected = np.load(FIXTURE / "logits.npy")
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
-    if spec == "dp=1":  # the tanh GELU matters: the exact one misses by 1e-3, 100x the tolerance
+    if spec == "dp=1":
+        # Sampling's forward pass (with its KV cache) honours model.gelu as well.
+        m = cfg.model
+        with jax.set_mesh(mesh):
+            decoded, _ = jax.jit(lambda p, t: forward(p, t, empty_cache(m, 2), 0, vocab, m.dtype,
+                                                      m.gelu))(params, ids)
+        np.testing.assert_allclose(np.asarray(decoded)[..., :vocab], expected, RTOL, ATOL)
+        # The tanh GELU matters: the exact one misses by 1e-3, 100x the tolerance.
         cfg.model.gelu = "exact"
         assert np.abs(logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 30 * ATOL
 
@@ -254,6 +263,15 @@ def test_export_writes_what_transformers_loads(trained, tmp_path, capsys):
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
     assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert tokenizer_config["model_max_length"] == 32
+
+
+def test_tokenizer_config_names_the_end_of_text_token_where_there_is_one():
+    files = export.tokenizer_files(ByteTokenizer(), block_size=32)
+    config = json.loads(files["tokenizer_config.json"])
+    assert config["eos_token"] == config["bos_token"] == config["unk_token"] == "<|endoftext|>"
+    assert Tokenizer.from_str(files["tokenizer.json"]).token_to_id("<|endoftext|>") == 256
+    assert "eos_token" not in json.loads(
+        export.tokenizer_files(CharTokenizer("ab"), 32)["tokenizer_config.json"])
 
 
 def test_export_replaces_a_non_empty_out_only_with_force(trained, tmp_path, capsys):
