@@ -16,6 +16,7 @@ _PACKAGE = Path(__file__).resolve().parent
 CONFIG_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if d.is_dir()),
                   _PACKAGE / "configs")
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
+GELU_KINDS = ("exact", "tanh")
 
 
 @dataclass
@@ -28,6 +29,9 @@ class ModelConfig:
     bias: bool = True  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
     dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
     unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
+    # The MLP's GELU: "exact" (erf) as nanoGPT's nn.GELU(), or "tanh", the approximation that
+    # Hugging Face GPT-2 checkpoints were trained with (activation_function "gelu_new").
+    gelu: str = "exact"
 
 
 @dataclass
@@ -56,6 +60,9 @@ class TrainConfig:
     eval_batches: int = 20
     log_every: int = 1
     seed: int = 1337
+    # A Hugging Face GPT-2 directory (config.json + model.safetensors) to start from instead of a
+    # random init: the model shape comes from its config.json (see jaxpar.hf). Empty: random init.
+    init_from: str = ""
 
 
 @dataclass
@@ -213,6 +220,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    if m.gelu not in GELU_KINDS:
+        raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{m.gelu}'")
     if m.dtype not in ("float32", "bfloat16"):
         raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
     if t.batch_size % t.grad_accum:

@@ -15,32 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import DataConfig
 from jaxpar.errors import UserError
+from jaxpar.tokenizer import CharTokenizer  # defined there; imported from here by older code
 
 BUILTIN_NAME = "tinyshakespeare.txt.gz"
 SPLIT_IDS = {"train": 0, "val": 1}
-
-
-@dataclass(frozen=True)
-class CharTokenizer:
-    chars: str  # the vocabulary, sorted; a token id is an index into it
-
-    @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
-        return cls("".join(sorted(set(text))))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
-
-    def encode(self, text: str) -> np.ndarray:
-        index = {c: i for i, c in enumerate(self.chars)}
-        unknown = next((c for c in text if c not in index), None)
-        if unknown is not None:
-            raise UserError(f"character {unknown!r} is not in the vocabulary of this model")
-        return np.fromiter((index[c] for c in text), dtype=np.int32, count=len(text))
-
-    def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in ids)
 
 
 @dataclass(frozen=True)

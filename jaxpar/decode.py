@@ -19,7 +19,7 @@ def empty_cache(cfg: ModelConfig, batch: int) -> dict:
     return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
 
 
-def block(x, p: dict, k_cache, v_cache, pos, dtype):
+def block(x, p: dict, k_cache, v_cache, pos, dtype, gelu_kind: str):
     """One block on tokens at positions pos..pos+T-1, x (B, T, C); returns x and both caches."""
     B, T, C = x.shape
     p = jax.tree.map(lambda a: a.astype(dtype), p)
@@ -39,20 +39,23 @@ def block(x, p: dict, k_cache, v_cache, pos, dtype):
     x = x.reshape(B * T, C) + add_bias(jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]),
                                        p["attn_out"])
     h = layer_norm(x, p["ln_2"]).astype(dtype)
-    h = gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"]))
+    h = gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"]), gelu_kind)
     x = x + mlp_output(h, p["mlp_out"])
     return x.reshape(B, T, C), k_cache, v_cache
 
 
-def forward(params: dict, tokens, cache: dict, pos, vocab_size: int, dtype):
-    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, padded vocab) f32, new cache)."""
+def forward(params: dict, tokens, cache: dict, pos, vocab_size: int, dtype,
+            gelu_kind: str = "exact"):
+    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, padded vocab) f32, new cache).
+
+    `gelu_kind` is the model's model.gelu."""
     dtype = jnp.dtype(dtype)
     T = tokens.shape[1]
     x = params["wte"][tokens] + jax.lax.dynamic_slice_in_dim(params["wpe"], pos, T)
 
     def layer(x, xs):
         p, k_cache, v_cache = xs
-        x, k_cache, v_cache = block(x, p, k_cache, v_cache, pos, dtype)
+        x, k_cache, v_cache = block(x, p, k_cache, v_cache, pos, dtype, gelu_kind)
         return x, (k_cache, v_cache)
 
     x, (k, v) = jax.lax.scan(layer, x, (params["blocks"], cache["k"], cache["v"]))

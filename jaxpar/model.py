@@ -104,8 +104,11 @@ def apply_dropout(x: jax.Array, keep, rate: float) -> jax.Array:
     return x if keep is None else jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
-def gelu(x: jax.Array) -> jax.Array:
-    """Exact (erf) GELU, as nanoGPT's nn.GELU(); erf compiles to faster CPU code than erfc."""
+def gelu(x: jax.Array, kind: str = "exact") -> jax.Array:
+    """GELU of model.gelu's `kind`: "exact" (erf) as nanoGPT's nn.GELU(), where erf compiles to
+    faster CPU code than erfc; "tanh", GPT-2's own approximation (Hugging Face's gelu_new)."""
+    if kind == "tanh":
+        return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
     return 0.5 * x * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0))))
 
 
@@ -184,7 +187,8 @@ def weights_for_compute(p: dict, axes: dict) -> dict:
     return jax.tree.map(lambda a, names: checkpoint_name(constrain(a, names), GATHERED), p, axes)
 
 
-def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key) -> jax.Array:
+def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
+          gelu_kind: str = "exact") -> jax.Array:
     """One block on one layer's params. The residual stream stays float32; matmuls run in dtype.
 
     Matmuls see the activations as (batch*seq, features): plain 2-D dots are the fastest on CPU.
@@ -203,7 +207,8 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key) -> jax.Arr
     y = add_bias(jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"])
     x = x + dropout(y, rate, keys[1])
     h = layer_norm(x, p["ln_2"]).astype(dtype)
-    h = constrain(gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"])), ("tokens", "mlp"))
+    h = constrain(gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"]), gelu_kind),
+                  ("tokens", "mlp"))
     y = mlp_output(h, p["mlp_out"])
     x = x + dropout(y, rate, keys[2])
     return constrain(x.reshape(B, T, C), ("batch", "seq", "embed"))
@@ -231,7 +236,7 @@ def apply_blocks(layer_params: dict, layer_axes: dict, x: jax.Array, cfg: ModelC
 
     def step(x, layer):
         p, key = layer
-        return block(x, p, layer_axes, cfg.dropout, dtype, key), None
+        return block(x, p, layer_axes, cfg.dropout, dtype, key, cfg.gelu), None
 
     if regather_weights:
         # A rolled scan gathers one layer at a time, in the forward and again in the backward.

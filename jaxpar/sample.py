@@ -87,17 +87,19 @@ def make_decoders(model: Model, temperature: float, top_k: int):
         return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)
 
     def prefill(params, tokens, seed, i):
-        logits, cache = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype)
+        logits, cache = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype,
+                                m.gelu)
         return next_token(logits[:, -1], seed, i), cache
 
     def step(params, cache, token, pos, seed, i):
-        logits, cache = forward(params, token[:, None], cache, pos, vocab, m.dtype)
+        logits, cache = forward(params, token[:, None], cache, pos, vocab, m.dtype, m.gelu)
         return next_token(logits[:, 0], seed, i), cache
 
     def recompute(params, tokens, length, seed, i):
         """The whole window again; tokens are padded to block_size, and causal attention keeps
         the padding from reaching position length - 1."""
-        logits, _ = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype)
+        logits, _ = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype,
+                            m.gelu)
         return next_token(jax.lax.dynamic_index_in_dim(logits, length - 1, 1, False), seed, i)
 
     return jax.jit(prefill), jax.jit(step, donate_argnums=1), jax.jit(recompute)
