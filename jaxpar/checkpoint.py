@@ -19,7 +19,9 @@ import optax
 import orbax.checkpoint as ocp
 
 from jaxpar.config import Config
+from jaxpar.data import model_vocab
 from jaxpar.errors import UserError
+from jaxpar.tokenizer import from_meta
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # the params' shapes follow these
@@ -38,10 +40,10 @@ def find_checkpoints(path) -> Path:
                     f"or its {CHECKPOINTS} folder")
 
 
-def make_meta(cfg: Config, chars: str, step: int) -> dict:
+def make_meta(cfg: Config, tokenizer, step: int) -> dict:
     # Data order and dropout keys are pure functions of (seed, step): that is the whole RNG state.
     return {"step": step, "rng": {"seed": cfg.train.seed, "step": step},
-            "config": cfg.to_dict(), "tokenizer": {"chars": chars}, "param_layout": PARAM_LAYOUT}
+            "config": cfg.to_dict(), "tokenizer": tokenizer.to_meta(), "param_layout": PARAM_LAYOUT}
 
 
 def check_layout(meta: dict, where: Path) -> None:
@@ -164,33 +166,43 @@ def model_shape(model: dict, vocab_size: int) -> str:
     return ", ".join(f"{k}={model[k]}" for k in MODEL_FIELDS) + f", vocab_size={vocab_size}"
 
 
-def check_fits(meta: dict, cfg: Config, chars: str, directory: Path) -> None:
-    """A checkpoint resumes this run only with the same model, vocabulary and seed."""
-    saved, saved_chars = meta["config"], meta["tokenizer"]["chars"]
+def saved_vocab(meta: dict) -> tuple[object, int]:
+    """(the checkpoint's tokenizer, its model's vocabulary size)."""
+    tokenizer = from_meta(meta["tokenizer"])
+    return tokenizer, meta["config"]["model"].get("vocab_size") or tokenizer.vocab_size
+
+
+def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
+    """A checkpoint resumes this run only with the same model, tokenizer and seed."""
+    saved = meta["config"]
     fresh = "or start over with --fresh"
-    have = model_shape(saved["model"], len(saved_chars))
-    want = model_shape(dataclasses.asdict(cfg.model), len(chars))
+    saved_tokenizer, vocab = saved_vocab(meta)
+    have = model_shape(saved["model"], vocab)
+    want = model_shape(dataclasses.asdict(cfg.model), model_vocab(cfg, tokenizer))
     if have != want:
         raise UserError(f"the checkpoint in '{directory}' has model shape ({have}) but the config "
-                        f"asks for ({want}); use the checkpoint's model settings, {fresh}")
-    if saved_chars != chars:
-        raise UserError(f"the checkpoint in '{directory}' was trained on a different vocabulary "
-                        f"than this data's; use the same data file, {fresh}")
+                        f"and data ask for ({want}); use the checkpoint's model settings and "
+                        f"data, {fresh}")
+    if saved_tokenizer.to_meta() != tokenizer.to_meta():
+        raise UserError(f"the checkpoint in '{directory}' was trained with another tokenizer "
+                        f"({saved_tokenizer.spec}, {saved_tokenizer.vocab_size} tokens) than this "
+                        f"data's ({tokenizer.spec}, {tokenizer.vocab_size} tokens); use the same "
+                        f"data, {fresh}")
     if meta["rng"]["seed"] != cfg.train.seed:
         raise UserError(f"the checkpoint in '{directory}' was trained with train.seed="
                         f"{meta['rng']['seed']}, not {cfg.train.seed}; resume with --seed "
                         f"{meta['rng']['seed']}, {fresh}")
 
 
-def restore_train_state(ckpt: Checkpoints, cfg: Config, chars: str, tx, shardings):
+def restore_train_state(ckpt: Checkpoints, cfg: Config, tokenizer, tx, shardings):
     """(TrainState on the mesh and ZeRO stage of `shardings`, meta, skipped steps), or None."""
     from jaxpar import step as steps
-    _, shapes, _ = steps.abstract_model(cfg, len(chars))
+    _, shapes, _ = steps.abstract_model(cfg, model_vocab(cfg, tokenizer))
     targets = {"params": abstract_tree(shapes, shardings.params),
                "opt_state": abstract_tree(jax.eval_shape(tx.init, shapes), shardings.opt_state)}
 
     def targets_for(meta: dict) -> dict:
-        check_fits(meta, cfg, chars, ckpt.directory)
+        check_fits(meta, cfg, tokenizer, ckpt.directory)
         clipped = meta["config"]["train"]["grad_clip"] > 0
         return {**targets, "opt_state": with_clip_entry(targets["opt_state"], clipped)}
 

@@ -27,6 +27,9 @@ class ModelConfig:
     block_size: int = 64
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
+    # Rows of the embedding. 0: the data's vocabulary. Larger leaves room, as GPT-2's 50257 does
+    # for any tokenizer with fewer tokens; smaller than the data's vocabulary is an error.
+    vocab_size: int = 0
     dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
     unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
     # The MLP's GELU: "exact" (erf) as nanoGPT's nn.GELU(), or "tanh", the approximation that
@@ -205,7 +208,7 @@ def validate(cfg: Config) -> None:
     positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
                 "train.log_every", "train.lr", "ckpt.keep"]
-    non_negative = ["train.micro_batch", "train.min_lr", "train.warmup_steps", "train.decay_steps",
+    non_negative = ["model.vocab_size", "train.micro_batch", "train.min_lr", "train.warmup_steps", "train.decay_steps",
                     "train.weight_decay", "train.adam_eps", "train.grad_clip", "train.eval_every",
                     "pipeline.microbatches", "ckpt.every"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731

@@ -1,4 +1,5 @@
-"""Character-level data: the built-in Tiny Shakespeare (or any UTF-8 file) and deterministic batches.
+"""Training data and deterministic batches: a `jaxpar.prepare` directory (train.bin and val.bin,
+memory-mapped), or a UTF-8 text file (the built-in Tiny Shakespeare by default) at character level.
 
 The global batch at step s is a pure function of (seed, split, s): the same for every mesh and
 process count. Each process materialises only the rows its devices hold.
@@ -15,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import DataConfig
 from jaxpar.errors import UserError
-from jaxpar.tokenizer import CharTokenizer  # defined there; imported from here by older code
+from jaxpar.tokenizer import CharTokenizer, from_meta
 
 BUILTIN_NAME = "tinyshakespeare.txt.gz"
 SPLIT_IDS = {"train": 0, "val": 1}
@@ -23,8 +24,8 @@ SPLIT_IDS = {"train": 0, "val": 1}
 
 @dataclass(frozen=True)
 class Dataset:
-    tokenizer: CharTokenizer
-    train: np.ndarray
+    tokenizer: object  # any kind of jaxpar.tokenizer
+    train: np.ndarray  # token ids; memory-mapped for prepared data
     val: np.ndarray
 
     def split(self, name: str) -> np.ndarray:
@@ -37,12 +38,11 @@ def read_text(path: str) -> str:
         return gzip.decompress(resources.files("jaxpar").joinpath("assets", BUILTIN_NAME)
                                .read_bytes()).decode("utf-8")
     file = Path(path)
-    # Anything but a directory is read: a pipe such as <(zcat corpus.gz) is a fine corpus.
-    problem = ("not found" if not file.exists() else "is a directory" if file.is_dir()
-               else None)
-    if problem:
-        raise UserError(f"data file '{path}' {problem}; pass an existing UTF-8 text file "
-                        "with --data.path, or omit it for the built-in Tiny Shakespeare")
+    # Anything but a directory (prepared data) is read: a pipe such as <(zcat corpus.gz) works.
+    if not file.exists():
+        raise UserError(f"data file '{path}' not found; pass an existing UTF-8 text file or a "
+                        "jaxpar.prepare directory with --data.path, or omit it for the built-in "
+                        "Tiny Shakespeare")
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -54,7 +54,10 @@ def read_text(path: str) -> str:
 
 
 def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
-    """Tokenise the whole text and split it train/val; both splits must hold a block."""
+    """A jaxpar.prepare directory (memory-mapped), or a text file tokenised by character and split
+    train/val; both splits must hold a block."""
+    if cfg.path and Path(cfg.path).is_dir():
+        return load_prepared(cfg.path, block_size)
     text = read_text(cfg.path)
     name = cfg.path or "the built-in corpus"
     if not text:
@@ -62,13 +65,36 @@ def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
     tokenizer = CharTokenizer.from_text(text)
     ids = tokenizer.encode(text)
     n_val = int(len(ids) * cfg.val_fraction)
-    train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val:]
-    shortest = min(len(train), len(val))
+    return checked(Dataset(tokenizer, ids[: len(ids) - n_val], ids[len(ids) - n_val:]),
+                   f"data file '{name}'", "characters", block_size)
+
+
+def load_prepared(directory: str, block_size: int) -> Dataset:
+    from jaxpar.prepared import read_prepared
+    meta, train, val = read_prepared(directory)
+    if "tokenizer_meta" not in meta:
+        raise UserError(f"'{directory}/meta.json' does not describe its tokenizer; run "
+                        "python -m jaxpar.prepare again")
+    return checked(Dataset(from_meta(meta["tokenizer_meta"]), train, val),
+                   f"prepared data '{directory}'", "tokens", block_size)
+
+
+def checked(dataset: Dataset, name: str, unit: str, block_size: int) -> Dataset:
+    shortest = min(len(dataset.train), len(dataset.val))
     if shortest <= block_size:
-        raise UserError(f"data file '{name}' is too short: its smaller split has {shortest} "
-                        f"characters, but model.block_size={block_size} needs at least "
-                        f"{block_size + 1}; use a longer file or a smaller block_size")
-    return Dataset(tokenizer, train, val)
+        raise UserError(f"{name} is too short: its smaller split has {shortest} {unit}, but "
+                        f"model.block_size={block_size} needs at least {block_size + 1}; use "
+                        "more text or a smaller block_size")
+    return dataset
+
+
+def model_vocab(cfg, tokenizer) -> int:
+    """The model's vocabulary: model.vocab_size, or the tokenizer's when that is 0."""
+    wanted = cfg.model.vocab_size
+    if wanted and wanted < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size={wanted} is smaller than the data's vocabulary of "
+                        f"{tokenizer.vocab_size} tokens; raise it, or set 0 to follow the data")
+    return wanted or tokenizer.vocab_size
 
 
 def batch_offsets(seed: int, split: str, step: int, batch_size: int, n_tokens: int,
@@ -99,6 +125,6 @@ class BatchLoader:
                                 self.block_size).reshape(self.shape[:2])
         local = offsets[:, self.row_start:self.row_stop]
         window = local[..., None] + np.arange(self.block_size + 1)
-        chunk = self.tokens[window]  # (microbatches, local rows, block_size + 1)
+        chunk = self.tokens[window].astype(np.int32)  # (microbatches, local rows, block_size + 1)
         return tuple(jax.make_array_from_process_local_data(self.sharding, part, self.shape)
                      for part in (chunk[..., :-1], chunk[..., 1:]))

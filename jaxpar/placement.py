@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import step as steps
 from jaxpar.config import Config
-from jaxpar.data import load_dataset
+from jaxpar.data import load_dataset, model_vocab
 from jaxpar.mesh import build_mesh, mesh_shape
 from jaxpar.model import padded_vocab
 from jaxpar.zero import expected_bytes_per_device
@@ -33,7 +33,7 @@ def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int) 
 
 
 def dry_run(cfg: Config, devices=None) -> str:
-    vocab = load_dataset(cfg.data, cfg.model.block_size).tokenizer.vocab_size
+    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
     mesh = build_mesh(cfg, devices)
     with jax.set_mesh(mesh):
         tx = steps.make_optimizer(cfg.train)

@@ -12,9 +12,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import step as steps
-from jaxpar.checkpoint import Checkpoints, abstract_tree, find_checkpoints
+from jaxpar.checkpoint import Checkpoints, abstract_tree, find_checkpoints, saved_vocab
 from jaxpar.config import Config, load_config
-from jaxpar.data import CharTokenizer
 from jaxpar.decode import empty_cache, forward, pick
 from jaxpar.errors import (ArgumentParser, UserError, exit_on_user_error,
                            out_of_memory_as_user_error)
@@ -25,7 +24,8 @@ from jaxpar.sharding import shardings_for
 @dataclass
 class Model:
     cfg: Config  # the checkpoint's resolved config, with this mesh
-    tokenizer: CharTokenizer
+    tokenizer: object  # any kind of jaxpar.tokenizer, as the checkpoint names it
+    vocab_size: int  # the model's (model.vocab_size, or the tokenizer's)
     params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
     mesh: Mesh
     step: int  # the training step the checkpoint holds
@@ -60,18 +60,19 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
         # Sampling replicates its batch over 'data': the training batch does not bind the mesh.
         cfg.train.batch_size, cfg.train.grad_accum = len(chosen), 1
         built["mesh"] = build_mesh(cfg, chosen)
-        built["cfg"], built["tokenizer"] = cfg, CharTokenizer(meta["tokenizer"]["chars"])
-        _, shapes, axes = steps.abstract_model(cfg, built["tokenizer"].vocab_size)
+        built["cfg"] = cfg
+        built["tokenizer"], built["vocab"] = saved_vocab(meta)
+        _, shapes, axes = steps.abstract_model(cfg, built["vocab"])
         return {"params": abstract_tree(shapes, shardings_for(axes, shapes, built["mesh"]))}
 
     found = ckpt.restore_latest(targets_for)
     if found is None:
         raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
     step, _, items, _ = found
-    return Model(built["cfg"], built["tokenizer"], items.params, built["mesh"], step)
+    return Model(built["cfg"], built["tokenizer"], built["vocab"], items.params, built["mesh"], step)
 
 
-def prompt_ids(tokenizer: CharTokenizer, prompt: str) -> np.ndarray:
+def prompt_ids(tokenizer, prompt: str) -> np.ndarray:
     """The prompt's token ids; an unknown character is a UserError naming it."""
     if not prompt:
         raise UserError("the prompt is empty; pass at least one character with --prompt")
@@ -81,6 +82,7 @@ def prompt_ids(tokenizer: CharTokenizer, prompt: str) -> np.ndarray:
 def make_decoders(model: Model, temperature: float, top_k: int):
     """Jitted (prefill, step, recompute). Each returns the next token of every sample; token i
     uses the key fold_in(key(seed), i) on either path, so both sample the same way."""
+    # Rows of the embedding beyond the tokenizer's (model.vocab_size) are never sampled.
     m, vocab = model.cfg.model, model.tokenizer.vocab_size
 
     def next_token(logits, seed, i):
@@ -107,9 +109,10 @@ def make_decoders(model: Model, temperature: float, top_k: int):
 
 def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
              temperature: float = 0.8, top_k: int = 200, seed: int = 1337, num_samples: int = 1,
-             use_cache: bool = True, on_tokens=None) -> Generation:
+             use_cache: bool = True, on_tokens=None, stop_at_eot: bool = False) -> Generation:
     """Sample `num_samples` continuations of `prompt`; `on_tokens(ids)` sees each new token of
-    every sample as it comes.
+    every sample as it comes. With `stop_at_eot`, a sample ends at its end-of-text token (left
+    out of its text), and generation stops when every sample has ended.
 
     The window is block_size tokens, as the model was trained (learned positions go no
     further). A longer prompt keeps its last block_size tokens, as nanoGPT does. When the window
@@ -117,6 +120,7 @@ def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
     recomputes the last block_size tokens for every new token, which a cache cannot do.
     """
     ids = prompt_ids(model.tokenizer, prompt)
+    eot = end_of_text(model.tokenizer) if stop_at_eot else None
     block = model.cfg.model.block_size
     keep = max(block // 2, 1)
     window = np.tile(ids[-block:], (num_samples, 1))
@@ -159,10 +163,45 @@ def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
             window = np.concatenate([window, latest[:, None]], axis=1)
             if window.shape[1] > block:  # no position left for the newest token
                 window, new_window = window[:, -keep:], True
+            if eot is not None and (np.stack(new, axis=1) == eot).any(axis=1).all():
+                break
         seconds = time.perf_counter() - start
     tokens = np.stack(new, axis=1)
-    texts = [prompt + model.tokenizer.decode(row) for row in tokens]
-    return Generation(texts, max_new_tokens, seconds, compile_seconds)
+    texts = [prompt + model.tokenizer.decode(row if eot is None else until(row, eot))
+             for row in tokens]
+    return Generation(texts, tokens.shape[1], seconds, compile_seconds)
+
+
+def end_of_text(tokenizer) -> int:
+    if tokenizer.eot_id is None:
+        raise UserError(f"--stop-at-eot: this model's tokenizer ({tokenizer.spec}) has no "
+                        "end-of-text token; drop --stop-at-eot")
+    return tokenizer.eot_id
+
+
+def until(row: np.ndarray, token: int) -> np.ndarray:
+    """`row` up to (not including) its first `token`."""
+    hits = np.flatnonzero(row == token)
+    return row[:hits[0]] if len(hits) else row
+
+
+class Streamer:
+    """Prints one sample's text as its tokens come: the decoded text so far, less what is already
+    printed, so that a character split over several byte-level tokens prints once it is whole."""
+
+    def __init__(self, tokenizer, eot: int | None):
+        self.tokenizer, self.eot, self.ids, self.printed, self.ended = tokenizer, eot, [], 0, False
+
+    def __call__(self, latest: np.ndarray):
+        token = int(latest[0])
+        self.ended = self.ended or token == self.eot
+        if self.ended:
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):  # a character whose bytes are not all here yet
+            print(text[self.printed:], end="", flush=True)
+            self.printed = len(text)
 
 
 def build_parser() -> ArgumentParser:
@@ -176,6 +215,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest; 0: all")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--stop-at-eot", action="store_true",
+                        help="end each sample at its end-of-text token")
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute the whole window for every token (to compare speed)")
     return parser
@@ -192,16 +233,15 @@ def main(argv: list[str] | None = None) -> None:
         force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
         model = load(args.ckpt, args.mesh)
         prompt_ids(model.tokenizer, args.prompt)  # before anything is printed
+        eot = end_of_text(model.tokenizer) if args.stop_at_eot else None
         single = args.num_samples == 1
         if single:
             print(args.prompt, end="", flush=True)
-
-        def stream(ids):
-            print(model.tokenizer.decode(ids), end="", flush=True)
         with out_of_memory_as_user_error("lower --num-samples"):
             result = generate(model, args.prompt, args.max_new_tokens, args.temperature,
                               args.top_k, args.seed, args.num_samples, not args.no_cache,
-                              stream if single else None)
+                              Streamer(model.tokenizer, eot) if single else None,
+                              args.stop_at_eot)
     print("" if single else "\n---------------\n".join(result.texts))
     print(f"jaxpar.sample: step {model.step} of {args.ckpt}, {args.num_samples} x "
           f"{result.new_tokens} tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} "

@@ -31,6 +31,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                         "started again with the same --out resumes from its latest checkpoint")
     parser.add_argument("--fresh", action="store_true",
                         help="start over: delete the checkpoints in --out instead of resuming")
+    parser.add_argument("--init-from", metavar="HF_DIR",
+                        help="start from a Hugging Face GPT-2 checkpoint directory (config.json and "
+                        "model.safetensors); the model's shape comes from it (train.init_from)")
     parser.add_argument("--profile", metavar="START:END",
                         help="jax.profiler trace of steps START..END-1 into <out>/tensorboard")
     return parser
@@ -59,9 +62,17 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
     overrides = parse_mesh_spec(args.mesh) if args.mesh else {}
     overrides |= parse_overrides(rest)
     named = {"train.steps": args.steps, "train.seed": args.seed, "train.log_every": args.log_every,
-             "train.zero": args.zero}
+             "train.zero": args.zero, "train.init_from": args.init_from}
     overrides |= {k: v for k, v in named.items() if v is not None}
     cfg = load_config(args.config, overrides)
+    if cfg.train.init_from:
+        from jaxpar.hf import apply_hf_config
+        explicit = {k: v for k, v in overrides.items() if k.startswith("model.")}
+        vocab = apply_hf_config(cfg, cfg.train.init_from, explicit)
+        if cfg.model.vocab_size not in (0, vocab):
+            raise UserError(f"model.vocab_size={cfg.model.vocab_size} conflicts with vocab_size="
+                            f"{vocab} of the GPT-2 in {cfg.train.init_from}; drop the override")
+        cfg.model.vocab_size = vocab
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name
     if not args.dry_run:  # which writes nothing

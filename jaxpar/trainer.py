@@ -20,7 +20,7 @@ from tqdm import tqdm
 from jaxpar import flops, hlo, pipeline, step as steps, zero
 from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
 from jaxpar.config import Config
-from jaxpar.data import BatchLoader, Dataset, load_dataset
+from jaxpar.data import BatchLoader, Dataset, load_dataset, model_vocab
 from jaxpar.distributed import is_main_process
 from jaxpar.errors import UserError
 from jaxpar.mesh import build_mesh, mesh_shape
@@ -76,18 +76,30 @@ def versions() -> dict:
 def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
     """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
     under `jax.set_mesh(mesh)`."""
-    chars, vocab = dataset.tokenizer.chars, dataset.tokenizer.vocab_size
+    vocab = model_vocab(cfg, dataset.tokenizer)
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
     tx = steps.make_optimizer(cfg.train)
     graphdef, _, _ = steps.abstract_model(cfg, vocab)
     shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
-    restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, chars, tx, shardings)
-    state, meta, damaged = restored or (steps.init_state(cfg, vocab, tx, shardings), None, [])
+    restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, dataset.tokenizer,
+                                                                       tx, shardings)
+    state, meta, damaged = restored or (initial_state(cfg, vocab, tx, shardings), None, [])
     start = meta["step"] if meta else 0
     if start > cfg.train.steps:
         raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
                         f"{cfg.train.steps}; pass --steps {start} or more, or start over with --fresh")
     return Prepared(cfg, dataset, mesh, ckpt, tx, graphdef, shardings, plan, state, start, damaged)
+
+
+def initial_state(cfg: Config, vocab: int, tx, shardings: steps.TrainState) -> steps.TrainState:
+    """A new state: random params, or train.init_from's Hugging Face GPT-2 weights, each placed
+    straight into its shards."""
+    if not cfg.train.init_from:
+        return steps.init_state(cfg, vocab, tx, shardings)
+    from jaxpar.hf import load_hf_params
+    params = load_hf_params(cfg.train.init_from, cfg, vocab, shardings.params)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
 
 
 def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
@@ -96,7 +108,7 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     `peak`: the devices' peak FLOP/s and its source, measured outside the mesh context.
     """
     cfg, t, mesh = p.cfg, p.cfg.train, p.mesh
-    vocab = p.dataset.tokenizer.vocab_size
+    vocab = model_vocab(cfg, p.dataset.tokenizer)
     zero.check_state(p.state, p.shardings)
     microbatches = steps.microbatches_for(cfg, mesh)
     loader = lambda split: BatchLoader(p.dataset.split(split), split, t.seed, t.batch_size,  # noqa: E731
@@ -207,7 +219,7 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
                     logger.flush()  # the divergence guard sees every step before it is saved
                     # Training goes on while it writes; the next save waits for this one.
                     ckpt.save(updates, state.params, state.opt_state,
-                              make_meta(cfg, p.dataset.tokenizer.chars, updates))
+                              make_meta(cfg, p.dataset.tokenizer, updates))
                 if stopping:
                     info["interrupted"] = {"step": updates, "signal": stopping}
                     break

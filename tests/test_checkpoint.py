@@ -93,12 +93,12 @@ def test_restore_onto_another_mesh_and_zero_stage(saved, tmp_path, spec, stage):
     out, stopped, straight = saved
     shutil.copytree(out / "checkpoints", tmp_path / "checkpoints")
     cfg = config(spec, TOTAL, **{"train.zero": stage, "train.eval_every": 0})
-    chars = load_dataset(cfg.data, cfg.model.block_size).tokenizer.chars
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     mesh = build_mesh(cfg, devices(cfg))
     with jax.set_mesh(mesh):
         tx = steps.make_optimizer(cfg.train)
-        shardings, _ = steps.state_shardings(cfg, len(chars), mesh, tx)
-        state, meta, _ = restore_train_state(Checkpoints(tmp_path / "checkpoints"), cfg, chars,
+        shardings, _ = steps.state_shardings(cfg, tokenizer.vocab_size, mesh, tx)
+        state, meta, _ = restore_train_state(Checkpoints(tmp_path / "checkpoints"), cfg, tokenizer,
                                              tx, shardings)
         check_state(state, shardings)  # where this mesh and stage put each tensor
     assert meta["step"] == int(state.step) == STOP_AT
@@ -117,15 +117,15 @@ def test_gradient_clipping_may_be_turned_off_on_resume(saved, tmp_path):
     params, is exactly the uninterrupted run's."""
     out, _, straight = saved
     unclipped = config(SAVE_ON, TOTAL, **{"train.grad_clip": 0})
-    chars = load_dataset(unclipped.data, unclipped.model.block_size).tokenizer.chars
+    tokenizer = load_dataset(unclipped.data, unclipped.model.block_size).tokenizer
     restored = {}
     for cfg in (config(SAVE_ON, TOTAL), unclipped):
         mesh = build_mesh(cfg, devices(cfg))
         with jax.set_mesh(mesh):
             tx = steps.make_optimizer(cfg.train)
-            shardings, _ = steps.state_shardings(cfg, len(chars), mesh, tx)
+            shardings, _ = steps.state_shardings(cfg, tokenizer.vocab_size, mesh, tx)
             restored[cfg.train.grad_clip] = restore_train_state(
-                Checkpoints(out / "checkpoints"), cfg, chars, tx, shardings)[0].opt_state
+                Checkpoints(out / "checkpoints"), cfg, tokenizer, tx, shardings)[0].opt_state
     assert len(restored[1.0]) == 2 and len(restored[0.0]) == 1
     assert_trees_equal(restored[1.0][1:], restored[0.0])
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)

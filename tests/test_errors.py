@@ -80,10 +80,11 @@ def test_bad_data_file(capsys, tmp_path, content, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={path}"], *expected)
 
 
-def test_a_directory_as_data_file_is_named_as_such(capsys, tmp_path):
+def test_a_directory_that_was_not_prepared_is_named_as_such(capsys, tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
-    fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={folder}"], "is a directory")
+    fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={folder}"],
+               "meta.json' not found", "run python -m jaxpar.prepare")
 
 
 @pytest.mark.parametrize("below", ["", "run"])

@@ -315,10 +315,10 @@ def test_export_of_a_model_without_biases_is_refused(tmp_path, capsys):
     """A checkpoint of a bias=false model, saved as training saves one (export reads only the
     params and meta, so the optimizer state is left out)."""
     cfg = tiny_config(**{"model.bias": "false"})
-    chars = load_dataset(cfg.data, cfg.model.block_size).tokenizer.chars
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     checkpoints = Checkpoints(tmp_path / "run" / CHECKPOINTS)
-    checkpoints.save(0, random_params(cfg, len(chars)), {"left_out": np.zeros(())},
-                     make_meta(cfg, chars, 0))
+    checkpoints.save(0, random_params(cfg, tokenizer.vocab_size), {"left_out": np.zeros(())},
+                     make_meta(cfg, tokenizer, 0))
     checkpoints.wait()
     checkpoints.close()
     assert_one_line_exit_2(capsys, ["--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")],
