@@ -213,18 +213,18 @@ def build_parser() -> ArgumentParser:
                         help="UTF-8 text files or globs of them (quote globs); each file is one "
                         "document, and documents are separated by the end-of-text token (char "
                         "has none: its documents are just concatenated)")
-    parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--tokenizer", required=True, metavar="SPEC",
                         help="char, bytes, bpe (trained on the inputs; needs --vocab-size), "
                         "tiktoken:NAME (e.g. tiktoken:gpt2; from tiktoken's cache only), or "
                         "the path of a tokenizer.json")
-    parser.add_argument("--vocab-size", type=int, help="bpe only: how many tokens (>= 257)")
-    parser.add_argument("--val-fraction", type=float, default=0.1,
+    parser.add_argument("--vocab-size", type=int, metavar="N", help="bpe only: how many tokens (>= 257)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                         help="the share of each document's tokens, at its end, that goes to "
                         "val.bin (default 0.1)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty --out, replacing the files it writes")
-    parser.add_argument("--workers", type=int,
+    parser.add_argument("--workers", type=int, metavar="N",
                         help="processes that tokenize (default: all cores for bpe, tokenizer.json "
                         "and tiktoken; 1 for char and bytes, which encode faster than they could "
                         "send their text to another process)")
