@@ -113,6 +113,11 @@ def tokenize(writer: SplitWriter, tok, inputs: list[Path], workers: int,
     return time.perf_counter() - start
 
 
+def pool_size(workers: int | None, input_bytes: int) -> int:
+    """Worker processes for `input_bytes` of text: none (1) for a piece or two."""
+    return max(1, min(workers or 1, input_bytes // corpus.CHUNK_BYTES))
+
+
 def check_out_dir(out: Path, force: bool) -> None:
     check_output_dir(out)
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -171,12 +176,12 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
     if not input_bytes:
         raise UserError(f"the inputs are empty ({', '.join(map(str, paths))}); pass text files")
     check_out_dir(out, force)
-    workers = max(1, min(workers or corpus.default_workers(),
-                         input_bytes // corpus.CHUNK_BYTES))  # no processes for a piece or two
     started = time.perf_counter()
-    tok = load_tokenizer(tokenizer, paths, vocab_size, workers=workers, progress=progress,
-                         sample_bytes=bpe_sample_bytes)
+    tok = load_tokenizer(tokenizer, paths, vocab_size, workers=pool_size(workers, input_bytes),
+                         progress=progress, sample_bytes=bpe_sample_bytes)
     tokenizer_seconds = time.perf_counter() - started
+    workers = pool_size(workers or (corpus.default_workers() if tok.parallel else 1),
+                        input_bytes)
     hf_json, dtype = tokenizer_json(tok), token_dtype(tok.vocab_size)
     made = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
@@ -208,18 +213,21 @@ def build_parser() -> ArgumentParser:
                         help="UTF-8 text files or globs of them (quote globs); each file is one "
                         "document, and documents are separated by the end-of-text token (char "
                         "has none: its documents are just concatenated)")
-    parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--tokenizer", required=True, metavar="SPEC",
                         help="char, bytes, bpe (trained on the inputs; needs --vocab-size), "
                         "tiktoken:NAME (e.g. tiktoken:gpt2; from tiktoken's cache only), or "
                         "the path of a tokenizer.json")
-    parser.add_argument("--vocab-size", type=int, help="bpe only: how many tokens (>= 257)")
-    parser.add_argument("--val-fraction", type=float, default=0.1,
+    parser.add_argument("--vocab-size", type=int, metavar="N", help="bpe only: how many tokens (>= 257)")
+    parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                         help="the share of each document's tokens, at its end, that goes to "
                         "val.bin (default 0.1)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty --out, replacing the files it writes")
-    parser.add_argument("--workers", type=int, help="processes that tokenize (default: all cores)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="processes that tokenize (default: all cores for bpe, tokenizer.json "
+                        "and tiktoken; 1 for char and bytes, which encode faster than they could "
+                        "send their text to another process)")
     parser.add_argument("--bpe-sample-bytes", type=int, metavar="N",
                         help="bpe only: train on about N bytes (the same share from the start "
                         "of each input) instead of all of them")

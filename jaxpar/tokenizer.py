@@ -43,9 +43,9 @@ def _joined(parts: list[np.ndarray], eot_id: int) -> np.ndarray:
 @dataclass(frozen=True)
 class CharTokenizer:
     chars: str  # the vocabulary, sorted; a token id is an index into it
-    kind = "char"
-    spec = "char"
+    kind = spec = "char"
     eot_id = None
+    parallel = False  # encoding costs less than sending the text to another process
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":
@@ -56,19 +56,20 @@ class CharTokenizer:
         return len(self.chars)
 
     @functools.cached_property
-    def _code_points(self) -> np.ndarray:
-        return _code_points(self.chars)
+    def _id_of(self) -> np.ndarray:
+        """Token id by code point, -1 for none; its last entry stands for every larger one."""
+        points = code_points(self.chars)
+        table = np.full(int(points.max(initial=0)) + 2, -1, np.int32)
+        table[points] = np.arange(len(points))
+        return table
 
     def encode(self, text: str) -> np.ndarray:
-        points = _code_points(text)
-        ids = np.searchsorted(self._code_points, points)  # sorted chars: binary search
-        known = np.zeros(len(points), bool)
-        found = ids < len(self.chars)
-        known[found] = self._code_points[ids[found]] == points[found]
-        if not known.all():
-            unknown = text[int(np.argmin(known))]
+        points = code_points(text)
+        ids = self._id_of[np.minimum(points, len(self._id_of) - 1)]
+        if (ids < 0).any():
+            unknown = text[int(np.argmax(ids < 0))]
             raise UserError(f"character {unknown!r} is not in the vocabulary of this model")
-        return ids.astype(np.int32)
+        return ids
 
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in ids)
@@ -77,7 +78,7 @@ class CharTokenizer:
         return {"kind": "char", "chars": self.chars}
 
 
-def _code_points(text: str) -> np.ndarray:
+def code_points(text: str) -> np.ndarray:
     try:
         return np.frombuffer(text.encode("utf-32-le"), np.uint32)
     except UnicodeEncodeError as e:  # a lone surrogate, e.g. from undecodable command-line bytes
@@ -88,6 +89,7 @@ class ByteTokenizer:
     kind = spec = "bytes"
     vocab_size = 257
     eot_id = 256
+    parallel = False  # encoding costs less than sending the text to another process
 
     def encode(self, text: str) -> np.ndarray:
         try:
@@ -111,6 +113,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer`: a trained BPE, or any tokenizer.json."""
     kind = "tokenizer.json"
+    parallel = True  # worth worker processes (measured: faster than tokenizers' own threads)
 
     def __init__(self, tokenizer, spec: str):
         self.tokenizer, self.spec = tokenizer, spec
@@ -133,6 +136,7 @@ class HFTokenizer:
 
 class TiktokenTokenizer:
     kind = "tiktoken"
+    parallel = True
 
     def __init__(self, name: str):
         from jaxpar.tiktoken_cache import load_encoding

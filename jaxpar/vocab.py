@@ -4,25 +4,30 @@ the Hugging Face tokenizer.json that encodes as char or bytes does (what an expo
 
 from pathlib import Path
 
+import numpy as np
+
 from jaxpar.corpus import decode_piece, ordered_map, progress_bar, read_pieces, split_text
-from jaxpar.tokenizer import EOT
+from jaxpar.tokenizer import EOT, code_points
 
 TRAIN_PIECE_CHARS = 1 << 16  # the BPE trainer's pre-tokenizer is slow on long texts
 
 
-def _piece_chars():
-    return lambda piece: (len(piece.data), set(decode_piece(piece)))
+def _piece_code_points():
+    def code_points_in(piece):
+        counts = np.bincount(code_points(decode_piece(piece)))
+        return len(piece.data), np.flatnonzero(counts)
+    return code_points_in
 
 
 def collect_chars(inputs: list[Path], workers: int = 1, progress: bool | None = False) -> str:
     """The sorted set of the characters in `inputs`: one pass, its pieces on `workers` processes."""
-    chars = set()
+    points = set()
     pieces = (piece for path in inputs for piece in read_pieces(path))
     with progress_bar(sum(p.stat().st_size for p in inputs), "characters", progress) as bar:
-        for size, found in ordered_map(_piece_chars, (), pieces, workers):
-            chars |= found
+        for size, found in ordered_map(_piece_code_points, (), pieces, workers):
+            points.update(found.tolist())
             bar.update(size)
-    return "".join(sorted(chars))
+    return "".join(map(chr, sorted(points)))
 
 
 def sample_limits(inputs: list[Path], sample_bytes: int | None) -> list[int | None]:
