@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxpar import corpus
 from jaxpar.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
-from jaxpar.prepared import DTYPES, FORMAT, read_prepared  # noqa: F401 (read_prepared: re-exported)
+from jaxpar.prepared import DTYPES, FORMAT
 from jaxpar.tokenizer import from_meta, load_tokenizer, tokenizer_json
 
 SPLITS = ("train", "val")
