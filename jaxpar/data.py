@@ -6,6 +6,7 @@ process count. Each process materialises only the rows its devices hold.
 """
 
 import gzip
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -128,3 +129,24 @@ class BatchLoader:
         chunk = self.tokens[window].astype(np.int32)  # (microbatches, local rows, block_size + 1)
         return tuple(jax.make_array_from_process_local_data(self.sharding, part, self.shape)
                      for part in (chunk[..., :-1], chunk[..., 1:]))
+
+
+class Prefetcher:
+    """The loader's batches for consecutive steps, each built on a worker thread while the step
+    before it runs, so building a batch (reading a memory-mapped file, above all) never holds up
+    the device. Any step may be asked for; a step out of order is built at once."""
+
+    def __init__(self, loader: BatchLoader, first_step: int):
+        self.loader, self.sharding = loader, loader.sharding
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-batches")
+        self.next = (first_step, self.pool.submit(loader, first_step))
+
+    def __call__(self, step: int) -> tuple[jax.Array, jax.Array]:
+        ready_step, ready = self.next
+        batch = ready.result() if ready_step == step else self.loader(step)
+        self.next = (step + 1, self.pool.submit(self.loader, step + 1))
+        return batch
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+

@@ -49,7 +49,7 @@ def export(ckpt, out, force: bool = False) -> tuple[int, list[str]]:
     out = Path(out)
     check_out_dir(out, force)
     model = sample.load(ckpt, "dp=1")  # on one device: the params whole, as the file holds them
-    vocab, block = model.tokenizer.vocab_size, model.cfg.model.block_size
+    vocab, block = model.vocab_size, model.cfg.model.block_size
     tensors = hf_state_dict(model.params, model.cfg, vocab)  # refuses before anything is written
     texts = {"config.json": json.dumps(hf_config(model.cfg, vocab, model.tokenizer.eot_id),
                                        indent=2) + "\n"}

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from jaxpar import flops, hlo, pipeline, step as steps, zero
 from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
 from jaxpar.config import Config
-from jaxpar.data import BatchLoader, Dataset, load_dataset, model_vocab
+from jaxpar.data import BatchLoader, Dataset, Prefetcher, load_dataset, model_vocab
 from jaxpar.distributed import is_main_process
 from jaxpar.errors import UserError
 from jaxpar.mesh import build_mesh, mesh_shape
@@ -195,12 +195,13 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
     state = p.state
     if c.val_batches and p.start % t.eval_every == 0:  # a resumed run repeats its eval
         evaluate(p.start)
+    batches = Prefetcher(c.train_batches, p.start)
     logger.restart_clock(p.start - 1)
     with StopRequest() as stop:
         try:
             for step in range(p.start, t.steps):
                 profiler.before_step(step)
-                state, metrics = c.step(state, c.train_batches(step))
+                state, metrics = c.step(state, batches(step))
                 profiler.after_step(step, (state, metrics))
                 logger.add(step, metrics)
                 if (step + 1) % FETCH_EVERY == 0:
@@ -225,6 +226,7 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
                     break
             logger.flush(step)
         finally:
+            batches.close()
             bar.close()
             if ckpt is not None:
                 ckpt.wait()  # inside the handlers: a signal now cannot cut the last write short
