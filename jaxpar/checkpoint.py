@@ -177,17 +177,21 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
     saved = meta["config"]
     fresh = "or start over with --fresh"
     saved_tokenizer, vocab = saved_vocab(meta)
+    if saved_tokenizer.to_meta() != tokenizer.to_meta():
+        raise UserError(f"the checkpoint in '{directory}' was trained with another tokenizer "
+                        f"({saved_tokenizer.spec}, {saved_tokenizer.vocab_size} tokens) than this "
+                        f"data's ({tokenizer.spec}, {tokenizer.vocab_size} tokens); use the same "
+                        f"data, {fresh}")
     have = model_shape(saved["model"], vocab)
     want = model_shape(dataclasses.asdict(cfg.model), model_vocab(cfg, tokenizer))
     if have != want:
         raise UserError(f"the checkpoint in '{directory}' has model shape ({have}) but the config "
                         f"and data ask for ({want}); use the checkpoint's model settings and "
                         f"data, {fresh}")
-    if saved_tokenizer.to_meta() != tokenizer.to_meta():
-        raise UserError(f"the checkpoint in '{directory}' was trained with another tokenizer "
-                        f"({saved_tokenizer.spec}, {saved_tokenizer.vocab_size} tokens) than this "
-                        f"data's ({tokenizer.spec}, {tokenizer.vocab_size} tokens); use the same "
-                        f"data, {fresh}")
+    gelu = saved["model"].get("gelu", "exact")  # checkpoints from before the field: exact
+    if gelu != cfg.model.gelu:
+        raise UserError(f"the checkpoint in '{directory}' was trained with model.gelu={gelu}, not "
+                        f"{cfg.model.gelu}; resume with --model.gelu={gelu}, {fresh}")
     if meta["rng"]["seed"] != cfg.train.seed:
         raise UserError(f"the checkpoint in '{directory}' was trained with train.seed="
                         f"{meta['rng']['seed']}, not {cfg.train.seed}; resume with --seed "

@@ -69,9 +69,10 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
         from jaxpar.hf import apply_hf_config
         explicit = {k: v for k, v in overrides.items() if k.startswith("model.")}
         vocab = apply_hf_config(cfg, cfg.train.init_from, explicit)
-        if cfg.model.vocab_size not in (0, vocab):
-            raise UserError(f"model.vocab_size={cfg.model.vocab_size} conflicts with vocab_size="
-                            f"{vocab} of the GPT-2 in {cfg.train.init_from}; drop the override")
+        asked = explicit.get("model.vocab_size")
+        if asked is not None and cfg.model.vocab_size not in (0, vocab):
+            raise UserError(f"model.vocab_size={asked} conflicts with vocab_size={vocab} of the "
+                            f"GPT-2 in {cfg.train.init_from}; drop the override")
         cfg.model.vocab_size = vocab
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name

@@ -137,6 +137,7 @@ def test_gradient_clipping_may_be_turned_off_on_resume(saved, tmp_path):
 @pytest.mark.parametrize("overrides, expected", [
     ({"model.n_layer": 3}, ["model shape (n_layer=2, n_head=4, n_embd=32", "(n_layer=3,"]),
     ({"train.seed": 7}, ["train.seed=1337, not 7", "--seed 1337"]),
+    ({"model.gelu": "tanh"}, ["model.gelu=exact, not tanh", "--model.gelu=exact"]),
     ({"train.steps": 2}, ["at step 10, past --steps 2"]),
 ])
 def test_a_checkpoint_that_does_not_fit_is_an_error(saved, tmp_path, overrides, expected):

@@ -1,0 +1,162 @@
+"""`jaxpar.eval`: a checkpoint's loss over every non-overlapping block of the val split.
+
+The reference is computed here independently: the model's forward (nnx.merge of the checkpoint's
+params) on all blocks at once, then each token's cross-entropy in float64 numpy, averaged.
+Tolerance: eval's loss within rtol 1e-5 of it, on one device and on dp=2, with a number of rows
+per pass that divides the blocks and ones that do not (the last pass padded).
+"""
+
+import json
+import math
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from jaxpar import sample, step as steps
+from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+from jaxpar.data import load_dataset, read_text
+from jaxpar.eval import evaluate, main
+from jaxpar.prepare import prepare
+
+RTOL = 1e-5
+BLOCK = 32  # configs/tiny.toml
+STEP = 7  # the step the checkpoint says it holds
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """30 KB of Tiny Shakespeare prepared as bytes (its val split: 3,001 tokens, 93 blocks), and
+    a checkpoint of a tiny model with random params for it."""
+    root = tmp_path_factory.mktemp("eval")
+    text = root / "text.txt"
+    text.write_text(read_text("")[:30_000], encoding="utf-8")
+    prepare([str(text)], root / "bytes", "bytes")
+    cfg = tiny_config(**{"data.path": str(root / "bytes")})
+    tokenizer = load_dataset(cfg.data, BLOCK).tokenizer
+    _, shapes, _ = steps.abstract_model(cfg, tokenizer.vocab_size)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: 0.1 * rng.standard_normal(s.shape, np.float32), shapes)
+    for norm in (params["blocks"]["ln_1"], params["blocks"]["ln_2"], params["ln_f"]):
+        norm["scale"] += 1.0
+    checkpoints = Checkpoints(root / "run" / CHECKPOINTS)
+    checkpoints.save(STEP, params, {"left_out": np.zeros(())}, make_meta(cfg, tokenizer, STEP))
+    checkpoints.wait()
+    checkpoints.close()
+    val = load_dataset(cfg.data, BLOCK).val
+    assert len(val) == 3_001 and (len(val) - 1) // BLOCK == 93
+    return SimpleNamespace(run=root / "run", data=root / "bytes", text=text, val=val)
+
+
+@pytest.fixture(scope="module")
+def direct(saved):
+    """(loss, blocks, each token's loss): every block's per-token cross-entropy, from one forward
+    over all of them."""
+    model = sample.load(saved.run)
+    tokens = np.asarray(saved.val).astype(np.int64)
+    blocks = (len(tokens) - 1) // BLOCK
+    inputs = tokens[:blocks * BLOCK].reshape(blocks, BLOCK)
+    targets = tokens[1:blocks * BLOCK + 1].reshape(blocks, BLOCK)
+    graphdef, _, _ = steps.abstract_model(model.cfg, model.vocab_size)
+    with jax.set_mesh(model.mesh):
+        logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params,
+                                                                 inputs.astype(np.int32))
+    logits = np.asarray(logits, np.float64)[..., :model.vocab_size]
+    top = logits.max(-1, keepdims=True)
+    log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    picked = np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    return float((log_z - picked).mean()), blocks, log_z - picked
+
+
+@pytest.mark.parametrize("spec, rows", [
+    ("dp=1", 16),  # 93 blocks: 5 passes of 16, then 13 rows and 3 of padding
+    ("dp=1", 31),  # 3 passes, none padded
+    ("dp=2", 5),  # rounded up to 6 rows, 3 per replica: 15 passes, then 3 rows and 3 of padding
+    ("dp=2", 128),  # one pass, mostly padding (and so no timed pass)
+])
+def test_the_loss_is_the_mean_over_every_block(saved, direct, spec, rows):
+    model = sample.load(saved.run, spec)
+    assert model.mesh.shape["data"] == int(spec.split("=")[1]) and model.step == STEP
+    result = evaluate(model, saved.val, rows)
+    loss, blocks, _ = direct
+    assert result["loss"] == pytest.approx(loss, rel=RTOL)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-12)
+    assert (result["blocks"], result["tokens"], result["split"]) == (blocks, blocks * BLOCK, "val")
+    dp = model.mesh.shape["data"]
+    if -(-rows // dp) * dp >= blocks:  # one pass, which compiles: none is timed
+        assert result["tokens_per_s"] is None
+    else:
+        assert result["tokens_per_s"] > 0
+
+
+def test_the_loss_is_of_the_split_given(saved, direct):
+    """A control: the first half of the split has its own loss, which eval finds too."""
+    model = sample.load(saved.run)
+    loss, _, per_token = direct
+    half = evaluate(model, saved.val[:47 * BLOCK + 1], 16)
+    assert half["blocks"] == 47
+    assert half["loss"] == pytest.approx(per_token[:47].mean(), rel=RTOL)
+    assert abs(half["loss"] - loss) > 10 * RTOL * loss
+
+
+def one_json_line(capsys) -> dict:
+    out, _ = capsys.readouterr()
+    lines = out.splitlines()
+    assert len(lines) == 1 and out.endswith("\n"), out
+    return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("argv", [[], ["--mesh", "dp=2", "--rows", "5"]])
+def test_cli_prints_one_json_line(saved, direct, capsys, argv):
+    main(["--ckpt", str(saved.run), "--data", str(saved.data), *argv])
+    result = one_json_line(capsys)
+    loss, blocks, _ = direct
+    assert {"step", "loss", "perplexity", "tokens", "blocks", "tokens_per_s"} <= set(result)
+    assert result["step"] == STEP
+    assert result["loss"] == pytest.approx(loss, rel=RTOL)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-12)
+    assert result["blocks"] == blocks and result["tokens"] == blocks * BLOCK
+    assert result["tokens_per_s"] > 0
+
+
+def test_cli_reads_the_runs_own_data_by_default(saved, direct, capsys):
+    main(["--ckpt", str(saved.run)])
+    assert one_json_line(capsys)["loss"] == pytest.approx(direct[0], rel=RTOL)
+
+
+def fails_with(capsys, argv, expected: str):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("jaxpar.eval: error: ") and expected in err, err
+
+
+@pytest.fixture(scope="module")
+def char_data(saved, tmp_path_factory):
+    out = tmp_path_factory.mktemp("char") / "data"
+    prepare([str(saved.text)], out, "char")
+    return out
+
+
+@pytest.mark.parametrize("other", ["text file", "char directory"])
+def test_data_with_another_tokenizer_is_one_line(saved, char_data, capsys, other):
+    data = saved.text if other == "text file" else char_data
+    before = sorted(p for p in saved.run.parent.rglob("*"))
+    vocab = len(set(saved.text.read_text()))
+    fails_with(capsys, ["--ckpt", str(saved.run), "--data", str(data)],
+               f"the data '{data}' uses another tokenizer (char, {vocab} tokens) than the model "
+               "(bytes, 257); pass data prepared with the model's tokenizer")
+    assert sorted(p for p in saved.run.parent.rglob("*")) == before
+
+
+def test_bad_arguments_are_one_line(saved, tmp_path, capsys):
+    fails_with(capsys, ["--ckpt", str(saved.run), "--rows", "0"], "--rows must be at least 1")
+    fails_with(capsys, ["--ckpt", str(tmp_path)], f"no checkpoints in '{tmp_path}'")
+    fails_with(capsys, ["--ckpt", str(saved.run), "--data", str(tmp_path / "none")],
+               f"data file '{tmp_path / 'none'}' not found")
+    assert not any(tmp_path.iterdir())
