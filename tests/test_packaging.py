@@ -5,6 +5,7 @@ venv that borrows this environment's dependencies (so no network is needed): jax
 from the wheel alone. `--dry-run` runs from a directory with no configs/ in it.
 """
 
+import os
 import shutil
 import site
 import subprocess
@@ -53,11 +54,12 @@ def test_the_wheel_ships_the_configs_and_a_regular_install_finds_them(tmp_path):
     python = fresh_venv(tmp_path, wheel)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only the venv's jaxpar
     where = subprocess.run([python, "-c", "import jaxpar; print(jaxpar.__file__)"], cwd=elsewhere,
-                           check=True, capture_output=True, text=True).stdout.strip()
+                           env=env, check=True, capture_output=True, text=True).stdout.strip()
     assert where.startswith(str(tmp_path / "venv")), where
     done = subprocess.run([python, "-m", "jaxpar.train", "--config", "shakespeare_char",
-                           "--dry-run"], cwd=elsewhere, capture_output=True, text=True)
+                           "--dry-run"], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "(6, 384, 1536)" in done.stdout  # shakespeare_char: 6 layers, 384 wide
     assert "compiled train step, per device" in done.stdout

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxpar import prepare as prep
 from jaxpar.errors import UserError
-from jaxpar.prepare import main, read_prepared
+from jaxpar.prepare import main
+from jaxpar.prepared import read_prepared
 from jaxpar.tokenizer import EOT, CharTokenizer
 
 DOCS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n" * 3,
