@@ -20,7 +20,7 @@ from jaxpar.errors import UserError
 
 CHUNK_BYTES = 1 << 20
 SAFE_NEWLINE = {bytes: re.compile(rb"[!-~]\n(?=[!-~])"), str: re.compile(r"[!-~]\n(?=[!-~])")}
-NEAR_END = 1 << 16  # the safe newline nearest the end is looked for here first: most are
+NEAR_END = 1 << 16  # the last safe newline is looked for in this many final bytes, then further
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ The literal text "<|endoftext|>" encodes as the end-of-text token in every kind 
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -30,6 +31,21 @@ EOT = "<|endoftext|>"
 EOT_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>")  # a tokenizer.json's end-of-text token
 HF_PIECE_CHARS = 1 << 16  # Hugging Face tokenizers encode many short texts much faster than one
 MIN_BPE_VOCAB, MAX_VOCAB = 257, 2**32  # the 256 bytes and <|endoftext|>; ids fit uint32
+
+
+class Tokenizer(Protocol):
+    """What every kind below has (for type hints)."""
+    kind: str  # char, bytes, tokenizer.json or tiktoken
+    spec: str  # what --tokenizer said
+    vocab_size: int  # every id is below it
+    eot_id: int | None  # the end-of-text token; None for char
+    parallel: bool  # whether encoding is worth worker processes
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+    def decode(self, ids) -> str: ...
+
+    def to_meta(self) -> dict: ...
 
 
 def _joined(parts: list[np.ndarray], eot_id: int) -> np.ndarray:
@@ -156,7 +172,7 @@ class TiktokenTokenizer:
         return {"kind": "tiktoken", "name": self.name}
 
 
-def from_meta(meta: dict):
+def from_meta(meta: dict) -> Tokenizer:
     """The tokenizer that to_meta() described; `{"chars": ...}` is a char tokenizer (the format
     of checkpoints from before the kinds)."""
     kind = meta.get("kind", "char")
@@ -172,7 +188,7 @@ def from_meta(meta: dict):
     raise UserError(f"unknown tokenizer kind {kind!r}; a newer jaxpar wrote this, use that one")
 
 
-def tokenizer_json(tok) -> str | None:
+def tokenizer_json(tok: Tokenizer) -> str | None:
     """A Hugging Face tokenizer.json that encodes and decodes as `tok` does; None for tiktoken."""
     from jaxpar import vocab
     if isinstance(tok, HFTokenizer):
@@ -186,7 +202,7 @@ def tokenizer_json(tok) -> str | None:
 
 def load_tokenizer(spec: str, inputs: list[Path] | None = None, vocab_size: int | None = None,
                    *, workers: int = 1, progress: bool | None = False,
-                   sample_bytes: int | None = None):
+                   sample_bytes: int | None = None) -> Tokenizer:
     """The tokenizer `spec` names (see the module docstring). char and bpe read `inputs` (files,
     each streamed in pieces) on `workers` processes; bpe trains on the first `sample_bytes` of
     them, shared out by file size (default: all)."""
