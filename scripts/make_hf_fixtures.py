@@ -62,7 +62,7 @@ from jaxpar.step import abstract_model
 run_dir, ids_file, logits_file, prompt, new_tokens = sys.argv[1:]
 model = sample.load(run_dir)
 ids = np.load(ids_file)
-graphdef, _, _ = abstract_model(model.cfg, model.tokenizer.vocab_size)
+graphdef, _, _ = abstract_model(model.cfg, model.vocab_size)
 with jax.set_mesh(model.mesh):
     logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params, ids)
 np.save(logits_file, np.asarray(logits)[..., :model.tokenizer.vocab_size])
@@ -79,8 +79,9 @@ def jaxpar_side(python: str, run_dir: Path, ids: np.ndarray, prompt: str, new_to
     with tempfile.TemporaryDirectory() as tmp:
         np.save(f"{tmp}/ids.npy", ids)
         env = os.environ | {"PYTHONPATH": str(ROOT)}
-        done = subprocess.run([python, "-c", JAXPAR_SIDE, str(run_dir), f"{tmp}/ids.npy",
-                               f"{tmp}/logits.npy", prompt, str(new_tokens)], cwd=ROOT,
+        done = subprocess.run([python, "-c", JAXPAR_SIDE, str(Path(run_dir).resolve()),
+                               f"{tmp}/ids.npy", f"{tmp}/logits.npy", prompt, str(new_tokens)],
+                              cwd=ROOT,
                               capture_output=True, text=True, env=env)
         if done.returncode:
             sys.exit(f"the jaxpar side failed:\n{done.stderr}")
