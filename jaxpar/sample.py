@@ -121,6 +121,7 @@ def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
     """
     ids = prompt_ids(model.tokenizer, prompt)
     eot = end_of_text(model.tokenizer) if stop_at_eot else None
+    ended = np.zeros(num_samples, bool)
     block = model.cfg.model.block_size
     keep = max(block // 2, 1)
     window = np.tile(ids[-block:], (num_samples, 1))
@@ -163,7 +164,8 @@ def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
             window = np.concatenate([window, latest[:, None]], axis=1)
             if window.shape[1] > block:  # no position left for the newest token
                 window, new_window = window[:, -keep:], True
-            if eot is not None and (np.stack(new, axis=1) == eot).any(axis=1).all():
+            ended |= latest == eot  # never true without stop_at_eot (eot is None)
+            if ended.all():
                 break
         seconds = time.perf_counter() - start
     tokens = np.stack(new, axis=1)
