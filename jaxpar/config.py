@@ -17,6 +17,7 @@ CONFIG_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs"
                   _PACKAGE / "configs")
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
 GELU_KINDS = ("exact", "tanh")
+REMAT_KINDS = ("none", "full")
 
 
 @dataclass
@@ -35,6 +36,9 @@ class ModelConfig:
     # The MLP's GELU: "exact" (erf) as nanoGPT's nn.GELU(), or "tanh", the approximation that
     # Hugging Face GPT-2 checkpoints were trained with (activation_function "gelu_new").
     gelu: str = "exact"
+    # "full": keep only each layer's input and rerun the layer in the backward pass (jax.checkpoint):
+    # activation memory of one layer instead of all, for about a third more FLOPs.
+    remat: str = "none"
 
 
 @dataclass
@@ -225,6 +229,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if m.gelu not in GELU_KINDS:
         raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{m.gelu}'")
+    if m.remat not in REMAT_KINDS:
+        raise UserError(f"model.remat must be one of {', '.join(REMAT_KINDS)}, got '{m.remat}'")
     if m.dtype not in ("float32", "bfloat16"):
         raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
     if t.batch_size % t.grad_accum:

@@ -23,26 +23,110 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{kind: {'count': n, 'bytes': b}} over the program; bytes are each op's result size.
+# Computations and the calls between them, to count what a while loop runs once per iteration.
+HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+SCALAR_CONSTANT = re.compile(r"=\s*[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
+GROUP_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+GROUP_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]")
+# Newer XLA: replica_groups=mesh['axis_0'=16,'axis_1'=2] {'axis_0'}: the named axes form a group.
+GROUP_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
-    An async pair (`-start` / `-done`) counts once. For an all-gather the result is the gathered
-    tensor; for a reduce-scatter it is one device's shard.
-    """
-    found: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """({computation name: its instruction lines}, the entry computation's name)."""
+    comps, entry, current = {}, "", None
     for line in hlo_text.splitlines():
-        match = OP.search(line)
-        if match:
+        if current is None:
+            match = HEADER.match(line)
+            if match:
+                current = match.group(1)
+                comps[current] = []
+                entry = current if line.startswith("ENTRY") else entry
+        elif line.startswith("}"):
+            current = None
+        else:
+            comps[current].append(line)
+    return comps, entry
+
+
+def trip_count(while_line: str, comps: dict) -> int:
+    """Iterations of a while op: XLA's known_trip_count where it annotates one, else the loop
+    bound in the condition (a scan counts up from 0 to a constant); 1 if neither is there."""
+    if match := KNOWN_TRIPS.search(while_line):
+        return int(match.group(1))
+    condition = re.search(r"condition=%?([\w.\-]+)", while_line)
+    for line in comps.get(condition.group(1) if condition else "", []):
+        if match := SCALAR_CONSTANT.search(line):
+            return int(match.group(1))
+    return 1
+
+
+def multiplicities(comps: dict, entry: str) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry. Each branch of a
+    conditional counts as taken (an upper bound)."""
+    runs: dict = defaultdict(int)
+
+    def visit(name: str, times: int):
+        runs[name] += times
+        for line in comps.get(name, []):
+            trips = trip_count(line, comps) if " while(" in line else 1
+            callees = [(kind, callee) for kind, callee in CALL.findall(line)]
+            if match := BRANCHES.search(line):
+                callees += [("branch", c.strip().lstrip("%")) for c in match.group(1).split(",")]
+            for kind, callee in callees:
+                visit(callee, times * (trips if kind == "body" else 1))
+    if entry:
+        visit(entry, 1)
+    return runs
+
+
+def group_size(line: str) -> int | None:
+    """Devices in each replica group of a collective; None when the op names no groups."""
+    if match := GROUP_IOTA.search(line):
+        return int(match.group(1))
+    if match := GROUP_MESH.search(line):
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", match.group(1)))
+        return math.prod(int(sizes[axis]) for axis in re.findall(r"'([^']+)'", match.group(2)))
+    if (match := GROUP_LIST.search(line)) and match.group(1):
+        return len(match.group(1).split(","))
+    return None
+
+
+def collective_ops(hlo_text: str) -> list[dict]:
+    """One entry per (kind, result bytes, group size): {'kind', 'bytes', 'group', 'count'}, where
+    count is the runs per step (a loop body's ops count once per iteration) and bytes are one op's
+    result size: for an all-gather the gathered tensor, for a reduce-scatter one device's shard.
+    An async pair (`-start` / `-done`) counts once."""
+    comps, entry = computations(hlo_text)
+    runs = multiplicities(comps, entry) if entry else defaultdict(lambda: 1)
+    found: dict = defaultdict(int)
+    for name, lines in (comps.items() if comps else [("", hlo_text.splitlines())]):
+        for line in lines:
+            match = OP.search(line)
+            if not match:
+                continue
             shape, kind, is_async = match.groups()
             if is_async:  # the start op's result tuple holds the operand and the result
                 parts = ARRAY.findall(shape)
                 shape = "{}[{}]".format(*parts[-1]) if parts else shape
-            found[kind]["count"] += 1
-            found[kind]["bytes"] += shape_bytes(shape)
-    return {kind: dict(found[kind]) for kind in KINDS if kind in found}
+            found[(kind, shape_bytes(shape), group_size(line))] += runs[name] if comps else 1
+    return [{"kind": kind, "bytes": size, "group": group, "count": count}
+            for (kind, size, group), count in found.items() if count]
 
 
-def compiled_summary(compiled) -> dict:
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{kind: {'count': n, 'bytes': b}} per step: the totals of `collective_ops`."""
+    totals: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for op in collective_ops(hlo_text):
+        totals[op["kind"]]["count"] += op["count"]
+        totals[op["kind"]]["bytes"] += op["count"] * op["bytes"]
+    return {kind: dict(totals[kind]) for kind in KINDS if kind in totals}
+
+
+def compiled_summary(compiled, hlo_text: str | None = None) -> dict:
     """Per-device memory of the compiled step (XLA's estimate) and the collectives it runs."""
     memory = compiled.memory_analysis()
     sizes = {} if memory is None else {
@@ -51,7 +135,7 @@ def compiled_summary(compiled) -> dict:
     if sizes:  # donated outputs reuse their argument buffers
         sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
                                       - sizes["alias_bytes"] + sizes["temp_bytes"])
-    return {**sizes, "collectives": collectives(compiled.as_text())}
+    return {**sizes, "collectives": collectives(hlo_text or compiled.as_text())}
 
 
 def host_available_bytes() -> int | None:

@@ -7,6 +7,7 @@ import math
 import os
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.config import Config, MeshConfig
@@ -93,8 +94,13 @@ def build_mesh(cfg: Config, devices=None) -> Mesh:
     # jax.make_mesh lays devices out by topology and process, the last axis the most local.
     # Tensor goes last, so a tensor group stays on one host where it can: its all-reduces run in
     # every layer. The axes are then put back in MESH_AXES order.
-    local_last = jax.make_mesh((dp, pp, tp), ("data", "pipe", "tensor"), devices=devices)
-    return Mesh(local_last.devices.transpose(0, 2, 1), MESH_AXES,
+    try:
+        grid = jax.make_mesh((dp, pp, tp), ("data", "pipe", "tensor"), devices=devices).devices
+    except (ValueError, NotImplementedError):
+        # A TPU torus whose physical axes do not factor into these sizes (v5p's 4x4x4 as 16x2x2):
+        # let an axis of the mesh span part of a physical axis.
+        grid = mesh_utils.create_device_mesh((dp, pp, tp), devices, allow_split_physical_axes=True)
+    return Mesh(grid.transpose(0, 2, 1), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

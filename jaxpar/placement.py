@@ -1,6 +1,7 @@
 """`--dry-run`: where every tensor lives and what one device holds, computed without training.
 
-Nothing is allocated: shapes are abstract and the step is compiled from ShapeDtypeStructs.
+Nothing is allocated: shapes are abstract and the step is compiled from ShapeDtypeStructs, the same
+way `jaxpar.plan` compiles it for a target.
 """
 
 import math
@@ -8,7 +9,7 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar import step as steps
+from jaxpar import hlo, step as steps
 from jaxpar.config import Config
 from jaxpar.data import load_dataset, model_vocab
 from jaxpar.mesh import build_mesh, mesh_shape
@@ -30,6 +31,25 @@ def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int) 
     scale = 4 / 2 if m.dtype == "float32" else 1
     logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
     return int(m.n_layer * per_layer * scale + logits)
+
+
+def compile_abstract_step(cfg: Config, vocab: int, mesh):
+    """The train step `jaxpar.train` runs, compiled for `mesh` from ShapeDtypeStructs (nothing is
+    allocated, so the devices may be compile-only)."""
+    tx = steps.make_optimizer(cfg.train)
+    shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)  # eager work: outside the mesh
+    graphdef, shapes, _ = steps.abstract_model(cfg, vocab)
+    micro = steps.microbatches_for(cfg, mesh)
+    batch_sharding = NamedSharding(mesh, P(None, "data", None))
+    batch = jax.ShapeDtypeStruct((micro, cfg.train.batch_size // micro, cfg.model.block_size),
+                                 "int32", sharding=batch_sharding)
+    abstract = steps.TrainState(jax.ShapeDtypeStruct((), "int32"), shapes,
+                                jax.eval_shape(tx.init, shapes))
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            abstract, shardings)
+    step = steps.make_train_step(cfg, graphdef, tx, shardings, plan, batch_sharding)
+    with jax.set_mesh(mesh):
+        return step.lower(abstract, (batch, batch)).compile()
 
 
 def dry_run(cfg: Config, devices=None) -> str:
@@ -63,19 +83,14 @@ def dry_run(cfg: Config, devices=None) -> str:
         rows += [f"  {name:24s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':24s} {mib(sum(estimate.values())):>14s}")
 
-        batch_sharding = NamedSharding(mesh, P(None, "data", None))
-        batch = jax.ShapeDtypeStruct((micro, cfg.train.batch_size // micro, cfg.model.block_size),
-                                     "int32", sharding=batch_sharding)
-        abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                      steps.TrainState(jax.ShapeDtypeStruct((), "int32"), shapes,
-                                                       abstract_opt), shardings)
-        compiled = steps.make_train_step(cfg, graphdef, tx, shardings, plan, batch_sharding) \
-            .lower(abstract_state, (batch, batch)).compile()
+        compiled = compile_abstract_step(cfg, vocab, mesh)
         memory = compiled.memory_analysis()
         if memory is not None:
+            peak = hlo.compiled_summary(compiled)["peak_memory_bytes"]  # as jaxpar.plan reports it
             rows += ["", "compiled train step, per device (XLA memory_analysis):",
                      f"  arguments {mib(memory.argument_size_in_bytes)}, "
                      f"outputs {mib(memory.output_size_in_bytes)} "
                      f"(aliased with arguments: {mib(memory.alias_size_in_bytes)}), "
-                     f"temporaries {mib(memory.temp_size_in_bytes)}"]
+                     f"temporaries {mib(memory.temp_size_in_bytes)}",
+                     f"  peak per device: {mib(peak)} ({peak:,d} bytes)"]
     return "\n".join(rows)

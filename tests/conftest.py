@@ -5,7 +5,12 @@ import os
 import shutil
 import tempfile
 
-import jax
+# The suite runs on host CPU devices. Where libtpu is installed (the tpu extra) but no TPU is, its
+# start-up errors would reach every subprocess's stderr; jaxpar.plan's TPU targets compile through
+# libtpu's topologies, which this does not turn off.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 

@@ -66,6 +66,12 @@ def test_rolled_layer_scan_matches_unrolled(one_device):
     assert_same_training(train("tp=2", **{"model.unroll_layers": "false"}), one_device)
 
 
+@pytest.mark.parametrize("spec, zero", [("dp=1", 0), ("dp=2,tp=2", 3), ("tp=2,pp=2", 1)])
+def test_full_remat_matches_no_remat(one_device, spec, zero):
+    """model.remat=full reruns each layer in the backward: the same math, the same training."""
+    assert_same_training(train(spec, **{"model.remat": "full", "train.zero": zero}), one_device)
+
+
 def test_bias_free_model_matches_across_meshes():
     reference = train(**{"model.bias": "false"})
     assert "bias" not in reference.params["blocks"]["qkv"]

@@ -1,0 +1,85 @@
+"""`jaxpar.plan`'s step-time model, and the cheap memory and time guesses that order its compiles.
+
+The model is simple on purpose:
+    compute  = FLOPs per chip / the chip's peak
+    comms    = sum over collectives of the bytes each chip sends / the ring's bandwidth
+    step     = max(compute, comms) / (1 - pipeline bubble)
+A collective over a group of n chips runs as one bidirectional ring (two links' bandwidth); each
+chip sends 2(n-1)/n of an all-reduce's bytes, (n-1)/n of an all-gather's or all-to-all's result,
+n-1 times a reduce-scatter's shard; a collective-permute sends its bytes over one link.
+"""
+
+from jaxpar.config import Config
+from jaxpar.flops import flops_per_token, recompute_flops_per_token
+from jaxpar.hardware import Chip
+
+SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a group of n
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1,
+}
+MODEL_TEXT = __doc__.split("The model is simple on purpose:\n", 1)[1].strip()
+
+
+def hardware_flops_per_token(cfg: Config, vocab: int, pp: int) -> int:
+    """Model FLOPs plus what is run again: each layer's forward once more under model.remat=full,
+    and once more in a pipeline's backward (which reruns its stage from the saved input)."""
+    reruns = (cfg.model.remat == "full") + (pp > 1)
+    return flops_per_token(cfg.model, vocab) + reruns * recompute_flops_per_token(cfg.model)
+
+
+def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
+    """Time of every collective of a step, one after another, under the ring model above."""
+    total = 0.0
+    for op in ops:
+        n = op["group"] or devices
+        if op["kind"] == "collective-permute":
+            seconds = op["bytes"] / chip.link_bytes_per_s
+        elif n <= 1:
+            seconds = 0.0
+        else:
+            seconds = op["bytes"] * SENT_PER_BYTE[op["kind"]](n) / (2 * chip.link_bytes_per_s)
+        total += op["count"] * seconds
+    return total
+
+
+def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float) -> dict:
+    """The estimate for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
+    devices = layout["dp"] * layout["tp"] * layout["pp"]
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    flops_per_chip = hardware_flops_per_token(cfg, vocab, layout["pp"]) * tokens / devices
+    compute_s = flops_per_chip / chip.peak_flops
+    step_s = max(compute_s, comm_s) / (1 - bubble)
+    return {"flops_per_chip": flops_per_chip, "compute_s": compute_s, "comm_s": comm_s,
+            "bubble": bubble, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "mfu": flops_per_token(cfg.model, vocab) * tokens / step_s / (devices * chip.peak_flops)}
+
+
+def guess_memory(cfg: Config, n_params: int, layout: dict, rows_per_pass: int, in_flight: int) -> float:
+    """Bytes per chip, roughly: float32 params, grads and two AdamW moments split as the layout
+    splits them, plus saved activations (Korthikanti et al.'s count, or layer inputs under remat)."""
+    m, dp, tp, pp, zero = cfg.model, layout["dp"], layout["tp"], layout["pp"], layout["zero"]
+    share = n_params / (tp * pp)
+    state = 4 * share * ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1)
+                         + 2 * (1 / dp if zero >= 1 else 1))
+    s, h, a, layers = m.block_size, m.n_embd, m.n_head, m.n_layer // pp
+    scale = 2 if m.dtype == "float32" else 1
+    per_layer = s * rows_per_pass * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
+    saved = (layers * 4 * s * rows_per_pass * h + per_layer) if m.remat == "full" else layers * per_layer
+    return state + saved * in_flight
+
+
+def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int) -> list[dict]:
+    """The collectives a layout needs, counted from the model rather than from HLO."""
+    m, dp, tp, pp, zero = cfg.model, layout["dp"], layout["tp"], layout["pp"], layout["zero"]
+    share = 4 * n_params / (tp * pp)
+    activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4)
+    ops = [{"kind": "all-reduce", "bytes": share, "group": dp, "count": 1}]
+    if zero >= 3:  # each pass gathers the weights for the forward and again for the backward
+        ops.append({"kind": "all-gather", "bytes": share, "group": dp, "count": 2 * passes})
+    layers = m.n_layer // pp
+    ops.append({"kind": "all-reduce", "bytes": activation, "group": tp, "count": 4 * layers * passes})
+    if pp > 1:
+        ops.append({"kind": "collective-permute", "bytes": activation, "group": pp, "count": 2 * passes})
+    return ops

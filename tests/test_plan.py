@@ -1,0 +1,208 @@
+"""jaxpar.plan: its enumeration, fit decision, step-time arithmetic and HLO reading, end to end on
+the cpu:N target, and on a TPU target where libtpu is installed."""
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from conftest import tiny_config
+from jaxpar import estimate, hardware, hlo
+from jaxpar.errors import UserError
+from jaxpar.hardware import Chip, parse_target
+from jaxpar.mesh import resolve_mesh_shape
+from jaxpar.plan import Candidate, compile_candidate, enumerate_candidates, layout_config, main
+
+CHIP = Chip("test chip", 1e9, 100e12, 50e9, 1, 2, "made up for the test")
+
+
+def test_enumeration_keeps_valid_layouts_and_gives_the_trainers_reasons():
+    cfg = tiny_config()  # 2 layers, 4 heads, batch 8
+    found = enumerate_candidates(cfg, 8, zeros=(0, 1, 3), micro="auto", remats=("none",))
+    meshes = {(c.layout["dp"], c.layout["tp"], c.layout["pp"]) for c in found}
+    assert meshes == {(dp, tp, 8 // (dp * tp)) for dp in (1, 2, 4, 8) for tp in (1, 2, 4, 8)
+                      if 8 % (dp * tp) == 0}
+    for c in found:
+        if c.status == "pending":
+            assert resolve_mesh_shape(c.cfg, 8) == (c.layout["dp"], c.layout["tp"], c.layout["pp"])
+    reasons = {(c.mesh_spec(), c.layout["zero"]): c.reason for c in found if c.status == "skipped"}
+    with pytest.raises(UserError) as trainer:
+        resolve_mesh_shape(tiny_config(**{"mesh.tp": 8}), 8)
+    assert reasons[("dp=1,tp=8,pp=1", 0)] == str(trainer.value)
+    assert "pp=8 does not divide model.n_layer=2" in reasons[("dp=1,tp=1,pp=8", 0)]
+    assert "ZeRO stage 3 with pipeline parallelism is not supported" in reasons[("dp=2,tp=2,pp=2", 3)]
+    assert "same program as zero 0" in reasons[("dp=1,tp=4,pp=2", 1)]
+    # dp=8 holds 1 row: micro-batch 1 only; dp=2 holds 4 rows: micro-batches 1, 2 and 4.
+    assert sorted(c.layout["micro_batch"] for c in found
+                  if c.mesh_spec() == "dp=2,tp=4,pp=1" and c.layout["zero"] == 0) == [1, 2, 4]
+
+
+def test_fit_decision_follows_the_compiled_memory_and_the_capacity():
+    cfg = tiny_config()
+    layout = {"dp": 2, "tp": 2, "pp": 1, "zero": 1, "micro_batch": 0, "remat": "none"}
+    compiled = []
+    for capacity in (1e9, 1e3):  # far above, then far below the step's few hundred KiB
+        c = Candidate(layout, layout_config(cfg, layout))
+        compile_candidate(c, 65, jax.devices()[:4], Chip(**{**CHIP.__dict__, "hbm_bytes": capacity}))
+        compiled.append(c)
+    big, small = compiled
+    assert big.status == small.status == "compiled"
+    assert big.compiled["peak_memory_bytes"] == small.compiled["peak_memory_bytes"] > 1e3
+    assert big.fits is True and small.fits is False
+
+
+def test_step_time_arithmetic_on_a_hand_made_case():
+    ops = [{"kind": "all-reduce", "bytes": 1e9, "group": 4, "count": 2},  # 2 x 1e9 x 1.5 / 100e9
+           {"kind": "all-gather", "bytes": 4e8, "group": 8, "count": 1},  # 4e8 x 7/8 / 100e9
+           {"kind": "reduce-scatter", "bytes": 1e8, "group": 4, "count": 1},  # 1e8 x 3 / 100e9
+           {"kind": "collective-permute", "bytes": 5e8, "group": None, "count": 1},  # 5e8 / 50e9
+           {"kind": "all-reduce", "bytes": 1e9, "group": 1, "count": 5}]  # a group of one: free
+    comm = estimate.collective_seconds(ops, CHIP, devices=8)
+    assert comm == pytest.approx(0.03 + 0.0035 + 0.003 + 0.01)
+    layout = {"dp": 2, "tp": 1, "pp": 2, "zero": 0, "micro_batch": 0, "remat": "full"}
+    cfg = layout_config(tiny_config(), layout)  # 8 x 32 tokens per step
+    t = estimate.step_time(cfg, 65, layout, CHIP, comm_s=1e-9, bubble=0.25)
+    per_token = estimate.flops_per_token(cfg.model, 65) + 2 * estimate.recompute_flops_per_token(cfg.model)
+    assert t["flops_per_chip"] == per_token * 256 / 4
+    assert t["step_s"] == pytest.approx(t["flops_per_chip"] / 100e12 / 0.75)
+    assert t["mfu"] == pytest.approx(estimate.flops_per_token(cfg.model, 65) * 256
+                                     / t["step_s"] / (4 * 100e12))
+
+
+HLO = """HloModule test
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%cond (p: (s32[], f32[64])) -> pred[] {
+  %c = s32[] constant(12)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %c), direction=LT
+}
+
+%body (p: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %ar = f32[64]{0} all-reduce(f32[64]{0} %x), replica_groups={{0,1},{2,3}}, to_apply=%add
+  %ag = f32[128]{0} all-gather(f32[64]{0} %x), replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %t = (s32[], f32[64]) tuple(%i, %ar)
+}
+
+ENTRY %main (x: f32[64]) -> f32[64] {
+  %w = (s32[], f32[64]) while((s32[], f32[64]) %init), condition=%cond, body=%body
+  %rs = bf16[8]{0} reduce-scatter(bf16[64]{0} %y), replica_groups=mesh['axis_0'=8,'axis_1'=2] {'axis_0'}, to_apply=%add
+  ROOT %ar2 = f32[64]{0} all-reduce(f32[64]{0} %x), replica_groups={}, to_apply=%add
+}
+"""
+
+
+def test_hlo_counts_loop_bodies_per_iteration_and_reads_replica_groups():
+    ops = {(op["kind"], op["group"]): (op["count"], op["bytes"]) for op in hlo.collective_ops(HLO)}
+    assert ops == {("all-reduce", 2): (12, 256), ("all-gather", 4): (12, 512),
+                   ("reduce-scatter", 8): (1, 16), ("all-reduce", None): (1, 256)}
+    assert hlo.collectives(HLO) == {"all-reduce": {"count": 13, "bytes": 13 * 256},
+                                    "all-gather": {"count": 12, "bytes": 12 * 512},
+                                    "reduce-scatter": {"count": 1, "bytes": 16}}
+
+
+@pytest.mark.parametrize("name, chips, topology", [("tpu:v5e-256", 256, "v5e:16x16"),
+                                                   ("tpu:v5p-128", 64, "v5p:4x4x4"),
+                                                   ("tpu:v4-64", 32, "v4:2x4x4"),
+                                                   ("tpu:v6e-64", 64, "v6e:8x8"), ("cpu:8", 8, ""),
+                                                   ("gpu:h100-8", 8, "1x1x8")])
+def test_targets_name_their_slices(name, chips, topology):
+    target = parse_target(name)
+    assert (target.chips, target.topology) == (chips, topology)
+
+
+@pytest.mark.parametrize("name", ["tpu:v5e-12", "tpu:v3-8", "gpu:h100", "gpu:h100-16", "cpu:0"])
+def test_a_bad_target_is_one_line(name):
+    with pytest.raises(UserError, match="target"):
+        parse_target(name)
+
+
+def test_a_tpu_target_without_libtpu_names_the_install(monkeypatch):
+    monkeypatch.setattr(hardware.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=re.escape(f"pip install 'jax[tpu]=={jax.__version__}'")):
+        hardware.tpu_devices(parse_target("tpu:v5e-16"))
+
+
+def test_a_gpu_target_without_the_cuda_plugin_names_the_install(monkeypatch):
+    monkeypatch.setattr(hardware.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=re.escape(f"pip install 'jax[cuda12]=={jax.__version__}'")):
+        hardware.gpu_devices(parse_target("gpu:h100-8"))
+
+
+def test_cpu_target_end_to_end_matches_the_dry_run(tmp_path):
+    out = tmp_path / "plan"
+    main(["--config", "tiny", "--target", "cpu:8", "--layouts", "dp=2,tp=2,pp=2;dp=4,tp=2;dp=8",
+          "--zero", "1", "--remat", "none", "--out", str(out)])
+    plan = json.loads((out / "plan.json").read_text())
+    statuses = {(json.dumps(c["layout"], sort_keys=True), c["status"]) for c in plan["layouts"]}
+    assert {s for _, s in statuses} == {"compiled"}, statuses
+    best = min((c for c in plan["layouts"] if c["fits"]), key=lambda c: -c["compiled"]["tokens_per_s"])
+    assert (out / "plan.png").stat().st_size > 0
+    text = (out / "plan.md").read_text()
+    assert best["command"] in text and "## How the estimate is made" in text
+    # The train command of the top layout, as a dry run in a fresh process, compiles the same
+    # step: its memory is the plan's, to the byte.
+    command = best["command"].split()
+    assert command[:3] == ["python", "-m", "jaxpar.train"]
+    dry = subprocess.run([sys.executable, "-m", "jaxpar.train", *command[3:], "--dry-run"],
+                         capture_output=True, text=True, timeout=600)
+    assert dry.returncode == 0, dry.stderr
+    peak = re.search(r"peak per device: .* \(([\d,]+) bytes\)", dry.stdout)
+    assert peak and int(peak.group(1).replace(",", "")) == best["compiled"]["peak_memory_bytes"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed (pip install -e '.[tpu]')")
+def test_tpu_target_compiles_for_a_v5e_slice(tmp_path):
+    out = tmp_path / "plan"
+    main(["--config", "tiny", "--train.batch_size=32", "--target", "tpu:v5e-16",
+          "--layouts", "dp=16;dp=4,tp=4",
+          "--zero", "0,3", "--micro-batch", "1", "--remat", "none", "--out", str(out)])
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["chip"]["kind"] == "TPU v5e"
+    compiled = [c for c in plan["layouts"] if c["status"] == "compiled"]
+    assert len(compiled) >= 2 and all(c["fits"] for c in compiled)
+    assert all(c["compiled"]["collectives"] for c in compiled)
+
+
+def test_full_remat_lowers_the_compiled_steps_temporaries():
+    """The equivalence tests prove remat changes no number; this proves it changes the program."""
+    from jaxpar.mesh import build_mesh
+    from jaxpar.placement import compile_abstract_step
+    temps = {}
+    for remat in ("none", "full"):
+        cfg = tiny_config(**{"model.n_layer": 4, "model.block_size": 128, "model.remat": remat})
+        compiled = compile_abstract_step(cfg, 65, build_mesh(cfg, jax.devices()[:1]))
+        temps[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps["full"] < 0.7 * temps["none"], temps
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="JAX's CUDA plugin is not installed (pip install -e '.[gpu]', several GB)")
+def test_gpu_target_compiles_for_an_h100_node(tmp_path):
+    out = tmp_path / "plan"
+    main(["--config", "tiny", "--target", "gpu:h100-8", "--layouts", "dp=8;dp=2,tp=4",
+          "--zero", "1", "--micro-batch", "1", "--remat", "none", "--out", str(out)])
+    plan = json.loads((out / "plan.json").read_text())
+    compiled = [c for c in plan["layouts"] if c["status"] == "compiled"]
+    assert len(compiled) == 2 and all(c["fits"] and c["compiled"]["collectives"] for c in compiled)
+
+
+def test_compile_order_puts_guessed_fits_first_and_lets_meshes_take_turns():
+    from jaxpar.plan import compile_order
+
+    def candidate(dp, zero, memory, speed):
+        c = Candidate({"dp": dp, "tp": 1, "pp": 1, "zero": zero, "micro_batch": 1, "remat": "none"}, None)
+        c.guess = {"memory_bytes": memory, "tokens_per_s": speed}
+        return c
+    found = [candidate(8, 0, 5, 100), candidate(8, 1, 4, 90), candidate(4, 0, 6, 80),
+             candidate(2, 0, 50, 200), candidate(4, 1, 60, 300), candidate(8, 2, 3, 70)]
+    found.append(Candidate(found[0].layout, None, status="skipped"))
+    order = [(c.layout["dp"], c.layout["zero"]) for c in compile_order(found, capacity=10)]
+    assert order == [(8, 0), (4, 0), (8, 1), (8, 2), (2, 0), (4, 1)]
