@@ -111,8 +111,8 @@ def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
     cfg, lay = c.cfg, c.layout
     if lay["pp"] > 1:
         M = resolve_microbatches(cfg, lay["dp"], lay["pp"])
-        passes, in_flight = cfg.train.grad_accum * M, Schedule(cfg.pipeline.schedule, lay["pp"], M).input_slots
-        bubble = Schedule(cfg.pipeline.schedule, lay["pp"], M).bubble_fraction
+        schedule = Schedule(cfg.pipeline.schedule, lay["pp"], M)
+        passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
     else:
         passes, in_flight, bubble = steps.num_microbatches(cfg.train, lay["dp"]), 1, 0.0
     rows = cfg.train.batch_size // passes // lay["dp"]
