@@ -9,6 +9,7 @@ figure decides whether it fits, and its HLO gives the collectives of the step-ti
 """
 
 import copy
+import math
 import dataclasses
 import os
 import re
@@ -49,8 +50,11 @@ def parse_layouts(spec: str, devices: int) -> list[tuple[int, int, int]]:
         return mesh_triples(devices)
     triples = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
-        sizes = {k.split(".")[1]: int(v) for k, v in parse_mesh_spec(part).items()}
-        triples.append((sizes["dp"], sizes["tp"], sizes["pp"]))
+        sizes = [int(v) for v in parse_mesh_spec(part).values()]  # dp, tp, pp
+        if -1 in sizes:  # inferred from the target's device count, as --mesh infers it
+            known = math.prod(s for s in sizes if s != -1)
+            sizes[sizes.index(-1)] = devices // known if devices % known == 0 else 0
+        triples.append(tuple(sizes))
     return triples
 
 

@@ -206,3 +206,11 @@ def test_compile_order_puts_guessed_fits_first_and_lets_meshes_take_turns():
     found.append(Candidate(found[0].layout, None, status="skipped"))
     order = [(c.layout["dp"], c.layout["zero"]) for c in compile_order(found, capacity=10)]
     assert order == [(8, 0), (4, 0), (8, 1), (8, 2), (2, 0), (4, 1)]
+
+
+def test_explicit_layouts_infer_a_minus_one_axis_from_the_target():
+    from jaxpar.plan import parse_layouts
+    assert parse_layouts("dp=-1,tp=2;dp=3;pp=2,dp=-1", 8) == [(4, 2, 1), (3, 1, 1), (4, 1, 2)]
+    found = enumerate_candidates(tiny_config(), 8, layouts="dp=3", zeros=(0,), remats=("none",))
+    assert {c.status for c in found} == {"skipped"}
+    assert "uses 3 devices but 8 are available" in found[0].reason
