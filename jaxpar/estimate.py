@@ -10,8 +10,9 @@ n-1 times a reduce-scatter's shard; a collective-permute sends its bytes over on
 """
 
 from jaxpar.config import Config
-from jaxpar.flops import flops_per_token, recompute_flops_per_token
+from jaxpar.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.hardware import Chip
+from jaxpar.placement import activation_bytes
 
 SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a group of n
     "all-reduce": lambda n: 2 * (n - 1) / n,
@@ -20,13 +21,6 @@ SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a gr
     "reduce-scatter": lambda n: n - 1,
 }
 MODEL_TEXT = __doc__.split("The model is simple on purpose:\n", 1)[1].strip()
-
-
-def hardware_flops_per_token(cfg: Config, vocab: int, pp: int) -> int:
-    """Model FLOPs plus what is run again: each layer's forward once more under model.remat=full,
-    and once more in a pipeline's backward (which reruns its stage from the saved input)."""
-    reruns = (cfg.model.remat == "full") + (pp > 1)
-    return flops_per_token(cfg.model, vocab) + reruns * recompute_flops_per_token(cfg.model)
 
 
 def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
@@ -48,7 +42,7 @@ def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, 
     """The estimate for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
     devices = layout["dp"] * layout["tp"] * layout["pp"]
     tokens = cfg.train.batch_size * cfg.model.block_size
-    flops_per_chip = hardware_flops_per_token(cfg, vocab, layout["pp"]) * tokens / devices
+    flops_per_chip = hardware_flops_per_token(cfg.model, vocab, layout["pp"]) * tokens / devices
     compute_s = flops_per_chip / chip.peak_flops
     step_s = max(compute_s, comm_s) / (1 - bubble)
     return {"flops_per_chip": flops_per_chip, "compute_s": compute_s, "comm_s": comm_s,
@@ -56,17 +50,15 @@ def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, 
             "mfu": flops_per_token(cfg.model, vocab) * tokens / step_s / (devices * chip.peak_flops)}
 
 
-def guess_memory(cfg: Config, n_params: int, layout: dict, rows_per_pass: int, in_flight: int) -> float:
+def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
+                 in_flight: int) -> float:
     """Bytes per chip, roughly: float32 params, grads and two AdamW moments split as the layout
-    splits them, plus saved activations (Korthikanti et al.'s count, or layer inputs under remat)."""
-    m, dp, tp, pp, zero = cfg.model, layout["dp"], layout["tp"], layout["pp"], layout["zero"]
+    splits them, plus the saved activations of `in_flight` passes (placement.activation_bytes)."""
+    dp, tp, pp, zero = layout["dp"], layout["tp"], layout["pp"], layout["zero"]
     share = n_params / (tp * pp)
     state = 4 * share * ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1)
                          + 2 * (1 / dp if zero >= 1 else 1))
-    s, h, a, layers = m.block_size, m.n_embd, m.n_head, m.n_layer // pp
-    scale = 2 if m.dtype == "float32" else 1
-    per_layer = s * rows_per_pass * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
-    saved = (layers * 4 * s * rows_per_pass * h + per_layer) if m.remat == "full" else layers * per_layer
+    saved = activation_bytes(cfg, vocab, rows_per_pass, tp, layers=cfg.model.n_layer // pp)
     return state + saved * in_flight
 
 

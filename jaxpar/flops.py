@@ -47,6 +47,19 @@ def recompute_flops_per_token(cfg: ModelConfig) -> int:
     return 2 * block_params + 4 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
+def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, pp: int) -> int:
+    """Model FLOPs plus what is run again: each layer's forward once more under remat=full, and
+    once more in a pipeline's backward (which reruns its stage from the saved input)."""
+    reruns = (cfg.remat == "full") + (pp > 1)
+    return flops_per_token(cfg, vocab_size) + reruns * recompute_flops_per_token(cfg)
+
+
+def datasheet_peak(kind: str, dtype: str) -> float | None:
+    """PEAK_FLOPS for a device kind ('TPU v5e', 'NVIDIA H100 SXM', ...), or None if unknown."""
+    return next((by_dtype[dtype] for name, by_dtype in PEAK_FLOPS.items()
+                 if name.lower() in kind.lower()), None)
+
+
 @functools.cache
 def measure_matmul_peak(device, dtype: str, size: int = 2048, repeats: int = 5) -> float:
     """Best FLOP/s of a jitted size^3 matmul on one device (on CPU, all host cores take part)."""
@@ -70,8 +83,7 @@ def peak_flops(devices, dtype: str) -> tuple[float, str]:
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
         return measure_matmul_peak(devices[0], dtype), f"measured {dtype} 2048^3 matmul on the host CPU"
-    for name, by_dtype in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return by_dtype[dtype] * len(devices), f"data sheet: {name} {dtype} x {len(devices)}"
+    if (peak := datasheet_peak(kind, dtype)) is not None:
+        return peak * len(devices), f"data sheet: {kind} {dtype} x {len(devices)}"
     # Unknown accelerator: measure rather than guess.
     return measure_matmul_peak(devices[0], dtype) * len(devices), f"measured {dtype} matmul on {kind} x {len(devices)}"

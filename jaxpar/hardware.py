@@ -15,7 +15,10 @@ import time
 
 import jax
 
+from jaxpar.config import MeshConfig
 from jaxpar.errors import UserError
+from jaxpar.flops import datasheet_peak
+from jaxpar.mesh import force_host_devices
 
 GiB = 2**30
 
@@ -24,32 +27,38 @@ GiB = 2**30
 class Chip:
     kind: str
     hbm_bytes: float  # memory per chip
-    peak_flops: float  # dense bf16 matmul FLOP/s per chip (TPUs run float32 matmuls at this rate too)
+    peak_flops: float  # dense matmul FLOP/s per chip in the compute dtype (jaxpar.flops.PEAK_FLOPS)
     link_bytes_per_s: float  # one inter-chip link, one direction
     cores_per_chip: int  # v4 and v5p accelerator types count TensorCores, two per chip
     torus_dims: int
     source: str
 
 
-# One table, every figure from the source given beside it.
+# One table, every figure from the source given beside it; the peaks are jaxpar.flops' data-sheet
+# table's (bf16 here; chip_for picks the compute dtype's).
 CHIPS = {
     # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16; 16 GB HBM2, of which XLA:TPU gives a program
     # 15.75 GiB ("exceeds available HBM (15.75G)"); ICI 1600 Gbps over 4 ports, i.e. 50 GB/s per
     # port and direction.
-    "v5e": Chip("TPU v5e", 15.75 * GiB, 197e12, 50e9, 1, 2, "cloud.google.com/tpu/docs/v5e; XLA:TPU"),
+    "v5e": Chip("TPU v5e", 15.75 * GiB,
+                datasheet_peak("TPU v5e", "bfloat16"), 50e9, 1, 2, "cloud.google.com/tpu/docs/v5e; XLA:TPU"),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16; 95 GiB HBM; 1200 GB/s bidirectional ICI per
     # chip over a 3-D torus's 6 ports, i.e. 100 GB/s per port and direction.
-    "v5p": Chip("TPU v5p", 95 * GiB, 459e12, 100e9, 2, 3, "cloud.google.com/tpu/docs/v5p"),
+    "v5p": Chip("TPU v5p", 95 * GiB,
+                datasheet_peak("TPU v5p", "bfloat16"), 100e9, 2, 3, "cloud.google.com/tpu/docs/v5p"),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16; 32 GB HBM; 800 GB/s bidirectional ICI per
     # chip over 4 ports, i.e. 100 GB/s per port and direction.
-    "v6e": Chip("TPU v6e", 32 * GiB, 918e12, 100e9, 1, 2, "cloud.google.com/tpu/docs/v6e"),
+    "v6e": Chip("TPU v6e", 32 * GiB,
+                datasheet_peak("TPU v6e", "bfloat16"), 100e9, 1, 2, "cloud.google.com/tpu/docs/v6e"),
     # cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, 32 GiB HBM; ICI 45 GB/s per link and
     # direction (Austin et al., "How to Scale Your Model", part 2, TPU specs table).
-    "v4": Chip("TPU v4", 32 * GiB, 275e12, 45e9, 2, 3, "cloud.google.com/tpu/docs/v4; scaling book"),
+    "v4": Chip("TPU v4", 32 * GiB,
+               datasheet_peak("TPU v4", "bfloat16"), 45e9, 2, 3, "cloud.google.com/tpu/docs/v4; scaling book"),
     # NVIDIA H100 SXM5 data sheet: 989 TFLOPS dense bf16, 80 GB HBM3 (XLA counts 79.1 GiB usable),
     # NVLink 900 GB/s per GPU, both directions: 450 GB/s each way through NVSwitch, taken here as
     # two links of 225 GB/s so that the ring model gives a ring the full 450.
-    "h100": Chip("NVIDIA H100 SXM", 84929347584, 989e12, 225e9, 1, 0, "nvidia.com H100 data sheet"),
+    "h100": Chip("NVIDIA H100 SXM", 84929347584,
+                 datasheet_peak("NVIDIA H100 SXM", "bfloat16"), 225e9, 1, 0, "nvidia.com H100 data sheet"),
 }
 GPU_KINDS = ("h100",)
 # What XLA:GPU compiles for (stream_executor.GpuTargetConfigProto): the H100 SXM5's figures from
@@ -176,10 +185,7 @@ def gpu_devices(target: Target) -> list:
 
 def cpu_devices(target: Target) -> list:
     """N host devices; call before anything starts JAX's backends (as `jaxpar.train` does)."""
-    try:
-        jax.config.update("jax_num_cpu_devices", target.chips)
-    except RuntimeError:
-        pass  # backends already up (library use, tests): use the devices that exist
+    force_host_devices(MeshConfig(), per_process=target.chips)  # as jaxpar.train forces them
     devices = jax.devices("cpu")
     if len(devices) < target.chips:
         raise UserError(f"--target {target.name}: this process has {len(devices)} CPU devices; "
@@ -202,13 +208,12 @@ def measured_copy_bandwidth(device, size: int = 64 * 2**20, repeats: int = 5) ->
 
 
 def chip_for(target: Target, devices: list, dtype: str) -> Chip:
-    """The data-sheet chip of a TPU target; for cpu:N, figures measured on this host and split
+    """The data-sheet chip of a TPU or GPU target, with the compute dtype's peak (float32 runs as
+    TF32 on an H100); for cpu:N, figures measured on this host and split
     over the N devices, which share its cores, memory and memory bus."""
-    if target.platform == "gpu" and dtype == "float32":  # XLA runs float32 matmuls as TF32
-        from jaxpar.flops import PEAK_FLOPS
-        return dataclasses.replace(CHIPS[target.generation], peak_flops=PEAK_FLOPS["H100"]["float32"])
     if target.platform in ("tpu", "gpu"):
-        return CHIPS[target.generation]
+        chip = CHIPS[target.generation]
+        return dataclasses.replace(chip, peak_flops=datasheet_peak(chip.kind, dtype))
     from jaxpar.flops import measure_matmul_peak
     from jaxpar.hlo import host_available_bytes
     n = target.chips

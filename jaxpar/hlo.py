@@ -103,7 +103,7 @@ def collective_ops(hlo_text: str) -> list[dict]:
     comps, entry = computations(hlo_text)
     runs = multiplicities(comps, entry) if entry else defaultdict(lambda: 1)
     found: dict = defaultdict(int)
-    for name, lines in (comps.items() if comps else [("", hlo_text.splitlines())]):
+    for name, lines in (comps or {"": hlo_text.splitlines()}).items():
         for line in lines:
             match = OP.search(line)
             if not match:
@@ -112,30 +112,42 @@ def collective_ops(hlo_text: str) -> list[dict]:
             if is_async:  # the start op's result tuple holds the operand and the result
                 parts = ARRAY.findall(shape)
                 shape = "{}[{}]".format(*parts[-1]) if parts else shape
-            found[(kind, shape_bytes(shape), group_size(line))] += runs[name] if comps else 1
+            found[(kind, shape_bytes(shape), group_size(line))] += runs[name]
     return [{"kind": kind, "bytes": size, "group": group, "count": count}
             for (kind, size, group), count in found.items() if count]
 
 
+def totals(ops: list[dict]) -> dict[str, dict[str, int]]:
+    """{kind: {'count': n, 'bytes': b}} per step, summed over `collective_ops`' entries."""
+    by_kind: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for op in ops:
+        by_kind[op["kind"]]["count"] += op["count"]
+        by_kind[op["kind"]]["bytes"] += op["count"] * op["bytes"]
+    return {kind: dict(by_kind[kind]) for kind in KINDS if kind in by_kind}
+
+
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
-    """{kind: {'count': n, 'bytes': b}} per step: the totals of `collective_ops`."""
-    totals: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
-    for op in collective_ops(hlo_text):
-        totals[op["kind"]]["count"] += op["count"]
-        totals[op["kind"]]["bytes"] += op["count"] * op["bytes"]
-    return {kind: dict(totals[kind]) for kind in KINDS if kind in totals}
+    """{kind: {'count': n, 'bytes': b}}: the collectives a step runs, per step."""
+    return totals(collective_ops(hlo_text))
 
 
-def compiled_summary(compiled, hlo_text: str | None = None) -> dict:
-    """Per-device memory of the compiled step (XLA's estimate) and the collectives it runs."""
+def memory_summary(compiled) -> dict:
+    """Per-device memory of the compiled step (XLA's estimate); {} where XLA gives none."""
     memory = compiled.memory_analysis()
-    sizes = {} if memory is None else {
-        "argument_bytes": memory.argument_size_in_bytes, "output_bytes": memory.output_size_in_bytes,
-        "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
-    if sizes:  # donated outputs reuse their argument buffers
-        sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
-                                      - sizes["alias_bytes"] + sizes["temp_bytes"])
-    return {**sizes, "collectives": collectives(hlo_text or compiled.as_text())}
+    if memory is None:
+        return {}
+    sizes = {"argument_bytes": memory.argument_size_in_bytes,
+             "output_bytes": memory.output_size_in_bytes,
+             "alias_bytes": memory.alias_size_in_bytes, "temp_bytes": memory.temp_size_in_bytes}
+    # donated outputs reuse their argument buffers
+    sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
+                                  - sizes["alias_bytes"] + sizes["temp_bytes"])
+    return sizes
+
+
+def compiled_summary(compiled) -> dict:
+    """Per-device memory of the compiled step (XLA's estimate) and the collectives it runs."""
+    return {**memory_summary(compiled), "collectives": collectives(compiled.as_text())}
 
 
 def host_available_bytes() -> int | None:

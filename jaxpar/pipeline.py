@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config
-from jaxpar.flops import flops_per_token, recompute_flops_per_token
+from jaxpar.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.model import apply_blocks, cross_entropy, embed, logits_of, split_layers
 from jaxpar.schedule import BACKWARD, FORWARD, IDLE, Schedule, resolve_microbatches
 from jaxpar.sharding import constrain
@@ -179,4 +179,4 @@ def summary(cfg: Config, mesh, vocab_size: int) -> dict:
     return {"schedule": schedule.name, "microbatches": schedule.microbatches, "ticks": schedule.ticks,
             "bubble_fraction": schedule.bubble_fraction, "inputs_held_per_stage": schedule.input_slots,
             # Each backward reruns its stage's forward from the saved input: HFU = MFU x this.
-            "hardware_flops_factor": (model_flops + recompute_flops_per_token(cfg.model)) / model_flops}
+            "hardware_flops_factor": hardware_flops_per_token(cfg.model, vocab_size, schedule.pp) / model_flops}

@@ -21,16 +21,21 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int) -> int:
+def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
+                     layers: int | None = None) -> int:
     """Saved activations of one forward pass on one device: Korthikanti et al. (2022), eq. 2 with
     tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations,
-    scaled to the compute dtype, plus the float32 logits."""
+    scaled to the compute dtype, plus the float32 logits. Under model.remat=full a layer keeps its
+    float32 input alone, and one layer's activations live while it reruns. `layers`: those this
+    device runs (default: all)."""
     m = cfg.model
     s, h, a = m.block_size, m.n_embd, m.n_head
-    per_layer = s * rows_per_pass * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    layers = m.n_layer if layers is None else layers
     scale = 4 / 2 if m.dtype == "float32" else 1
+    per_layer = s * rows_per_pass * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
+    saved = layers * per_layer if m.remat == "none" else layers * 4 * s * rows_per_pass * h + per_layer
     logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
-    return int(m.n_layer * per_layer * scale + logits)
+    return int(saved + logits)
 
 
 def compile_abstract_step(cfg: Config, vocab: int, mesh):
@@ -83,14 +88,13 @@ def dry_run(cfg: Config, devices=None) -> str:
         rows += [f"  {name:24s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':24s} {mib(sum(estimate.values())):>14s}")
 
-        compiled = compile_abstract_step(cfg, vocab, mesh)
-        memory = compiled.memory_analysis()
-        if memory is not None:
-            peak = hlo.compiled_summary(compiled)["peak_memory_bytes"]  # as jaxpar.plan reports it
+        memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh))
+        if memory:
+            peak = memory["peak_memory_bytes"]  # the figure jaxpar.plan reports
             rows += ["", "compiled train step, per device (XLA memory_analysis):",
-                     f"  arguments {mib(memory.argument_size_in_bytes)}, "
-                     f"outputs {mib(memory.output_size_in_bytes)} "
-                     f"(aliased with arguments: {mib(memory.alias_size_in_bytes)}), "
-                     f"temporaries {mib(memory.temp_size_in_bytes)}",
+                     f"  arguments {mib(memory['argument_bytes'])}, "
+                     f"outputs {mib(memory['output_bytes'])} "
+                     f"(aliased with arguments: {mib(memory['alias_bytes'])}), "
+                     f"temporaries {mib(memory['temp_bytes'])}",
                      f"  peak per device: {mib(peak)} ({peak:,d} bytes)"]
     return "\n".join(rows)

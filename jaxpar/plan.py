@@ -123,7 +123,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
     ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows)
     devices = lay["dp"] * lay["tp"] * lay["pp"]
     time = estimate.step_time(cfg, vocab, lay, chip, estimate.collective_seconds(ops, chip, devices), bubble)
-    return {"memory_bytes": estimate.guess_memory(cfg, n_params, lay, rows, in_flight),
+    return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight),
             "rows_per_pass": rows, **time}
 
 
@@ -135,9 +135,8 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
     try:
         mesh = build_mesh(c.cfg, devices)
         compiled = compile_abstract_step(c.cfg, vocab, mesh)
-        text = compiled.as_text()
-        summary = hlo.compiled_summary(compiled, text)
-        ops = hlo.collective_ops(text)
+        ops = hlo.collective_ops(compiled.as_text())
+        summary = {**hlo.memory_summary(compiled), "collectives": hlo.totals(ops)}
         bubble = pipeline.summary(c.cfg, mesh, vocab)["bubble_fraction"]
     except Exception as error:  # a layout XLA cannot compile is listed, not fatal
         c.reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
@@ -214,6 +213,8 @@ def build_parser() -> ArgumentParser:
 
 
 def parse_args(argv: list[str]):
+    """(Config, Target, the flags with --zero and --remat as lists and --out a Path, the
+    --section.field overrides); every check is made here, before any work."""
     from jaxpar.train import parse_overrides
     args, rest = build_parser().parse_known_args(argv)
     overrides = parse_overrides(rest)
@@ -232,10 +233,11 @@ def parse_args(argv: list[str]):
     parse_layouts(args.layouts, target.chips)  # a bad --layouts fails before any work
     out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
     check_output_dir(out)
-    return cfg, target, args, overrides, zeros, remats, out
+    args.zero, args.remat, args.out = zeros, remats, out
+    return cfg, target, args, overrides
 
 
-def plan(cfg: Config, target, args, overrides: dict, zeros, remats, out: Path) -> list[Candidate]:
+def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     import jax
     from tqdm import tqdm
 
@@ -248,7 +250,8 @@ def plan(cfg: Config, target, args, overrides: dict, zeros, remats, out: Path) -
     chip = chip_for(target, devices, cfg.model.dtype)
     _, shapes, _ = steps.abstract_model(cfg, vocab)
     n_params = sum(int(s.size) for s in jax.tree.leaves(shapes))
-    candidates = enumerate_candidates(cfg, target.chips, args.layouts, zeros, args.micro_batch, remats)
+    candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
+                                      args.remat)
     for c in candidates:
         if c.status == "pending":
             c.guess = guess(c, vocab, n_params, chip)
@@ -259,13 +262,13 @@ def plan(cfg: Config, target, args, overrides: dict, zeros, remats, out: Path) -
                   dynamic_ncols=True):
         compile_candidate(c, vocab, devices, chip)
     command = lambda c: train_command(args.config, overrides, c)  # noqa: E731
-    write_report(out, target, chip, cfg, candidates, command, args.top)
+    write_report(args.out, target, chip, cfg, candidates, command, args.top)
     return candidates
 
 
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.plan"):
-        cfg, target, args, overrides, zeros, remats, out = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg, target, args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         if target.platform != "cpu" and not os.environ.get("JAX_PLATFORMS"):
             # Nothing runs here: keep JAX off any local accelerator (and libtpu's or CUDA's
             # start-up noise off a machine without one). Compiling for a topology does not need it.
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                 jax.config.update("jax_platforms", "cpu")
             except RuntimeError:
                 pass
-        plan(cfg, target, args, overrides, zeros, remats, out)
+        plan(cfg, target, args, overrides)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from conftest import tiny_config
-from jaxpar import estimate, hardware, hlo
+from jaxpar import estimate, flops, hardware, hlo
 from jaxpar.errors import UserError
 from jaxpar.hardware import Chip, parse_target
 from jaxpar.mesh import resolve_mesh_shape
@@ -66,10 +66,10 @@ def test_step_time_arithmetic_on_a_hand_made_case():
     layout = {"dp": 2, "tp": 1, "pp": 2, "zero": 0, "micro_batch": 0, "remat": "full"}
     cfg = layout_config(tiny_config(), layout)  # 8 x 32 tokens per step
     t = estimate.step_time(cfg, 65, layout, CHIP, comm_s=1e-9, bubble=0.25)
-    per_token = estimate.flops_per_token(cfg.model, 65) + 2 * estimate.recompute_flops_per_token(cfg.model)
+    per_token = flops.flops_per_token(cfg.model, 65) + 2 * flops.recompute_flops_per_token(cfg.model)
     assert t["flops_per_chip"] == per_token * 256 / 4
     assert t["step_s"] == pytest.approx(t["flops_per_chip"] / 100e12 / 0.75)
-    assert t["mfu"] == pytest.approx(estimate.flops_per_token(cfg.model, 65) * 256
+    assert t["mfu"] == pytest.approx(flops.flops_per_token(cfg.model, 65) * 256
                                      / t["step_s"] / (4 * 100e12))
 
 
