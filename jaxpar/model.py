@@ -4,7 +4,6 @@ The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.shardi
 the mesh. The `kernel`s, `wte` and `wpe` get weight decay; `scale` and `bias` do not.
 """
 
-import functools
 import math
 
 import jax
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.attention import apply_dropout, causal_attention
 from jaxpar.config import ModelConfig
 from jaxpar.sharding import constrain, param_axes
 
@@ -99,72 +99,12 @@ def dropout(x: jax.Array, rate: float, key) -> jax.Array:
     return apply_dropout(x, keep, rate).astype(x.dtype)
 
 
-def apply_dropout(x: jax.Array, keep, rate: float) -> jax.Array:
-    """x zeroed outside the mask `keep` and scaled by 1/(1 - rate) inside it (x if keep is None)."""
-    return x if keep is None else jnp.where(keep, x / (1.0 - rate), 0.0)
-
-
 def gelu(x: jax.Array, kind: str = "exact") -> jax.Array:
     """GELU of model.gelu's `kind`: "exact" (erf) as nanoGPT's nn.GELU(), where erf compiles to
     faster CPU code than erfc; "tanh", GPT-2's own approximation (Hugging Face's gelu_new)."""
     if kind == "tanh":
         return 0.5 * x * (1.0 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
     return 0.5 * x * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0))))
-
-
-def causal_attention(q, k, v, rate: float, key) -> jax.Array:
-    """softmax(q k^T / sqrt(d) + causal mask) v, with q, k, v as (batch, heads, seq, head_dim);
-    returns (batch, seq, heads, head_dim)."""
-    keep = None
-    if key is not None and rate > 0.0:
-        keep = jax.random.bernoulli(key, 1.0 - rate, q.shape[:3] + k.shape[2:3])
-    return attention_core(q, k, v, keep, rate).transpose(0, 2, 1, 3)
-
-
-def physical_transpose(x: jax.Array) -> jax.Array:
-    """x with its last two axes swapped in memory. Without the barrier XLA folds the transpose into
-    the next dot, and XLA:CPU runs a batched dot that contracts its left operand's rows about 3x
-    slower than one that contracts its columns."""
-    return jax.lax.optimization_barrier(jnp.swapaxes(x, -1, -2))
-
-
-def attention_scores(q, k) -> jax.Array:
-    T, D = q.shape[2], q.shape[3]
-    scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=jnp.float32)
-    causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-    return jnp.where(causal, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention_core(q, k, v, keep, rate: float) -> jax.Array:
-    """Attention as (batch, heads, seq, head_dim); `keep` is the dropout mask of the probs or None.
-
-    The backward pass is autodiff's, written out so that every dot is in XLA:CPU's fast form.
-    """
-    return attention_forward(q, k, v, keep, rate)[0]
-
-
-def attention_forward(q, k, v, keep, rate: float):
-    probs = jax.nn.softmax(attention_scores(q, k), axis=-1)
-    out = jnp.einsum("bhts,bhsd->bhtd", apply_dropout(probs, keep, rate).astype(v.dtype), v)
-    return out, (q, k, v, keep, probs)
-
-
-def attention_backward(rate: float, saved, d_out):
-    q, k, v, keep, probs = saved
-    dropped = apply_dropout(probs, keep, rate).astype(v.dtype)
-    d_v = jnp.einsum("bhst,bhtd->bhsd", physical_transpose(dropped), d_out)
-    d_dropped = jnp.einsum("bhtd,bhsd->bhts", d_out, v, preferred_element_type=jnp.float32)
-    d_probs = apply_dropout(d_dropped, keep, rate)
-    # softmax's backward, then the 1/sqrt(d) scale; masked scores have probs 0, so gradient 0
-    d_scores = probs * (d_probs - jnp.sum(d_probs * probs, -1, keepdims=True))
-    d_scores = (d_scores / math.sqrt(q.shape[-1])).astype(q.dtype)
-    d_q = jnp.einsum("bhts,bhsd->bhtd", d_scores, k)
-    d_k = jnp.einsum("bhst,bhtd->bhsd", physical_transpose(d_scores), q)
-    return d_q, d_k, d_v, None
-
-
-attention_core.defvjp(attention_forward, attention_backward)
 
 
 def exact_qkv_bias(bias: jax.Array) -> jax.Array:

@@ -7,7 +7,7 @@ and of torch_ref's own loop body, in one process, so that both see the same load
 It needs torch installed beside jaxpar; the project itself never imports torch.
 
     python scripts/compare_torch_ref.py [--torch-ref PATH] [--steps N] [--speed ROUNDS [--block K]]
-                                        [--section.field=value ...]
+                                        [--mesh dp=2] [--section.field=value ...]
 """
 
 import argparse
@@ -24,8 +24,9 @@ import torch
 from jaxpar import step as steps
 from jaxpar.config import load_config
 from jaxpar.data import BatchLoader, load_dataset
+from jaxpar.flops import flops_per_token, measure_matmul_peak
 from jaxpar.errors import UserError, exit_on_user_error
-from jaxpar.mesh import build_mesh
+from jaxpar.mesh import build_mesh, force_host_devices, parse_mesh_spec, resolve_mesh_shape
 from jaxpar.train import parse_overrides
 
 DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "bench" / "torch_ref.py"
@@ -78,8 +79,13 @@ def main():
     ap.add_argument("--speed", type=int, default=0, metavar="ROUNDS",
                     help="time ROUNDS pairs of blocks instead of comparing losses")
     ap.add_argument("--block", type=int, default=20, metavar="K", help="steps per timed block")
+    ap.add_argument("--mesh", default=None, help="jaxpar's layout for --speed, e.g. dp=2 (forced host devices)")
     args, rest = ap.parse_known_args()
     overrides = parse_overrides(rest)
+    if args.mesh:
+        if not args.speed:
+            raise UserError("--mesh times a layout: pass it with --speed (the loss comparison runs on one device)")
+        overrides.update(parse_mesh_spec(args.mesh))
     overrides["train.steps"] = str(args.steps)
     cfg = load_config(args.config, overrides)
     m, t = cfg.model, cfg.train
@@ -92,9 +98,11 @@ def main():
     ref = load_module(args.torch_ref)
     torch.set_num_threads(2)
 
+    force_host_devices(cfg.mesh)
     dataset = load_dataset(cfg.data, m.block_size)
     vocab = dataset.tokenizer.vocab_size
-    mesh = build_mesh(cfg, jax.devices()[:1])
+    dp, tp, pp = resolve_mesh_shape(cfg, len(jax.devices()))
+    mesh = build_mesh(cfg, jax.devices()[:dp * tp * pp])
     with jax.set_mesh(mesh):
         tx = steps.make_optimizer(t)
         graphdef, _, _ = steps.abstract_model(cfg, vocab)
@@ -125,7 +133,7 @@ def main():
 
         if args.speed:
             compare_speed(args.speed, args.block, state, train, train_step, torch_step, ref,
-                          torch.from_numpy(dataset.train.astype(np.int64)))
+                          torch.from_numpy(dataset.train.astype(np.int64)), flops_per_token(m, vocab))
             return
         print("| step | jaxpar loss | torch loss | rel. diff | max rel. diff so far |\n|---|---|---|---|---|")
         worst = 0.0
@@ -146,14 +154,27 @@ def main():
           f"jaxpar {ours:.4f}, torch_ref {theirs:.4f}")
 
 
+def torch_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a size^3 float32 torch.mm, as flops.measure_matmul_peak times XLA's."""
+    a = torch.ones(size, size)
+    torch.mm(a, a)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, a)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
 def compare_speed(rounds: int, block: int, state, train, train_step, torch_step, ref,
-                  train_tokens: torch.Tensor):
+                  train_tokens: torch.Tensor, model_flops_per_token: int):
     """Alternate `block` steps of each side, `rounds` times (who goes first alternates too).
 
     Each side runs its own training loop as it runs alone: jaxpar draws its batches and fetches
     its metrics every 10 steps, as jaxpar.train does; torch_ref samples its own batches from the
     same train split and syncs on its loss every step, as torch_ref.py does. Each first runs 10
-    untimed steps (jaxpar's compile among them).
+    untimed steps (jaxpar's compile among them). Each side's model FLOP/s is then put against
+    its own framework's 2048^3 matmul, measured once before the rounds.
     """
     rng = torch.Generator().manual_seed(0)
     rows, seq = train.batch_size, train.block_size
@@ -179,6 +200,7 @@ def compare_speed(rounds: int, block: int, state, train, train_step, torch_step,
 
     jaxpar_block(10)
     torch_block(10)
+    xla_peak, torch_peak = measure_matmul_peak(jax.devices()[0], "float32"), torch_matmul_peak()
     ours, theirs = [], []
     print("| round | jaxpar tok/s | torch_ref tok/s | ratio |\n|---|---|---|---|")
     for r in range(rounds):
@@ -191,6 +213,10 @@ def compare_speed(rounds: int, block: int, state, train, train_step, torch_step,
           f"tok/s, torch_ref {statistics.median(theirs):,.0f} tok/s; ratio median "
           f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
           f"jaxpar faster in {sum(x > 1 for x in ratios)} of {rounds}")
+    for name, figures, peak in (("jaxpar", ours, xla_peak), ("torch_ref", theirs, torch_peak)):
+        rate = statistics.median(figures) * model_flops_per_token
+        print(f"{name}: {rate / 1e9:.0f} GFLOP/s of model FLOPs, {100 * rate / peak:.0f}% of its own "
+              f"float32 2048^3 matmul ({peak / 1e9:.0f} GFLOP/s, measured before the rounds)")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from jaxpar.placement import compile_abstract_step
 from jaxpar.train import parse_overrides
 
 # (category, source function names that put an op there), first match along the stack wins.
-BY_FUNCTION = [("attention softmax, mask", {"attention_scores", "attention_forward", "attention_backward",
+BY_FUNCTION = [("attention softmax, mask", {"attention_scores", "attention_forward", "attention_backward", "sum_by_key_block",
                                             "attention_core", "causal_attention", "physical_transpose"}),
                ("LayerNorm", {"layer_norm"}), ("GELU", {"gelu"}),
                ("loss (logits, cross-entropy)", {"cross_entropy", "logits_of"}),

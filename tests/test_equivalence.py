@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import mesh_overrides, tiny_config
+from jaxpar import attention
 from jaxpar.train import run
 
 STEPS = 10
@@ -70,6 +71,14 @@ def test_rolled_layer_scan_matches_unrolled(one_device):
 def test_full_remat_matches_no_remat(one_device, spec, zero):
     """model.remat=full reruns each layer in the backward: the same math, the same training."""
     assert_same_training(train(spec, **{"model.remat": "full", "train.zero": zero}), one_device)
+
+
+def test_attention_in_query_blocks_matches_one_block(one_device, monkeypatch):
+    """Queries in blocks of 8 (4 blocks at block 32) that skip the masked keys, on a mesh, train
+    as attention over the whole square on one device (block 32 is one block by default)."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 8)
+    assert attention.query_blocks(32) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert_same_training(train("dp=2,tp=2"), one_device)
 
 
 def test_bias_free_model_matches_across_meshes():

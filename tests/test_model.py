@@ -1,6 +1,7 @@
 """The GPT matches nanoGPT's architecture: causal, tied head, padded vocab that never wins, 6N FLOPs."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -81,10 +82,14 @@ def test_weight_decay_covers_every_2d_weight_as_nanogpt():
     assert moved["wte"] and moved["wpe"]
 
 
-def test_attention_backward_equals_autodiff():
-    """The hand-written attention backward against autodiff of the plain formula, with dropout too."""
+@pytest.mark.parametrize("blocks", [None, [(0, 4), (4, 12), (12, 16)]], ids=["one-block", "query-blocks"])
+def test_attention_backward_equals_autodiff(blocks, monkeypatch):
+    """The hand-written attention backward against autodiff of the plain formula, with dropout too,
+    whole and with the queries in blocks that skip the masked keys."""
     import math
-    from jaxpar.model import causal_attention
+    from jaxpar import attention
+    from jaxpar.attention import causal_attention
+    monkeypatch.setattr(attention, "query_blocks", lambda T: blocks or [(0, T)])
 
     def plain(q, k, v, rate, key):
         T, D = q.shape[2], q.shape[3]
