@@ -238,7 +238,11 @@ def validate(cfg: Config) -> None:
                         f"train.grad_accum={t.grad_accum}")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    from jaxpar.schedule import SCHEDULES
+    from jaxpar.orders import SCHEDULES, TABLE_ONLY
+    if cfg.pipeline.schedule in TABLE_ONLY:
+        raise UserError(f"pipeline.schedule={cfg.pipeline.schedule} is a table that `python -m "
+                        f"jaxpar.schedule` draws, but training does not run it yet; use "
+                        f"{' or '.join(SCHEDULES)}")
     if cfg.pipeline.schedule not in SCHEDULES:
         raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")

@@ -3,6 +3,7 @@
 The executor (jaxpar.pipeline), the tests, the bubble figure and `python -m jaxpar.schedule` all
 read the same table. Each stage's order of work is written down, then placed on ticks as early as
 its dependencies allow: F(k) on stage s after F(k) on s-1; B(k) after F(k) and after B(k) on s+1.
+The orders of every schedule, interleaved 1F1B and ZB-H1 among them, are in jaxpar.orders.
 """
 
 import sys
@@ -12,44 +13,16 @@ from functools import cached_property
 import numpy as np
 
 from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.orders import (BACKWARD, FORWARD, IDLE, SCHEDULES, TABLE_ONLY, WEIGHT, Op,  # noqa: F401
+                           needs, stage_orders, zb_h1_table)
 
-SCHEDULES = ("gpipe", "1f1b")
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-NO_SLOT = -1
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: int  # FORWARD or BACKWARD
-    microbatch: int
-
-    def __str__(self):
-        return f"{'F' if self.kind == FORWARD else 'B'}{self.microbatch}"
+NO_SLOT = -1  # a tick at which a stage stores nothing
 
 
-def stage_orders(schedule: str, pp: int, microbatches: int) -> list[list[Op]]:
-    """The order in which each stage runs its forwards and backwards."""
-    M = microbatches
-    forwards = [Op(FORWARD, k) for k in range(M)]
-    backwards = [Op(BACKWARD, k) for k in range(M)]
-    if schedule == "forward":  # evaluation: no backwards
-        return [forwards for _ in range(pp)]
-    if schedule == "gpipe":  # all forwards, then all backwards
-        return [forwards + backwards for _ in range(pp)]
-    if schedule == "1f1b":  # warm up, then alternate one forward and one backward, then drain
-        orders = []
-        for stage in range(pp):
-            warmup = min(pp - 1 - stage, M)
-            steady = [op for k in range(M - warmup) for op in (forwards[warmup + k], backwards[k])]
-            orders.append(forwards[:warmup] + steady + backwards[M - warmup:])
-        return orders
-    raise ValueError(f"unknown schedule '{schedule}'; known: {', '.join(SCHEDULES)}")
-
-
-def place_on_ticks(orders: list[list[Op]]) -> list[list[Op | None]]:
+def place_on_ticks(orders: list[list[Op]], virtual: int = 1) -> list[list[Op | None]]:
     """Run each stage's next op at the first tick where everything it needs finished earlier."""
     pp = len(orders)
-    finished: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, stage) -> tick
+    finished: dict[tuple[int, int, int, int], int] = {}  # (kind, microbatch, chunk, stage) -> tick
     position, table, tick = [0] * pp, [], 0
     while any(position[s] < len(orders[s]) for s in range(pp)):
         row: list[Op | None] = [None] * pp
@@ -57,13 +30,11 @@ def place_on_ticks(orders: list[list[Op]]) -> list[list[Op | None]]:
             if position[s] == len(orders[s]):
                 continue
             op = orders[s][position[s]]
-            needs = ([(FORWARD, op.microbatch, s - 1)] if op.kind == FORWARD and s > 0 else []) + \
-                    ([(BACKWARD, op.microbatch, s + 1)] if op.kind == BACKWARD and s < pp - 1 else [])
-            if all(finished.get(need, tick) < tick for need in needs):
+            if all(finished.get(need, tick) < tick for need in needs(op, s, pp, virtual)):
                 row[s] = op
         for s, op in enumerate(row):
             if op is not None:
-                finished[(op.kind, op.microbatch, s)] = tick
+                finished[(op.kind, op.microbatch, op.chunk, s)] = tick
                 position[s] += 1
         table.append(row)
         tick += 1
@@ -93,29 +64,39 @@ class Schedule:
     name: str
     pp: int
     microbatches: int
+    virtual: int = 1  # interleaved: layer chunks per stage
 
     @cached_property
     def table(self) -> list[list[Op | None]]:
-        return place_on_ticks(stage_orders(self.name, self.pp, self.microbatches))
+        if self.name == "zb-h1":
+            return zb_h1_table(self.pp, self.microbatches)
+        return place_on_ticks(stage_orders(self.name, self.pp, self.microbatches, self.virtual), self.virtual)
 
     @property
     def ticks(self) -> int:
         return len(self.table)
 
-    def tick_of(self, kind: int, microbatch: int, stage: int) -> int:
-        return next(t for t, row in enumerate(self.table) if row[stage] == Op(kind, microbatch))
+    def tick_of(self, kind: int, microbatch: int, stage: int, chunk: int = 0) -> int:
+        return next(t for t, row in enumerate(self.table) if row[stage] == Op(kind, microbatch, chunk))
 
     @property
     def bubble_fraction(self) -> float:
-        """Share of (tick, stage) cells that are idle, with F and B counted as one tick each."""
+        """Share of (tick, stage) cells that are idle, with every op counted as one tick."""
         return sum(op is None for row in self.table for op in row) / (self.ticks * self.pp)
 
+    @property
+    def bubble_formula(self) -> str:
+        return {"interleaved": "(pp-1)/(V*M+pp-1)", "zb-h1": "about (pp-1)/(3M+pp-1)"}.get(
+            self.name, "(pp-1)/(M+pp-1)")
+
     def in_flight(self, stage: int) -> int:
-        """Most microbatches whose forward ran on `stage` but whose backward has not yet."""
+        """Most stage inputs held at once on `stage`: from a forward (of one chunk) until the op
+        that last reads it, its backward, or with W split off, its W."""
+        release = WEIGHT if self.name == "zb-h1" else BACKWARD
         count = most = 0
         for row in self.table:
             op = row[stage]
-            count += 0 if op is None else 1 if op.kind == FORWARD else -1
+            count += 0 if op is None else 1 if op.kind == FORWARD else -1 if op.kind == release else 0
             most = max(most, count)
         return most
 
@@ -126,6 +107,8 @@ class Schedule:
         A stage keeps its input from arrival until its backward (which recomputes from it); the
         last stage's gradient comes from the loss, computed right after its forward.
         """
+        if self.name in TABLE_ONLY:
+            raise NotImplementedError(f"the executor does not run '{self.name}' yet")
         M, pp = self.microbatches, self.pp
         last_use = BACKWARD if self.name != "forward" else FORWARD
         inputs, grads = [], []
@@ -172,36 +155,46 @@ class Schedule:
 
     def grid(self) -> str:
         """The table as text: one row per stage, one column per tick, '.' for idle."""
-        width = max(len(str(op)) for row in self.table for op in row if op is not None)
-        lines = [f"{self.name}: pp={self.pp}, {self.microbatches} microbatches, {self.ticks} ticks, "
-                 f"bubble {self.bubble_fraction:.1%} = (pp-1)/(M+pp-1)"]
+        chunks = self.virtual > 1
+        width = max(len(op.label(chunks)) for row in self.table for op in row if op is not None)
+        virtual = f", V={self.virtual}" if chunks else ""
+        lines = [f"{self.name}: pp={self.pp}{virtual}, {self.microbatches} microbatches, {self.ticks} "
+                 f"ticks, bubble {self.bubble_fraction:.1%}, {self.bubble_formula}"]
         for s in range(self.pp):
-            cells = [(str(row[s]) if row[s] is not None else ".").rjust(width) for row in self.table]
+            cells = [(row[s].label(chunks) if row[s] is not None else ".").rjust(width) for row in self.table]
             lines.append(f"stage {s}: " + " ".join(cells))
         return "\n".join(lines)
 
     def draw(self, path: str) -> None:
-        """A PNG of the table: stages as rows, ticks as columns, F and B coloured, bubbles blank."""
+        """A PNG of the table: stages as rows, ticks as columns, F, B and W coloured (later layer
+        chunks lighter), bubbles blank."""
         from jaxpar.plot import pyplot, save
         plt = pyplot()
         fig, ax = plt.subplots(figsize=(max(6, 0.35 * self.ticks), 0.6 * self.pp + 1.2))
-        colours = {FORWARD: "#4c78a8", BACKWARD: "#f58518"}
+        colours = {FORWARD: "#4c78a8", BACKWARD: "#f58518", WEIGHT: "#54a24b"}
         for t, row in enumerate(self.table):
             for s, op in enumerate(row):
                 if op is not None:
-                    ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=colours[op.kind], edgecolor="white"))
-                    ax.text(t + 0.5, s + 0.5, str(op), ha="center", va="center", fontsize=7, color="white")
+                    alpha = 1.0 - 0.45 * op.chunk / max(self.virtual - 1, 1)
+                    ax.add_patch(plt.Rectangle((t, s), 1, 1, facecolor=colours[op.kind], alpha=alpha,
+                                               edgecolor="white"))
+                    ax.text(t + 0.5, s + 0.5, op.label(self.virtual > 1), ha="center", va="center",
+                            fontsize=6 if self.virtual > 1 else 7, color="black" if op.chunk else "white")
+        virtual = f", V={self.virtual}" if self.virtual > 1 else ""
         ax.set(xlim=(0, self.ticks), ylim=(self.pp, 0), xlabel="tick", yticks=np.arange(self.pp) + 0.5,
                yticklabels=[f"stage {s}" for s in range(self.pp)],
-               title=f"{self.name}, pp={self.pp}, M={self.microbatches}: "
+               title=f"{self.name}, pp={self.pp}{virtual}, M={self.microbatches}: "
                      f"bubble {self.bubble_fraction:.1%}")
         save(plt, fig, path)
 
 
-def check_schedule(name: str, pp: int, microbatches: int) -> None:
+def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> None:
     """Refuse a schedule that cannot run (its name is checked with the config); name the fix."""
     if microbatches < 1:
         raise UserError(f"pipeline.microbatches must be positive, got {microbatches}")
+    if name == "interleaved" and (virtual < 2 or microbatches % pp):
+        raise UserError(f"interleaved needs --virtual >= 2 layer chunks per stage and microbatches in "
+                        f"whole groups of pp={pp}, got V={virtual} and {microbatches} microbatches")
     if name == "1f1b" and microbatches < pp:
         raise UserError(f"1f1b needs at least pp={pp} microbatches, got {microbatches}; "
                         f"raise pipeline.microbatches or use --pipeline.schedule=gpipe")
@@ -234,16 +227,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="jaxpar.schedule", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    parser.add_argument("--out", help="PNG path (default: schedule_<schedule>_pp<P>_m<M>.png)")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES + TABLE_ONLY)
+    parser.add_argument("--virtual", type=int, default=None,
+                        help="layer chunks per stage, for interleaved (default 2)")
+    parser.add_argument("--out", help="PNG path (default: schedule_<schedule>_pp<P>_m<M>[_v<V>].png)")
     with exit_on_user_error("jaxpar.schedule"):
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if args.pp < 1:
             raise UserError(f"--pp must be positive, got {args.pp}")
-        check_schedule(args.schedule, args.pp, args.microbatches)
-        schedule = Schedule(args.schedule, args.pp, args.microbatches)
+        virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
+        if virtual > 1 and args.schedule != "interleaved":
+            raise UserError(f"--virtual is for --schedule interleaved, not {args.schedule}")
+        check_schedule(args.schedule, args.pp, args.microbatches, virtual)
+        schedule = Schedule(args.schedule, args.pp, args.microbatches, virtual)
         print(schedule.grid())
-        out = args.out or f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}.png"
+        suffix = f"_v{virtual}" if virtual > 1 else ""
+        out = args.out or f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}{suffix}.png"
         schedule.draw(out)
     print(f"wrote {out}")
 
