@@ -60,15 +60,21 @@ def force_host_devices(mesh: MeshConfig, per_process: int | None = None) -> None
             pass  # backends already initialised (library use): keep the devices that exist
 
 
-def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """Check the mesh against the device count and the model; return (dp, tp, pp)."""
-    sizes = [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp]
+def infer_axis(sizes: list[int], num_devices: int) -> list[int]:
+    """(dp, tp, pp) with a -1 axis set to what the other axes leave of num_devices."""
+    sizes = list(sizes)
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         if num_devices % known:
             raise UserError(f"cannot infer the -1 mesh axis: {num_devices} devices are not "
                             f"divisible by the other axes' product {known}")
         sizes[sizes.index(-1)] = num_devices // known
+    return sizes
+
+
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
+    """Check the mesh against the device count and the model; return (dp, tp, pp)."""
+    sizes = infer_axis([cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp], num_devices)
     dp, tp, pp = sizes
     spec = ",".join(f"{a}={s}" for a, s in zip(CLI_AXES, sizes))
     if dp * tp * pp != num_devices:

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import Config
 from jaxpar.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.model import apply_blocks, cross_entropy, embed, logits_of, split_layers
-from jaxpar.schedule import BACKWARD, FORWARD, IDLE, Schedule, resolve_microbatches
+from jaxpar.orders import BACKWARD, FORWARD, IDLE
+from jaxpar.schedule import Schedule, resolve_microbatches
 from jaxpar.sharding import constrain
 
 PIPE = "pipe"

@@ -9,7 +9,6 @@ figure decides whether it fits, and its HLO gives the collectives of the step-ti
 """
 
 import copy
-import math
 import dataclasses
 import os
 import re
@@ -19,7 +18,7 @@ from pathlib import Path
 from jaxpar.config import REMAT_KINDS, Config, load_config, validate, valid_keys
 from jaxpar.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.hardware import parse_target
-from jaxpar.mesh import CLI_AXES, parse_mesh_spec, resolve_mesh_shape
+from jaxpar.mesh import CLI_AXES, infer_axis, parse_mesh_spec, resolve_mesh_shape
 
 DEFAULT_MAX_COMPILES = 32
 # XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
@@ -51,9 +50,10 @@ def parse_layouts(spec: str, devices: int) -> list[tuple[int, int, int]]:
     triples = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         sizes = [int(v) for v in parse_mesh_spec(part).values()]  # dp, tp, pp
-        if -1 in sizes:  # inferred from the target's device count, as --mesh infers it
-            known = math.prod(s for s in sizes if s != -1)
-            sizes[sizes.index(-1)] = devices // known if devices % known == 0 else 0
+        try:  # a -1 axis is inferred from the target's device count, as --mesh infers it
+            sizes = infer_axis(sizes, devices)
+        except UserError:
+            pass  # left at -1: the trainer's own check lists the layout as skipped, saying why
         triples.append(tuple(sizes))
     return triples
 

@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
-from jaxpar.orders import (BACKWARD, FORWARD, IDLE, SCHEDULES, TABLE_ONLY, WEIGHT, Op,  # noqa: F401
+from jaxpar.orders import (BACKWARD, FORWARD, IDLE, SCHEDULES, TABLE_ONLY, WEIGHT, Op,
                            needs, stage_orders, zb_h1_table)
 
 NO_SLOT = -1  # a tick at which a stage stores nothing

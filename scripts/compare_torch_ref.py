@@ -24,8 +24,8 @@ import torch
 from jaxpar import step as steps
 from jaxpar.config import load_config
 from jaxpar.data import BatchLoader, load_dataset
-from jaxpar.flops import flops_per_token, measure_matmul_peak
 from jaxpar.errors import UserError, exit_on_user_error
+from jaxpar.flops import flops_per_token, measure_matmul_peak
 from jaxpar.mesh import build_mesh, force_host_devices, parse_mesh_spec, resolve_mesh_shape
 from jaxpar.train import parse_overrides
 

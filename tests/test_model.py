@@ -1,9 +1,9 @@
 """The GPT matches nanoGPT's architecture: causal, tied head, padded vocab that never wins, 6N FLOPs."""
 
 import jax
-import pytest
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from conftest import tiny_config

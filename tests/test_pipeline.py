@@ -6,7 +6,8 @@ Equivalence tolerances, as in test_equivalence: losses within rtol 1e-5; each fi
 
 import pytest
 
-from jaxpar.schedule import BACKWARD, FORWARD, SCHEDULES, Op, Schedule, main as schedule_main
+from jaxpar.orders import BACKWARD, FORWARD, SCHEDULES, Op
+from jaxpar.schedule import Schedule, main as schedule_main
 from test_equivalence import assert_same_training, train
 
 SHAPES = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8)]
