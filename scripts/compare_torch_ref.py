@@ -103,6 +103,8 @@ def main():
     vocab = dataset.tokenizer.vocab_size
     dp, tp, pp = resolve_mesh_shape(cfg, len(jax.devices()))
     mesh = build_mesh(cfg, jax.devices()[:dp * tp * pp])
+    # each framework's own matmul peak, outside the mesh context (it runs on one device)
+    peaks = (measure_matmul_peak(jax.devices()[0], "float32"), torch_matmul_peak()) if args.speed else None
     with jax.set_mesh(mesh):
         tx = steps.make_optimizer(t)
         graphdef, _, _ = steps.abstract_model(cfg, vocab)
@@ -133,7 +135,7 @@ def main():
 
         if args.speed:
             compare_speed(args.speed, args.block, state, train, train_step, torch_step, ref,
-                          torch.from_numpy(dataset.train.astype(np.int64)), flops_per_token(m, vocab))
+                          torch.from_numpy(dataset.train.astype(np.int64)), flops_per_token(m, vocab), peaks)
             return
         print("| step | jaxpar loss | torch loss | rel. diff | max rel. diff so far |\n|---|---|---|---|---|")
         worst = 0.0
@@ -167,14 +169,14 @@ def torch_matmul_peak(size: int = 2048, repeats: int = 5) -> float:
 
 
 def compare_speed(rounds: int, block: int, state, train, train_step, torch_step, ref,
-                  train_tokens: torch.Tensor, model_flops_per_token: int):
+                  train_tokens: torch.Tensor, model_flops_per_token: int, peaks: tuple[float, float]):
     """Alternate `block` steps of each side, `rounds` times (who goes first alternates too).
 
     Each side runs its own training loop as it runs alone: jaxpar draws its batches and fetches
     its metrics every 10 steps, as jaxpar.train does; torch_ref samples its own batches from the
     same train split and syncs on its loss every step, as torch_ref.py does. Each first runs 10
     untimed steps (jaxpar's compile among them). Each side's model FLOP/s is then put against
-    its own framework's 2048^3 matmul, measured once before the rounds.
+    its own framework's 2048^3 matmul (`peaks`: XLA's, torch's), measured once before the rounds.
     """
     rng = torch.Generator().manual_seed(0)
     rows, seq = train.batch_size, train.block_size
@@ -200,7 +202,6 @@ def compare_speed(rounds: int, block: int, state, train, train_step, torch_step,
 
     jaxpar_block(10)
     torch_block(10)
-    xla_peak, torch_peak = measure_matmul_peak(jax.devices()[0], "float32"), torch_matmul_peak()
     ours, theirs = [], []
     print("| round | jaxpar tok/s | torch_ref tok/s | ratio |\n|---|---|---|---|")
     for r in range(rounds):
@@ -213,7 +214,7 @@ def compare_speed(rounds: int, block: int, state, train, train_step, torch_step,
           f"tok/s, torch_ref {statistics.median(theirs):,.0f} tok/s; ratio median "
           f"{statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
           f"jaxpar faster in {sum(x > 1 for x in ratios)} of {rounds}")
-    for name, figures, peak in (("jaxpar", ours, xla_peak), ("torch_ref", theirs, torch_peak)):
+    for name, figures, peak in zip(("jaxpar", "torch_ref"), (ours, theirs), peaks):
         rate = statistics.median(figures) * model_flops_per_token
         print(f"{name}: {rate / 1e9:.0f} GFLOP/s of model FLOPs, {100 * rate / peak:.0f}% of its own "
               f"float32 2048^3 matmul ({peak / 1e9:.0f} GFLOP/s, measured before the rounds)")
