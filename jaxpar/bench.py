@@ -26,7 +26,8 @@ DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,t
 DEFAULT_STEPS = 50
 BASELINE = "dp=1"
 LOSS_RTOL = 1e-5  # the equivalence tests' tolerance for the same model on any layout
-HFU_NOTE = ("HFU = MFU x about 8/6 with pp > 1 (each pipeline backward recomputes its stage's forward); "
+HFU_NOTE = ("HFU = MFU x about 8/6 with pp > 1 (each pipeline backward recomputes its stage's forward; "
+            "12/6 with zb-h1, whose B and W each rerun it); "
             "otherwise HFU = MFU: ZeRO-3's remat only re-gathers weights, which is communication, "
             "not FLOPs")
 

@@ -39,6 +39,10 @@ class ModelConfig:
     # "full": keep only each layer's input and rerun the layer in the backward pass (jax.checkpoint):
     # activation memory of one layer instead of all, for about a third more FLOPs.
     remat: str = "none"
+    # Megatron sequence parallelism: with tp > 1, the residual stream between the matmuls (LayerNorm,
+    # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
+    # activations shrink by tp. No effect at tp = 1.
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -87,7 +91,8 @@ class MeshConfig:
 
 @dataclass
 class PipelineConfig:
-    schedule: str = "1f1b"  # or "gpipe"; see jaxpar.schedule
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved or zb-h1; see jaxpar.schedule
+    virtual: int = 1  # interleaved: layer chunks per stage (stage s holds chunks s, s+pp, ...)
     microbatches: int = 0  # per step and grad_accum round; 0: the largest multiple of pp up to 4*pp that fits
 
 
@@ -238,14 +243,14 @@ def validate(cfg: Config) -> None:
                         f"train.grad_accum={t.grad_accum}")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    from jaxpar.orders import SCHEDULES, TABLE_ONLY
-    if cfg.pipeline.schedule in TABLE_ONLY:
-        raise UserError(f"pipeline.schedule={cfg.pipeline.schedule} is a table that `python -m "
-                        f"jaxpar.schedule` draws, but training does not run it yet; use "
-                        f"{' or '.join(SCHEDULES)}")
+    from jaxpar.orders import SCHEDULES
     if cfg.pipeline.schedule not in SCHEDULES:
         raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")
+    interleaved = cfg.pipeline.schedule == "interleaved"
+    if interleaved and cfg.pipeline.virtual < 2 or not interleaved and cfg.pipeline.virtual != 1:
+        raise UserError(f"pipeline.virtual={cfg.pipeline.virtual}: interleaved needs "
+                        f"--pipeline.virtual >= 2 layer chunks per stage, every other schedule 1")
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
     for axis in ("dp", "tp", "pp"):

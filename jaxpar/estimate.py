@@ -42,7 +42,8 @@ def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, 
     """The estimate for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
     devices = layout["dp"] * layout["tp"] * layout["pp"]
     tokens = cfg.train.batch_size * cfg.model.block_size
-    flops_per_chip = hardware_flops_per_token(cfg.model, vocab, layout["pp"]) * tokens / devices
+    flops_per_chip = (hardware_flops_per_token(cfg.model, vocab, layout["pp"], cfg.pipeline.schedule)
+                      * tokens / devices)
     compute_s = flops_per_chip / chip.peak_flops
     step_s = max(compute_s, comm_s) / (1 - bubble)
     return {"flops_per_chip": flops_per_chip, "compute_s": compute_s, "comm_s": comm_s,
@@ -73,5 +74,8 @@ def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, row
     layers = m.n_layer // pp
     ops.append({"kind": "all-reduce", "bytes": activation, "group": tp, "count": 4 * layers * passes})
     if pp > 1:
-        ops.append({"kind": "collective-permute", "bytes": activation, "group": pp, "count": 2 * passes})
+        V = cfg.pipeline.virtual
+        ops.append({"kind": "collective-permute", "bytes": activation, "group": pp, "count": 2 * V * passes})
+        if V > 1:  # interleaved: the layers move into chunk order and their gradients back, each round
+            ops.append({"kind": "all-to-all", "bytes": share, "group": pp, "count": 2 * cfg.train.grad_accum})
     return ops

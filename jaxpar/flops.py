@@ -47,10 +47,21 @@ def recompute_flops_per_token(cfg: ModelConfig) -> int:
     return 2 * block_params + 4 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
-def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, pp: int) -> int:
+def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, pp: int, schedule: str = "1f1b") -> int:
     """Model FLOPs plus what is run again: each layer's forward once more under remat=full, and
-    once more in a pipeline's backward (which reruns its stage from the saved input)."""
-    reruns = (cfg.remat == "full") + (pp > 1)
+    once more in a pipeline's backward (which reruns its stage from the saved input).
+
+    ZB-H1 reruns more: B (the input gradient) and W (the weight gradient) are each a vjp from the
+    saved input, so the forward runs three times, and W also recomputes the input gradients
+    inside the stage (the chain to each layer's weights), about one more forward's FLOPs.
+    """
+    remat = cfg.remat == "full"
+    if pp == 1:
+        reruns = remat
+    elif schedule == "zb-h1":
+        reruns = 3 + 2 * remat
+    else:
+        reruns = 1 + remat
     return flops_per_token(cfg, vocab_size) + reruns * recompute_flops_per_token(cfg)
 
 

@@ -23,6 +23,9 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
+# XLA:TPU fuses an all-reduce and the slice of it that a device keeps into a computation of this
+# name, which it runs as a reduce-scatter.
+FUSED_REDUCE_SCATTER = "all-reduce-scatter"
 # Computations and the calls between them, to count what a while loop runs once per iteration.
 HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 CALL = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
@@ -112,7 +115,10 @@ def collective_ops(hlo_text: str) -> list[dict]:
             if is_async:  # the start op's result tuple holds the operand and the result
                 parts = ARRAY.findall(shape)
                 shape = "{}[{}]".format(*parts[-1]) if parts else shape
-            found[(kind, shape_bytes(shape), group_size(line))] += runs[name]
+            size, group = shape_bytes(shape), group_size(line)
+            if kind == "all-reduce" and name.startswith(FUSED_REDUCE_SCATTER) and group:
+                kind, size = "reduce-scatter", size // group  # TPU runs the fusion as one
+            found[(kind, size, group)] += runs[name]
     return [{"kind": kind, "bytes": size, "group": group, "count": count}
             for (kind, size, group), count in found.items() if count]
 

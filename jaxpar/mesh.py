@@ -83,6 +83,10 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if cfg.model.n_head % tp:
         raise UserError(f"tp={tp} does not divide model.n_head={cfg.model.n_head}; "
                         f"choose tp from the divisors of n_head")
+    if cfg.model.sequence_parallel and cfg.model.block_size % tp:
+        raise UserError(f"tp={tp} does not divide model.block_size={cfg.model.block_size}, which "
+                        f"sequence parallelism splits over it; choose a block size divisible by tp "
+                        f"or pass --model.sequence_parallel=false")
     micro_batch = cfg.train.batch_size // cfg.train.grad_accum
     if micro_batch % dp:
         raise UserError(f"dp={dp} does not divide the batch of {micro_batch} sequences per "

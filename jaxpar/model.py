@@ -18,6 +18,7 @@ from jaxpar.sharding import constrain, param_axes
 VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 LN_EPS = 1e-5
 GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
+STREAM = ("batch", "stream_seq", "embed")  # the residual stream's logical axes between blocks
 
 
 def padded_vocab(vocab_size: int) -> int:
@@ -127,31 +128,50 @@ def weights_for_compute(p: dict, axes: dict) -> dict:
     return jax.tree.map(lambda a, names: checkpoint_name(constrain(a, names), GATHERED), p, axes)
 
 
+@jax.custom_vjp
+def gather_stream(h: jax.Array) -> jax.Array:
+    """(batch, seq, embed) from the stream's layout to the matmuls' (batch*seq, embed): an
+    all-gather under sequence parallelism. Its gradient, a partial sum over 'tensor', goes
+    straight to the stream's layout, where XLA:TPU sums it as a reduce-scatter."""
+    B, T, C = h.shape
+    return constrain(h.reshape(B * T, C), ("tokens", "embed"))
+
+
+gather_stream.defvjp(lambda h: (gather_stream(h), h.shape),
+                     lambda shape, g: (constrain(g.reshape(shape), STREAM),))
+
+
 def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
           gelu_kind: str = "exact") -> jax.Array:
     """One block on one layer's params. The residual stream stays float32; matmuls run in dtype.
 
-    Matmuls see the activations as (batch*seq, features): plain 2-D dots are the fastest on CPU.
+    The stream, with LayerNorm, dropout and the residual adds, is (batch, seq, embed) in the
+    STREAM layout (split along the sequence under sequence parallelism). Matmuls see the
+    activations whole, as (batch*seq, features): plain 2-D dots are the fastest on CPU.
     """
     B, T, C = x.shape
     keys = jax.random.split(key, 3) if key is not None else (None,) * 3
     p = jax.tree.map(lambda a: a.astype(dtype), weights_for_compute(p, axes))
-    x = x.reshape(B * T, C)
-    h = layer_norm(x, p["ln_1"]).astype(dtype)
-    qkv = jnp.einsum("nc,cshd->nshd", h, p["qkv"]["kernel"])
+
+    def matmul_input(x, ln):  # an all-gather of the sequence under sequence parallelism
+        return gather_stream(layer_norm(x, ln).astype(dtype))
+
+    def add_to_stream(x, y, p_out, key):  # a row-parallel output: summed into the stream's layout
+        return x + dropout(add_bias(constrain(y.reshape(B, T, C), STREAM), p_out), rate, key)
+
+    qkv = jnp.einsum("nc,cshd->nshd", matmul_input(x, p["ln_1"]), p["qkv"]["kernel"])
     if "bias" in p["qkv"]:
         qkv = qkv + exact_qkv_bias(p["qkv"]["bias"])
     qkv = constrain(qkv.reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
-    q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    q, k, v = (constrain(qkv[:, :, i].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
+               for i in range(3))
     y = causal_attention(q, k, v, rate, keys[0]).reshape(B * T, *q.shape[1:2], q.shape[3])
-    y = add_bias(jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"])
-    x = x + dropout(y, rate, keys[1])
-    h = layer_norm(x, p["ln_2"]).astype(dtype)
-    h = constrain(gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"]), gelu_kind),
-                  ("tokens", "mlp"))
-    y = mlp_output(h, p["mlp_out"])
-    x = x + dropout(y, rate, keys[2])
-    return constrain(x.reshape(B, T, C), ("batch", "seq", "embed"))
+    y = constrain(y, ("tokens", "heads", "head_dim"))
+    x = add_to_stream(x, jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"], keys[1])
+    h = matmul_input(x, p["ln_2"]) @ p["mlp_in"]["kernel"]
+    h = constrain(gelu(add_bias(h, p["mlp_in"]), gelu_kind), ("tokens", "mlp"))
+    x = add_to_stream(x, jnp.einsum("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"], keys[2])
+    return constrain(x, STREAM)
 
 
 def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
@@ -166,7 +186,7 @@ def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
 def embed(top: dict, tokens: jax.Array, rate: float, key) -> jax.Array:
     """Token + position embeddings of (batch, seq) tokens, with dropout."""
     x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
-    return dropout(constrain(x, ("batch", "seq", "embed")), rate, key)
+    return dropout(constrain(x, STREAM), rate, key)
 
 
 def apply_blocks(layer_params: dict, layer_axes: dict, x: jax.Array, cfg: ModelConfig,
@@ -194,7 +214,7 @@ def apply_blocks(layer_params: dict, layer_axes: dict, x: jax.Array, cfg: ModelC
 
 def logits_of(top: dict, x: jax.Array, vocab_size: int, dtype) -> jax.Array:
     """Final LayerNorm and the tied lm_head: (batch, seq, embed) -> float32 logits over the padded vocab."""
-    x = layer_norm(x, top["ln_f"])
+    x = constrain(layer_norm(x, top["ln_f"]), ("batch", "seq", "embed"))  # the whole sequence
     logits = jnp.einsum("btc,vc->btv", x.astype(dtype), top["wte"].astype(dtype),
                         preferred_element_type=jnp.float32)
     logits = constrain(logits, ("batch", "seq", "vocab"))

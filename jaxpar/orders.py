@@ -1,16 +1,15 @@
 """What each pipeline stage runs, in what order: the ops (F, B, W), what each waits for on other
 stages, and the per-stage orders of every schedule. jaxpar.schedule places them on ticks.
 
-gpipe and 1f1b are run by the executor. Interleaved 1F1B (Megatron's virtual stages: stage s
-holds layer chunks s, s+pp, ..., and F(k) of chunk c follows chunk c-1 on the last stage) and ZB-H1
-(Qi et al., 2023: each backward split into B, the input gradient, and W, the weight gradient,
-which waits to fill the bubble) are tables only, so far.
+Besides GPipe and 1F1B: interleaved 1F1B (Megatron's virtual stages: stage s holds layer chunks
+s, s+pp, ..., and F(k) of chunk c follows chunk c-1 on the last stage) and ZB-H1 (Qi et al., 2023:
+each backward split into B, the input gradient, and W, the weight gradient, which waits to fill
+the bubble).
 """
 
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b")  # what the executor runs
-TABLE_ONLY = ("interleaved", "zb-h1")  # tables and pictures only, so far
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 LETTERS = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
 
@@ -105,4 +104,4 @@ def stage_orders(schedule: str, pp: int, microbatches: int, virtual: int = 1) ->
         return orders
     if schedule == "interleaved":
         return interleaved_orders(pp, M, virtual)
-    raise ValueError(f"unknown schedule '{schedule}'; known: {', '.join(SCHEDULES + TABLE_ONLY)}")
+    raise ValueError(f"unknown schedule '{schedule}'; known: {', '.join(SCHEDULES)}")

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import Config
 from jaxpar.flops import flops_per_token, hardware_flops_per_token
-from jaxpar.model import apply_blocks, cross_entropy, embed, logits_of, split_layers
-from jaxpar.orders import BACKWARD, FORWARD, IDLE
+from jaxpar.model import STREAM, apply_blocks, cross_entropy, embed, logits_of, split_layers
+from jaxpar.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.schedule import Schedule, resolve_microbatches
 from jaxpar.sharding import constrain
 
@@ -22,13 +22,33 @@ HEAD = ("wte", "ln_f")  # the params the loss needs after the last block: the ti
 
 
 def schedule_for(cfg: Config, mesh, forward_only: bool = False) -> Schedule:
+    """Evaluation runs the layers in order (a forward per stage); training runs cfg's schedule."""
     pp = mesh.shape[PIPE]
     M = resolve_microbatches(cfg, mesh.shape["data"], pp)
-    return Schedule("forward" if forward_only else cfg.pipeline.schedule, pp, M)
+    if forward_only:
+        return Schedule("forward", pp, M)
+    return Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
 
 
 def tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
+
+
+def chunk_major(tree, pp: int, virtual: int, axis: int = 0, inverse: bool = False):
+    """Reorder a layer axis so that stage s's contiguous share holds chunks s, s+pp, ... (interleaved).
+
+    Params stay in layer order everywhere else (checkpoints, evaluation, export); under jit this
+    is one all-to-all over 'pipe' per round for the params and one for the gradients.
+    """
+    if virtual == 1:
+        return tree
+    order = (virtual, pp) if not inverse else (pp, virtual)
+
+    def move(a):
+        shape = a.shape
+        split = a.reshape(shape[:axis] + order + (shape[axis] // (pp * virtual),) + shape[axis + 1:])
+        return jnp.swapaxes(split, axis, axis + 1).reshape(shape)
+    return jax.tree.map(move, tree)
 
 
 def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Schedule, mesh):
@@ -36,38 +56,47 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
 
     x0 (M, rows, seq, embed) is the embedded input of every microbatch; losses (M,) are each
     microbatch's mean loss; the gradients are summed over microbatches (in order, as one device's
-    gradient accumulation sums them). A forward-only schedule returns the losses alone.
+    gradient accumulation sums them). A forward-only schedule returns the losses alone. With V
+    layer chunks per stage, layer_params and layer_keys come in chunk_major order.
     """
-    pp, M, train = schedule.pp, schedule.microbatches, schedule.name != "forward"
+    pp, M, V, train = schedule.pp, schedule.microbatches, schedule.virtual, schedule.name != "forward"
+    split_backward = schedule.name == "zb-h1"
     table = schedule.executor_arrays()
     dtype = jnp.dtype(cfg.model.dtype)
-    to_next = [(s, s + 1) for s in range(pp - 1)]
-    to_previous = [(s + 1, s) for s in range(pp - 1)]
+    ring = V > 1  # the last stage's output feeds stage 0's next chunk
+    to_next = [(s, (s + 1) % pp) for s in range(pp if ring else pp - 1)]
+    to_previous = [((s + 1) % pp, s) for s in range(pp if ring else pp - 1)]
 
     def per_stage(layer_params, head, x0, targets, layer_keys):
         stage = jax.lax.axis_index(PIPE)
         is_first, is_last = stage == 0, stage == pp - 1
-
         arrays = {name: jnp.asarray(a) for name, a in table.items()}  # one constant each
+        chunks = jax.tree.map(lambda a: a.reshape((V, -1) + a.shape[1:]), layer_params)
 
         def at(name, t):  # this stage's entry of a schedule array at tick t
             return arrays[name][t, stage]
 
-        def run_stage(params, x, k):
-            return apply_blocks(params, layer_axes, x, cfg.model, None if layer_keys is None else layer_keys[k])
+        def run_chunk(params, x, k, c):
+            keys = None if layer_keys is None else layer_keys[k].reshape((V, -1) + layer_keys.shape[2:])[c]
+            return apply_blocks(params, layer_axes, x, cfg.model, keys)
+
+        def chunk_params(c):
+            return jax.tree.map(lambda a: a[c], chunks)
 
         def loss_of(head, y, k):
             return cross_entropy(logits_of(head, y, vocab_size, dtype), targets[k])
 
-        def stage_input(c, t):
-            return jnp.where(is_first, x0[at("microbatch", t)], c["inputs"][at("input_slot", t)])
+        def op_input(c, t):
+            k, chunk = at("microbatch", t), at("chunk", t)
+            x = jnp.where(is_first & (chunk == 0), x0[k], c["inputs"][at("input_slot", t)])
+            return k, chunk, x, c["grads_in"][at("grad_slot", t)] if train else None
 
         def idle(c, t):
             return c, jnp.zeros_like(x0[0]), jnp.zeros_like(x0[0])
 
         def forward(c, t):
-            k = at("microbatch", t)
-            y = run_stage(layer_params, stage_input(c, t), k)
+            k, chunk, x, _ = op_input(c, t)
+            y = run_chunk(chunk_params(chunk), x, k, chunk)
 
             def loss_here(c):
                 if not train:
@@ -76,23 +105,36 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
                 return {**c, "losses": c["losses"].at[k].set(loss),
                         "head_grads": tree_add(c["head_grads"], d_head),
                         "grads_in": c["grads_in"].at[at("grad_slot", t)].set(dy)}
-            return jax.lax.cond(is_last, loss_here, lambda c: c, c), y, jnp.zeros_like(y)
+            return jax.lax.cond(is_last & (chunk == V - 1), loss_here, lambda c: c, c), y, jnp.zeros_like(y)
 
-        def backward(c, t):
-            k = at("microbatch", t)
-            x = stage_input(c, t)
-            _, vjp = jax.vjp(lambda params, x: run_stage(params, x, k), layer_params, x)
-            d_params, dx = vjp(c["grads_in"][at("grad_slot", t)])
-            dx0 = c["dx0"].at[k].set(jnp.where(is_first, dx, c["dx0"][k]))
-            return {**c, "layer_grads": tree_add(c["layer_grads"], d_params), "dx0": dx0}, \
-                jnp.zeros_like(dx), dx
+        def add_weight_grads(c, chunk, d_params):
+            return {**c, "layer_grads": jax.tree.map(lambda g, d: g.at[chunk].add(d), c["layer_grads"], d_params)}
+
+        def backward(c, t):  # the input gradient, and unless W is split off, the weight gradient
+            k, chunk, x, dy = op_input(c, t)
+            if split_backward:
+                _, vjp = jax.vjp(lambda x: run_chunk(chunk_params(chunk), x, k, chunk), x)
+                (dx,) = vjp(dy)
+            else:
+                _, vjp = jax.vjp(lambda params, x: run_chunk(params, x, k, chunk), chunk_params(chunk), x)
+                d_params, dx = vjp(dy)
+                c = add_weight_grads(c, chunk, d_params)
+            dx0 = c["dx0"].at[k].set(jnp.where(is_first & (chunk == 0), dx, c["dx0"][k]))
+            return {**c, "dx0": dx0}, jnp.zeros_like(dx), dx
+
+        def weight(c, t):  # ZB-H1's W: the weight gradient, rerunning the chunk from its saved input
+            k, chunk, x, dy = op_input(c, t)
+            _, vjp = jax.vjp(lambda params: run_chunk(params, x, k, chunk), chunk_params(chunk))
+            (d_params,) = vjp(dy)
+            return add_weight_grads(c, chunk, d_params), jnp.zeros_like(x), jnp.zeros_like(x)
 
         def store(buffer, slot, value):  # slot < 0: nothing arrives for this stage this tick
             i = jnp.maximum(slot, 0)
             return buffer.at[i].set(jnp.where(slot >= 0, value, buffer[i]))
 
         def tick(c, t):
-            branches = {IDLE: idle, FORWARD: forward} | ({BACKWARD: backward} if train else {})
+            branches = {IDLE: idle, FORWARD: forward} | ({BACKWARD: backward} if train else {}) | (
+                {WEIGHT: weight} if split_backward else {})
             c, to_send_next, to_send_previous = jax.lax.switch(
                 at("kind", t), [branches[kind] for kind in sorted(branches)], c, t)
             c["inputs"] = store(c["inputs"], at("store_input", t), jax.lax.ppermute(to_send_next, PIPE, to_next))
@@ -103,20 +145,20 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
 
         def buffer(slots):
             return constrain(jnp.zeros((slots,) + x0.shape[1:], x0.dtype),
-                             ("microbatch", "batch", "seq", "embed"))
+                             ("microbatch",) + STREAM)
 
         carry = {"inputs": buffer(schedule.input_slots), "losses": jnp.zeros((M,), jnp.float32)}
         if train:
             carry |= {"grads_in": buffer(schedule.grad_slots), "dx0": jnp.zeros_like(x0),
-                      "layer_grads": jax.tree.map(jnp.zeros_like, layer_params),
+                      "layer_grads": jax.tree.map(jnp.zeros_like, chunks),
                       "head_grads": jax.tree.map(jnp.zeros_like, head)}
         carry, _ = jax.lax.scan(tick, carry, jnp.arange(schedule.ticks))
         # Only the last stage has losses and head gradients, only the first has dx0: psum shares them.
         losses = jax.lax.psum(carry["losses"], PIPE)
         if not train:
             return losses
-        return (losses, carry["layer_grads"], jax.lax.psum(carry["head_grads"], PIPE),
-                jax.lax.psum(carry["dx0"], PIPE))
+        layer_grads = jax.tree.map(lambda g, p: g.reshape(p.shape), carry["layer_grads"], layer_params)
+        return losses, layer_grads, jax.lax.psum(carry["head_grads"], PIPE), jax.lax.psum(carry["dx0"], PIPE)
 
     def run(layer_params, head, x0, targets, layer_keys=None):
         out_specs = (P(), P(PIPE), P(), P()) if train else P()
@@ -162,7 +204,10 @@ def make_round_fn(cfg: Config, vocab_size: int, axes: dict, mesh, forward_only: 
         if forward_only:
             return run(layer_params, head, embed_all(top), targets, layer_keys).mean()
         x0, embed_vjp = jax.vjp(embed_all, top)
-        losses, layer_grads, head_grads, dx0 = run(layer_params, head, x0, targets, layer_keys)
+        pp, V = schedule.pp, schedule.virtual
+        losses, layer_grads, head_grads, dx0 = run(
+            chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1))
+        layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
         (top_grads,) = embed_vjp(dx0)
         grads = {**top_grads, **{name: tree_add(top_grads[name], head_grads[name]) for name in HEAD},
                  "blocks": layer_grads}
@@ -177,7 +222,10 @@ def summary(cfg: Config, mesh, vocab_size: int) -> dict:
         return {"bubble_fraction": 0.0}
     schedule = schedule_for(cfg, mesh)
     model_flops = flops_per_token(cfg.model, vocab_size)
-    return {"schedule": schedule.name, "microbatches": schedule.microbatches, "ticks": schedule.ticks,
+    return {"schedule": schedule.name, "virtual": schedule.virtual, "microbatches": schedule.microbatches,
+            "ticks": schedule.ticks,
             "bubble_fraction": schedule.bubble_fraction, "inputs_held_per_stage": schedule.input_slots,
+            "grads_held_per_stage": schedule.grad_slots,
             # Each backward reruns its stage's forward from the saved input: HFU = MFU x this.
-            "hardware_flops_factor": hardware_flops_per_token(cfg.model, vocab_size, schedule.pp) / model_flops}
+            "hardware_flops_factor": hardware_flops_per_token(cfg.model, vocab_size, schedule.pp,
+                                                              schedule.name) / model_flops}

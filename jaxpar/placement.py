@@ -24,7 +24,8 @@ def mib(n: float) -> str:
 def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
                      layers: int | None = None) -> int:
     """Saved activations of one forward pass on one device: Korthikanti et al. (2022), eq. 2 with
-    tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations,
+    tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations
+    (eq. 4, 10/t for the first term, with sequence parallelism),
     scaled to the compute dtype, plus the float32 logits. Under model.remat=full a layer keeps its
     float32 input alone, and one layer's activations live while it reruns. `layers`: those this
     device runs (default: all)."""
@@ -32,10 +33,27 @@ def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
     s, h, a = m.block_size, m.n_embd, m.n_head
     layers = m.n_layer if layers is None else layers
     scale = 4 / 2 if m.dtype == "float32" else 1
-    per_layer = s * rows_per_pass * h * (10 + 24 / tp + 5 * a * s / (h * tp)) * scale
+    split = tp if m.sequence_parallel else 1  # eq. 4: LayerNorm, dropout and residual split too
+    per_layer = s * rows_per_pass * h * (10 / split + 24 / tp + 5 * a * s / (h * tp)) * scale
     saved = layers * per_layer if m.remat == "none" else layers * 4 * s * rows_per_pass * h + per_layer
     logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
     return int(saved + logits)
+
+
+def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> dict[str, int]:
+    """Activation bytes per device by part. A pipeline stage holds the stage inputs and output
+    gradients its schedule's table keeps in flight, and one layer chunk's activations while a
+    backward reruns it; without a pipeline, one pass's saved activations."""
+    tp, pp = mesh.shape["tensor"], mesh.shape["pipe"]
+    if pp == 1:
+        return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp)}
+    from jaxpar.pipeline import schedule_for
+    schedule = schedule_for(cfg, mesh)
+    held = schedule.input_slots + schedule.grad_slots
+    one = rows_per_pass * cfg.model.block_size * cfg.model.n_embd * 4
+    chunk = cfg.model.n_layer // (pp * schedule.virtual)
+    return {f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)": held * one,
+            f"activations ({chunk}-layer chunk)": activation_bytes(cfg, vocab, rows_per_pass, tp, layers=chunk)}
 
 
 def compile_abstract_step(cfg: Config, vocab: int, mesh):
@@ -82,11 +100,11 @@ def dry_run(cfg: Config, devices=None) -> str:
             "params": expected_bytes_per_device(plan.params, shapes),
             "gradients": expected_bytes_per_device(plan.grads, shapes),
             "optimizer state": expected_bytes_per_device(shardings.opt_state, abstract_opt),
-            "activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, mesh.shape["tensor"]),
+            **activation_estimate(cfg, vocab, mesh, rows_per_pass),
         }
         rows += ["", "peak memory per device, by part:"]
-        rows += [f"  {name:24s} {mib(n):>14s}" for name, n in estimate.items()]
-        rows.append(f"  {'total':24s} {mib(sum(estimate.values())):>14s}")
+        rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
+        rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
 
         memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh))
         if memory:

@@ -115,7 +115,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
     cfg, lay = c.cfg, c.layout
     if lay["pp"] > 1:
         M = resolve_microbatches(cfg, lay["dp"], lay["pp"])
-        schedule = Schedule(cfg.pipeline.schedule, lay["pp"], M)
+        schedule = Schedule(cfg.pipeline.schedule, lay["pp"], M, cfg.pipeline.virtual)
         passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
     else:
         passes, in_flight, bubble = steps.num_microbatches(cfg.train, lay["dp"]), 1, 0.0

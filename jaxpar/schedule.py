@@ -13,8 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from jaxpar.errors import ArgumentParser, UserError, exit_on_user_error
-from jaxpar.orders import (BACKWARD, FORWARD, IDLE, SCHEDULES, TABLE_ONLY, WEIGHT, Op,
-                           needs, stage_orders, zb_h1_table)
+from jaxpar.orders import BACKWARD, FORWARD, IDLE, SCHEDULES, WEIGHT, Op, needs, stage_orders, zb_h1_table
 
 NO_SLOT = -1  # a tick at which a stage stores nothing
 
@@ -76,8 +75,13 @@ class Schedule:
     def ticks(self) -> int:
         return len(self.table)
 
+    @cached_property
+    def _ticks(self) -> dict[tuple[int, int, int, int], int]:
+        return {(op.kind, op.microbatch, op.chunk, s): t for t, row in enumerate(self.table)
+                for s, op in enumerate(row) if op is not None}
+
     def tick_of(self, kind: int, microbatch: int, stage: int, chunk: int = 0) -> int:
-        return next(t for t, row in enumerate(self.table) if row[stage] == Op(kind, microbatch, chunk))
+        return self._ticks[(kind, microbatch, chunk, stage)]
 
     @property
     def bubble_fraction(self) -> float:
@@ -100,27 +104,49 @@ class Schedule:
             most = max(most, count)
         return most
 
-    @cached_property
-    def slots(self) -> tuple[list[dict[int, int]], list[dict[int, int]]]:
-        """Per stage, the buffer slot of each microbatch's stage input and output gradient.
+    @property
+    def last_reader(self) -> int:
+        """The op that last reads a stage input and its output gradient: the backward, which reruns
+        the forward from the input, or with W split off, W."""
+        return FORWARD if self.name == "forward" else WEIGHT if self.name == "zb-h1" else BACKWARD
 
-        A stage keeps its input from arrival until its backward (which recomputes from it); the
-        last stage's gradient comes from the loss, computed right after its forward.
+    def next_stage(self, stage: int, chunk: int) -> tuple[int, int] | None:
+        """Where a forward's output goes: the next stage, or round the ring to stage 0's next chunk."""
+        if stage + 1 < self.pp:
+            return stage + 1, chunk
+        return (0, chunk + 1) if chunk + 1 < self.virtual else None
+
+    def previous_stage(self, stage: int, chunk: int) -> tuple[int, int] | None:
+        """Where a backward's input gradient goes."""
+        if stage > 0:
+            return stage - 1, chunk
+        return (self.pp - 1, chunk - 1) if chunk > 0 else None
+
+    @cached_property
+    def slots(self) -> tuple[list[dict], list[dict]]:
+        """Per stage, the buffer slot of each (microbatch, chunk)'s stage input and output gradient.
+
+        A stage keeps its input from arrival until its last reader; the gradient of the last chunk
+        on the last stage comes from the loss, computed right after its forward.
         """
-        if self.name in TABLE_ONLY:
-            raise NotImplementedError(f"the executor does not run '{self.name}' yet")
-        M, pp = self.microbatches, self.pp
-        last_use = BACKWARD if self.name != "forward" else FORWARD
-        inputs, grads = [], []
+        pp, V, tick, last = self.pp, self.virtual, self.tick_of, self.last_reader
+        keys = [(k, c) for k in range(self.microbatches) for c in range(V)]
+        arrivals = [[{} for _ in range(pp)], [{} for _ in range(pp)]]  # (k, c) -> (stored, last read)
         for s in range(pp):
-            inputs.append({} if s == 0 else assign_slots(
-                {k: (self.tick_of(FORWARD, k, s - 1), self.tick_of(last_use, k, s)) for k in range(M)}))
-            if last_use == FORWARD:
-                continue
-            grad_source = (FORWARD, s) if s == pp - 1 else (BACKWARD, s + 1)
-            grads.append(assign_slots({k: (self.tick_of(grad_source[0], k, grad_source[1]),
-                                           self.tick_of(BACKWARD, k, s)) for k in range(M)}))
-        return inputs, grads
+            for k, c in keys:
+                sent = self.next_stage(s, c)
+                if sent is not None:
+                    arrivals[0][sent[0]][(k, sent[1])] = (tick(FORWARD, k, s, c), tick(last, k, *sent))
+                if last == FORWARD:
+                    continue
+                sent = self.previous_stage(s, c)
+                if sent is not None:
+                    arrivals[1][sent[0]][(k, sent[1])] = (tick(BACKWARD, k, s, c), tick(last, k, *sent))
+        if last != FORWARD:  # the last chunk's gradient on the last stage comes from the loss
+            for k in range(self.microbatches):
+                arrivals[1][pp - 1][(k, V - 1)] = (tick(FORWARD, k, pp - 1, V - 1), tick(last, k, pp - 1, V - 1))
+        inputs = [assign_slots(a) for a in arrivals[0]]
+        return inputs, ([] if last == FORWARD else [assign_slots(a) for a in arrivals[1]])
 
     @property
     def input_slots(self) -> int:
@@ -135,22 +161,23 @@ class Schedule:
         """(ticks, pp) int32 arrays: what each stage does at each tick, and where values go."""
         shape = (self.ticks, self.pp)
         arrays = {name: np.full(shape, fill, np.int32) for name, fill in
-                  [("kind", IDLE), ("microbatch", 0), ("input_slot", 0), ("grad_slot", 0),
+                  [("kind", IDLE), ("microbatch", 0), ("chunk", 0), ("input_slot", 0), ("grad_slot", 0),
                    ("store_input", NO_SLOT), ("store_grad", NO_SLOT)]}
         input_slots, grad_slots = self.slots
         for t, row in enumerate(self.table):
             for s, op in enumerate(row):
                 if op is None:
                     continue
-                k = op.microbatch
-                arrays["kind"][t, s], arrays["microbatch"][t, s] = op.kind, k
-                arrays["input_slot"][t, s] = input_slots[s].get(k, 0)
-                arrays["grad_slot"][t, s] = grad_slots[s][k] if grad_slots else 0
+                key = (op.microbatch, op.chunk)
+                arrays["kind"][t, s], arrays["microbatch"][t, s], arrays["chunk"][t, s] = op.kind, *key
+                arrays["input_slot"][t, s] = input_slots[s].get(key, 0)
+                arrays["grad_slot"][t, s] = grad_slots[s][key] if grad_slots else 0
                 # What a stage sends this tick arrives at its neighbour at the end of the tick.
-                if op.kind == FORWARD and s + 1 < self.pp:
-                    arrays["store_input"][t, s + 1] = input_slots[s + 1][k]
-                if op.kind == BACKWARD and s > 0:
-                    arrays["store_grad"][t, s - 1] = grad_slots[s - 1][k]
+                to, store, slots = ((self.next_stage, "store_input", input_slots) if op.kind == FORWARD
+                                    else (self.previous_stage, "store_grad", grad_slots))
+                sent = to(s, op.chunk) if op.kind != WEIGHT else None
+                if sent is not None:
+                    arrays[store][t, sent[0]] = slots[sent[0]][(op.microbatch, sent[1])]
         return arrays
 
     def grid(self) -> str:
@@ -206,6 +233,10 @@ def resolve_microbatches(cfg, dp: int, pp: int) -> int:
     if n_layer % pp:
         raise UserError(f"pp={pp} does not divide model.n_layer={n_layer}; every stage needs the "
                         f"same number of layers")
+    V = cfg.pipeline.virtual if pp > 1 else 1
+    if n_layer % (pp * V):
+        raise UserError(f"pp={pp} x pipeline.virtual={V} layer chunks do not divide model.n_layer="
+                        f"{n_layer}; every chunk needs the same number of layers")
     if cfg.train.zero == 3:
         raise UserError("ZeRO stage 3 with pipeline parallelism is not supported; use --zero 1 or 2 "
                         "with pp > 1")
@@ -219,7 +250,8 @@ def resolve_microbatches(cfg, dp: int, pp: int) -> int:
     if rows % (M * dp):
         raise UserError(f"train.batch_size / train.grad_accum = {rows} sequences do not split into "
                         f"dp={dp} x {M} microbatches; change pipeline.microbatches or train.batch_size")
-    check_schedule(cfg.pipeline.schedule, pp, M)
+    if pp > 1:
+        check_schedule(cfg.pipeline.schedule, pp, M, V)
     return M
 
 
@@ -227,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="jaxpar.schedule", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES + TABLE_ONLY)
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--virtual", type=int, default=None,
                         help="layer chunks per stage, for interleaved (default 2)")
     parser.add_argument("--out", help="PNG path (default: schedule_<schedule>_pp<P>_m<M>[_v<V>].png)")

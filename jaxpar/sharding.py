@@ -3,13 +3,18 @@
 Model code names logical axes only; changing a parallel layout means changing this table.
 """
 
+import contextlib
+import contextvars
+import functools
+
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 # Megatron-style tensor parallelism: q/k/v and the MLP input are column-parallel (split over
 # 'heads' / 'mlp'), the attention and MLP outputs are row-parallel (their input dim is split), and
-# the tied embedding / lm_head is split over the vocabulary. Activations between blocks are
-# replicated over 'tensor' and split over 'data' by batch.
+# the tied embedding / lm_head is split over the vocabulary. Activations between blocks (the
+# residual stream) are split over 'data' by batch and whole on every tensor rank, unless
+# SEQUENCE_PARALLEL applies.
 RULES: dict[str, str | None] = {
     "batch": "data",
     "tokens": "data",  # batch * seq, flattened for 2-D matmuls
@@ -23,11 +28,45 @@ RULES: dict[str, str | None] = {
     "qkv": None,
     "head_dim": None,
     "microbatch": None,  # the pipeline's per-stage buffers of microbatches
+    "stream_seq": None,  # the residual stream's sequence axis, between the blocks' matmuls
 }
 
+# Megatron's sequence parallelism (model.sequence_parallel): the residual stream, and with it
+# LayerNorm, dropout and the residual adds, is split over 'tensor' along the sequence. Each block's
+# matmuls gather the sequence first (an all-gather), and the row-parallel outputs are summed into
+# the split layout (a reduce-scatter) instead of being all-reduced.
+SEQUENCE_PARALLEL = {**RULES, "stream_seq": "tensor"}
 
-def logical_to_spec(axes: tuple[str, ...], rules: dict = RULES) -> P:
-    """PartitionSpec for a tuple of logical names. Unknown or conflicting names raise."""
+_active_rules = contextvars.ContextVar("jaxpar_rules", default=RULES)
+
+
+def rules_for(model_cfg) -> dict:
+    return SEQUENCE_PARALLEL if model_cfg.sequence_parallel else RULES
+
+
+@contextlib.contextmanager
+def use_rules(rules: dict):
+    """Make `rules` the table that `constrain` applies while a step is traced."""
+    token = _active_rules.set(rules)
+    try:
+        yield
+    finally:
+        _active_rules.reset(token)
+
+
+def traced_with_rules(fn, rules: dict):
+    """fn, traced under `rules` (the model's constraints read the table when jit traces them)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with use_rules(rules):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def logical_to_spec(axes: tuple[str, ...], rules: dict | None = None) -> P:
+    """PartitionSpec for a tuple of logical names (by the active table unless `rules` is given).
+    Unknown or conflicting names raise."""
+    rules = _active_rules.get() if rules is None else rules
     mesh_axes = []
     for name in axes:
         if name not in rules:
@@ -60,7 +99,7 @@ def param_axes(abstract_state) -> dict:
     return out
 
 
-def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict = RULES) -> dict:
+def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict | None = None) -> dict:
     """NamedShardings for a pure-dict tree, checked for even division."""
     def one(path, axes, shape):
         spec = logical_to_spec(axes, rules)

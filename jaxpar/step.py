@@ -19,7 +19,7 @@ from jaxpar import pipeline, zero
 from jaxpar.config import Config, TrainConfig
 from jaxpar.model import GPT, cross_entropy
 from jaxpar.schedule import resolve_microbatches
-from jaxpar.sharding import param_axes, shardings_for
+from jaxpar.sharding import param_axes, rules_for, shardings_for, traced_with_rules
 
 # nanoGPT decays every weight of 2 or more dims: the matmul kernels and both embeddings (wte is
 # also the tied lm_head). LayerNorm scales and biases are not decayed.
@@ -159,7 +159,7 @@ def make_grad_fn(cfg: Config, graphdef, grad_shardings: dict):
         grads, losses = jax.lax.scan(accumulate, zeros, (jnp.arange(passes), inputs, targets))
         return losses.mean(), jax.tree.map(lambda g: g / passes, grads)
 
-    return grads_of
+    return traced_with_rules(grads_of, rules_for(cfg.model))
 
 
 def make_train_step(cfg: Config, graphdef, tx, shardings: TrainState, plan: zero.ZeroPlan,
@@ -197,7 +197,8 @@ def make_eval_step(cfg: Config, graphdef, param_shardings, batch_sharding):
             return jnp.mean(jax.lax.map(lambda xy: forward(params, *xy), (inputs, targets)))
         return jnp.mean(jax.lax.map(lambda xy: loss_fn(params, *xy), (inputs, targets)))
 
-    return jax.jit(evaluate, in_shardings=(param_shardings, (batch_sharding, batch_sharding)))
+    return jax.jit(traced_with_rules(evaluate, rules_for(cfg.model)),
+                   in_shardings=(param_shardings, (batch_sharding, batch_sharding)))
 
 
 def bytes_per_device(tree) -> int:

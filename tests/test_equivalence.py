@@ -73,6 +73,13 @@ def test_full_remat_matches_no_remat(one_device, spec, zero):
     assert_same_training(train(spec, **{"model.remat": "full", "train.zero": zero}), one_device)
 
 
+@pytest.mark.parametrize("spec, zero", [("tp=2", 0), ("dp=2,tp=2", 0), ("tp=2,pp=2", 0), ("dp=2,tp=2", 3)])
+def test_sequence_parallel_matches_one_device(one_device, spec, zero):
+    """The residual stream split over 'tensor' along the sequence: the same math, the same training."""
+    assert_same_training(train(spec, **{"model.sequence_parallel": "true", "train.zero": zero}),
+                         one_device)
+
+
 def test_attention_in_query_blocks_matches_one_block(one_device, monkeypatch):
     """Queries in blocks of 8 (4 blocks at block 32) that skip the masked keys, on a mesh, train
     as attention over the whole square on one device (block 32 is one block by default)."""

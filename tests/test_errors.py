@@ -37,7 +37,9 @@ def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
     (["--mesh", "dp=4,pp=2", "--pipeline.microbatches=1"], ["1f1b needs at least pp=2 microbatches"]),
     (["--mesh", "dp=4,pp=2", "--zero", "3"], ["ZeRO stage 3 with pipeline parallelism is not supported"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.schedule=zigzag"], ["pipeline.schedule must be one of gpipe, 1f1b"]),
-    (["--mesh", "pp=2", "--pipeline.schedule=interleaved"], ["training does not run it yet", "1f1b"]),
+    (["--mesh", "pp=2", "--pipeline.schedule=interleaved"], ["interleaved needs --pipeline.virtual >= 2"]),
+    (["--mesh", "dp=4,pp=2", "--pipeline.schedule=interleaved", "--pipeline.virtual=2"],
+     ["pp=2 x pipeline.virtual=2 layer chunks do not divide model.n_layer=2"]),
 ])
 def test_bad_mesh(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)

@@ -1,16 +1,21 @@
-"""Pipeline schedules as tables, and pipelined training equal to one device.
+"""Pipeline schedules as tables, and pipelined training equal to one device, with every schedule.
 
 Equivalence tolerances, as in test_equivalence: losses within rtol 1e-5; each final param within
 1e-5 of that tensor's largest magnitude.
 """
 
+import jax
+import numpy as np
 import pytest
 
-from jaxpar.orders import BACKWARD, FORWARD, SCHEDULES, Op
+from conftest import mesh_overrides, tiny_config
+from jaxpar.orders import BACKWARD, FORWARD, Op
 from jaxpar.schedule import Schedule, main as schedule_main
-from test_equivalence import assert_same_training, train
+from jaxpar.train import run
+from test_equivalence import LOSS_RTOL, STEPS, assert_same_training, train
 
 SHAPES = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8)]
+SCHEDULES = ("gpipe", "1f1b")  # the interleaved and ZB-H1 tables: test_schedule_tables.py
 
 
 def every_schedule():
@@ -95,19 +100,69 @@ def test_pipeline_with_zero_matches_one_device(one_device, stage):
     assert_same_training(train("dp=2,pp=2", **{"train.zero": stage}), one_device)
 
 
-# pp=4 needs 4 layers (one per stage).
+# pp=4 needs 4 layers (one per stage); interleaved at pp=2 two chunks of one layer per stage.
 FOUR_LAYERS = {"model.n_layer": 4, "train.zero": 0}
+INTERLEAVED = {"pipeline.schedule": "interleaved", "pipeline.virtual": 2}
+ZB_H1 = {"pipeline.schedule": "zb-h1"}
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_four_stages_match_one_device(schedule):
-    reference = train(**FOUR_LAYERS)
-    assert_same_training(train("pp=4", **FOUR_LAYERS, **{"pipeline.schedule": schedule}), reference)
+@pytest.fixture(scope="module")
+def four_layers():
+    return train(**FOUR_LAYERS)
 
 
-def test_pipeline_with_dropout_and_grad_accum_matches_microbatched_one_device():
-    """Microbatch k of the pipeline gets the same dropout masks as pass k on one device."""
-    common = {"model.dropout": 0.1, "train.zero": 0}
-    reference = train(**common, **{"train.grad_accum": 4})
-    pipelined = train("pp=2", **common, **{"train.grad_accum": 2, "pipeline.microbatches": 2})
-    assert_same_training(pipelined, reference)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_four_stages_match_one_device(four_layers, schedule):
+    assert_same_training(train("pp=4", **FOUR_LAYERS, **{"pipeline.schedule": schedule}), four_layers)
+
+
+@pytest.mark.parametrize("spec, schedule, zero", [("dp=2,tp=2,pp=2", INTERLEAVED, 0), ("dp=2,pp=2", ZB_H1, 1)],
+                         ids=["interleaved-dp2-tp2-pp2", "zb-h1-dp2-pp2-zero1"])
+def test_interleaved_and_zb_h1_match_one_device(four_layers, spec, schedule, zero):
+    assert_same_training(train(spec, **{**FOUR_LAYERS, "train.zero": zero}, **schedule), four_layers)
+
+
+def test_interleaved_on_four_stages_matches_one_device():
+    """pp=4, V=2: 8 layers in 8 chunks; stage s holds layers s and s+4."""
+    eight = {"model.n_layer": 8, "train.zero": 0}
+    assert_same_training(train("pp=4", **eight, **INTERLEAVED), train(**eight))
+
+
+def test_an_interleaved_checkpoint_resumes_on_one_device(four_layers, tmp_path):
+    """Checkpoints hold the layers in layer order whatever the schedule: stopped after step 5 on
+    pp=2 interleaved, the run resumes on one device and goes on as one device would."""
+    def config(spec, **overrides):
+        return tiny_config(**mesh_overrides(spec), **FOUR_LAYERS, **overrides, **{"train.steps": STEPS})
+    run(config("pp=2", **INTERLEAVED), tmp_path, jax.devices()[:2], progress=False, stop_at=5)
+    resumed = run(config("dp=1"), tmp_path, jax.devices()[:1], progress=False)
+    assert resumed.info["resumed_from"] == 5
+    np.testing.assert_allclose([resumed.losses[s] for s in range(5, STEPS)],
+                               [four_layers.losses[s] for s in range(5, STEPS)], rtol=LOSS_RTOL)
+
+
+DROPOUT = {"model.dropout": 0.1, **FOUR_LAYERS}
+
+
+@pytest.fixture(scope="module")
+def four_layers_with_dropout():
+    return train(**DROPOUT, **{"train.grad_accum": 4})
+
+
+@pytest.mark.parametrize("schedule", [{}, INTERLEAVED, ZB_H1], ids=["1f1b", "interleaved", "zb-h1"])
+def test_pipeline_with_dropout_and_grad_accum_matches_microbatched_one_device(
+        four_layers_with_dropout, schedule):
+    """pp=2: microbatch k of round r gets the dropout masks of pass 2r+k on one device; each
+    chunk, and ZB-H1's B and W, rerun their layers with the masks of the forward."""
+    pipelined = train("pp=2", **DROPOUT, **schedule, **{"train.grad_accum": 2, "pipeline.microbatches": 2})
+    assert_same_training(pipelined, four_layers_with_dropout)
+
+
+def test_dry_run_shows_the_stage_buffers_of_the_schedule(capsys):
+    """ZB-H1 holds each input until W: at pp=2 with M=4, the table's 2 inputs and 2 gradients."""
+    from jaxpar.train import main
+    main(["--config", "tiny", "--mesh", "tp=4,pp=2", "--pipeline.schedule=zb-h1", "--pipeline.microbatches=4",
+          "--dry-run"])
+    schedule = Schedule("zb-h1", 2, 4)
+    out = capsys.readouterr().out
+    assert f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)" in out
+    assert "activations (1-layer chunk)" in out and "temporaries" in out

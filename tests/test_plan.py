@@ -107,6 +107,24 @@ def test_hlo_counts_loop_bodies_per_iteration_and_reads_replica_groups():
                                     "reduce-scatter": {"count": 1, "bytes": 16}}
 
 
+FUSED = """HloModule fused
+
+%all-reduce-scatter (input: f32[4,512,1024]) -> f32[4,256,1024] {
+  %all-reduce.3 = f32[4,512,1024]{2,1,0} all-reduce(%input), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%add
+  ROOT %dynamic-slice.11 = f32[4,256,1024]{2,1,0} dynamic-slice(%all-reduce.3, %c0, %o, %c0), dynamic_slice_sizes={4,256,1024}
+}
+
+ENTRY %main (x: f32[4,512,1024]) -> f32[4,256,1024] {
+  ROOT %fusion = f32[4,256,1024]{2,1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter
+}
+"""
+
+
+def test_hlo_counts_xla_tpus_fused_all_reduce_and_slice_as_a_reduce_scatter():
+    assert hlo.collective_ops(FUSED) == [{"kind": "reduce-scatter", "bytes": 4 * 256 * 1024 * 4,
+                                          "group": 2, "count": 1}]
+
+
 @pytest.mark.parametrize("name, chips, topology", [("tpu:v5e-256", 256, "v5e:16x16"),
                                                    ("tpu:v5p-128", 64, "v5p:4x4x4"),
                                                    ("tpu:v4-64", 32, "v4:2x4x4"),

@@ -97,7 +97,7 @@ def test_zb_h1_keeps_1f1b_memory_and_a_smaller_bubble(schedule):
         assert schedule.ticks < 3 * M + 2 * (pp - 1)
 
 
-def test_new_tables_are_drawn_and_refused_for_training(tmp_path, capsys):
+def test_new_tables_are_drawn_and_bad_ones_refused(tmp_path, capsys):
     png = tmp_path / "i.png"
     schedule_main(["--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--out", str(png)])
     assert "V=2" in capsys.readouterr().out and png.stat().st_size > 0
@@ -106,7 +106,51 @@ def test_new_tables_are_drawn_and_refused_for_training(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         schedule_main(["--schedule", "interleaved", "--pp", "4", "--microbatches", "6"])
     assert exit_info.value.code == 2
-    with pytest.raises(UserError, match="training does not run it yet"):
-        load_config(None, {"pipeline.schedule": "zb-h1"})
-    with pytest.raises(NotImplementedError):
-        Schedule("zb-h1", 2, 2).executor_arrays()
+    for overrides in ({"pipeline.schedule": "interleaved"},
+                      {"pipeline.schedule": "zb-h1", "pipeline.virtual": "2"}):
+        with pytest.raises(UserError, match="interleaved needs --pipeline.virtual >= 2"):
+            load_config(None, overrides)
+
+
+def run_symbolically(schedule):
+    """Play the executor's arrays with labels for values: every read must find the value it needs.
+
+    A stage input of (microbatch k, chunk c) is ("x", k, c), its output gradient ("g", k, c). Each
+    op reads its slots, sends to its neighbour (round the ring between chunks), and the receiver
+    stores at the end of the tick in the slot the arrays say; an overwritten slot fails a read.
+    """
+    arrays, pp, V = schedule.executor_arrays(), schedule.pp, schedule.virtual
+    inputs = [[None] * schedule.input_slots for _ in range(pp)]
+    grads = [[None] * max(schedule.grad_slots, 1) for _ in range(pp)]
+    for t in range(schedule.ticks):
+        sent_next, sent_previous = [None] * pp, [None] * pp
+        for s in range(pp):
+            kind, k, c = (int(arrays[name][t, s]) for name in ("kind", "microbatch", "chunk"))
+            if kind == 0:
+                continue
+            if (s, c) != (0, 0):
+                assert inputs[s][arrays["input_slot"][t, s]] == ("x", k, c), (t, s, kind)
+            if kind == FORWARD and (s, c) == (pp - 1, V - 1):
+                grads[s][arrays["grad_slot"][t, s]] = ("g", k, c)  # the loss's gradient
+            elif kind == FORWARD:
+                sent_next[s] = ("x", k) + schedule.next_stage(s, c)[1:]
+            else:
+                assert grads[s][arrays["grad_slot"][t, s]] == ("g", k, c), (t, s, kind)
+                if kind == BACKWARD and (s, c) != (0, 0):
+                    sent_previous[s] = ("g", k) + schedule.previous_stage(s, c)[1:]
+        for s in range(pp):
+            for buffers, store, sent, sender in ((inputs, "store_input", sent_next, (s - 1) % pp),
+                                                 (grads, "store_grad", sent_previous, (s + 1) % pp)):
+                slot = arrays[store][t, s]
+                if slot >= 0:
+                    assert sent[sender] is not None, (t, s, store)
+                    buffers[s][slot] = sent[sender]
+                else:  # everything sent is stored by its receiver
+                    assert sent[sender] is None, (t, s, store)
+
+
+@pytest.mark.parametrize("schedule", interleaved() + zb_h1() + [
+    Schedule(name, pp, M) for name in ("gpipe", "1f1b", "forward") for pp, M in [(2, 2), (4, 8), (3, 5)]],
+    ids=str)
+def test_executor_arrays_deliver_every_value_to_its_reader(schedule):
+    run_symbolically(schedule)

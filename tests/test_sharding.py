@@ -1,14 +1,19 @@
-"""Every param and optimizer moment is placed exactly as the rule table says, and stays there."""
+"""Every param and optimizer moment is placed exactly as the rule table says, and stays there;
+the residual stream is laid out as the table in force says (sequence parallelism)."""
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import mesh_overrides, tiny_config
 from jaxpar import step as steps
-from jaxpar.mesh import build_mesh
-from jaxpar.sharding import RULES, check_divisible, logical_to_spec
+from jaxpar.errors import UserError
+from jaxpar.mesh import build_mesh, resolve_mesh_shape
+from jaxpar.model import apply_blocks, split_layers
+from jaxpar.sharding import (RULES, SEQUENCE_PARALLEL, check_divisible, logical_to_spec,
+                             traced_with_rules)
 from jaxpar.train import run
 
 
@@ -78,3 +83,26 @@ def test_rules_cover_every_model_axis():
     _, _, axes = steps.abstract_model(cfg, 65)
     used = {name for t in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)) for name in t}
     assert used <= set(RULES)
+
+
+@pytest.mark.parametrize("rules, stream", [(RULES, P("data", None, None)),
+                                           (SEQUENCE_PARALLEL, P("data", "tensor", None))],
+                         ids=["tensor-parallel", "sequence-parallel"])
+def test_the_stream_between_blocks_is_split_along_the_sequence_only_under_sequence_parallelism(
+        rules, stream):
+    """The blocks' output, the residual stream, as the rule table in force lays it out."""
+    cfg = tiny_config(**mesh_overrides("dp=2,tp=2"))
+    mesh = build_mesh(cfg, jax.devices()[:4])
+    _, shapes, axes = steps.abstract_model(cfg, 65)
+    _, _, layers, layer_axes = split_layers(shapes, axes)
+    x = jax.ShapeDtypeStruct((8, cfg.model.block_size, cfg.model.n_embd), jnp.float32)
+    run = traced_with_rules(lambda p, x: apply_blocks(p, layer_axes, x, cfg.model), rules)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(run).lower(layers, x).compile()
+    assert compiled.output_shardings.is_equivalent_to(NamedSharding(mesh, stream), 3)
+
+
+def test_sequence_parallelism_names_the_block_size_it_cannot_split():
+    with pytest.raises(UserError, match="tp=4 does not divide model.block_size=30"):
+        resolve_mesh_shape(tiny_config(**mesh_overrides("dp=2,tp=4"), **{
+            "model.sequence_parallel": "true", "model.block_size": 30}), 8)
