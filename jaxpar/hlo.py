@@ -112,8 +112,10 @@ def collective_ops(hlo_text: str) -> list[dict]:
             if not match:
                 continue
             shape, kind, is_async = match.groups()
-            if is_async:  # the start op's result tuple holds the operand and the result
+            if is_async:  # the start op's result tuple holds the operand, the result and, on
+                # TPU, a collective-permute's scalar contexts
                 parts = ARRAY.findall(shape)
+                parts = [part for part in parts if part[1]] or parts
                 shape = "{}[{}]".format(*parts[-1]) if parts else shape
             size, group = shape_bytes(shape), group_size(line)
             if kind == "all-reduce" and name.startswith(FUSED_REDUCE_SCATTER) and group:

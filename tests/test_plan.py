@@ -116,13 +116,18 @@ FUSED = """HloModule fused
 
 ENTRY %main (x: f32[4,512,1024]) -> f32[4,256,1024] {
   ROOT %fusion = f32[4,256,1024]{2,1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter
+  %collective-permute-start = (f32[8,1024]{1,0:T(8,128)S(1)}, f32[8,1024]{1,0:T(8,128)S(1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%m), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %collective-permute-done = f32[8,1024]{1,0:T(8,128)S(1)} collective-permute-done(%collective-permute-start)
 }
 """
 
 
-def test_hlo_counts_xla_tpus_fused_all_reduce_and_slice_as_a_reduce_scatter():
-    assert hlo.collective_ops(FUSED) == [{"kind": "reduce-scatter", "bytes": 4 * 256 * 1024 * 4,
-                                          "group": 2, "count": 1}]
+def test_hlo_reads_xla_tpus_fused_reduce_scatters_and_async_permutes():
+    """An all-reduce fused with the slice a device keeps is a reduce-scatter of that slice; an
+    async collective-permute's bytes are its result's, not its scalar contexts'."""
+    assert hlo.collective_ops(FUSED) == [
+        {"kind": "reduce-scatter", "bytes": 4 * 256 * 1024 * 4, "group": 2, "count": 1},
+        {"kind": "collective-permute", "bytes": 8 * 1024 * 4, "group": None, "count": 1}]
 
 
 @pytest.mark.parametrize("name, chips, topology", [("tpu:v5e-256", 256, "v5e:16x16"),
