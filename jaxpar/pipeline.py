@@ -37,8 +37,9 @@ def tree_add(a, b):
 def chunk_major(tree, pp: int, virtual: int, axis: int = 0, inverse: bool = False):
     """Reorder a layer axis so that stage s's contiguous share holds chunks s, s+pp, ... (interleaved).
 
-    Params stay in layer order everywhere else (checkpoints, evaluation, export); under jit this
-    is one all-to-all over 'pipe' per round for the params and one for the gradients.
+    Params stay in layer order everywhere else (checkpoints, evaluation, export); under jit the
+    reorder and its inverse for the gradients are communication over 'pipe' every round (an
+    all-to-all on XLA:CPU; docs/benchmarks.md has what XLA:TPU makes of it).
     """
     if virtual == 1:
         return tree
@@ -71,14 +72,15 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
         stage = jax.lax.axis_index(PIPE)
         is_first, is_last = stage == 0, stage == pp - 1
         arrays = {name: jnp.asarray(a) for name, a in table.items()}  # one constant each
+        # (V * layers per chunk, ...) -> (V, layers per chunk, ...); the keys are (M, layers, ...)
         chunks = jax.tree.map(lambda a: a.reshape((V, -1) + a.shape[1:]), layer_params)
+        key_chunks = None if layer_keys is None else layer_keys.reshape((M, V, -1) + layer_keys.shape[2:])
 
         def at(name, t):  # this stage's entry of a schedule array at tick t
             return arrays[name][t, stage]
 
         def run_chunk(params, x, k, c):
-            keys = None if layer_keys is None else layer_keys[k].reshape((V, -1) + layer_keys.shape[2:])[c]
-            return apply_blocks(params, layer_axes, x, cfg.model, keys)
+            return apply_blocks(params, layer_axes, x, cfg.model, None if key_chunks is None else key_chunks[k, c])
 
         def chunk_params(c):
             return jax.tree.map(lambda a: a[c], chunks)

@@ -14,6 +14,7 @@ from jaxpar.config import Config
 from jaxpar.data import load_dataset, model_vocab
 from jaxpar.mesh import build_mesh, mesh_shape
 from jaxpar.model import padded_vocab
+from jaxpar.pipeline import schedule_for
 from jaxpar.zero import expected_bytes_per_device
 
 
@@ -47,10 +48,10 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
     tp, pp = mesh.shape["tensor"], mesh.shape["pipe"]
     if pp == 1:
         return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp)}
-    from jaxpar.pipeline import schedule_for
     schedule = schedule_for(cfg, mesh)
     held = schedule.input_slots + schedule.grad_slots
-    one = rows_per_pass * cfg.model.block_size * cfg.model.n_embd * 4
+    split = tp if cfg.model.sequence_parallel else 1  # the buffers hold the stream's layout
+    one = rows_per_pass * cfg.model.block_size * cfg.model.n_embd * 4 // split
     chunk = cfg.model.n_layer // (pp * schedule.virtual)
     return {f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)": held * one,
             f"activations ({chunk}-layer chunk)": activation_bytes(cfg, vocab, rows_per_pass, tp, layers=chunk)}

@@ -96,7 +96,7 @@ class Schedule:
     def in_flight(self, stage: int) -> int:
         """Most stage inputs held at once on `stage`: from a forward (of one chunk) until the op
         that last reads it, its backward, or with W split off, its W."""
-        release = WEIGHT if self.name == "zb-h1" else BACKWARD
+        release = self.last_reader
         count = most = 0
         for row in self.table:
             op = row[stage]

@@ -3,7 +3,6 @@
 Model code names logical axes only; changing a parallel layout means changing this table.
 """
 
-import contextlib
 import contextvars
 import functools
 
@@ -44,22 +43,15 @@ def rules_for(model_cfg) -> dict:
     return SEQUENCE_PARALLEL if model_cfg.sequence_parallel else RULES
 
 
-@contextlib.contextmanager
-def use_rules(rules: dict):
-    """Make `rules` the table that `constrain` applies while a step is traced."""
-    token = _active_rules.set(rules)
-    try:
-        yield
-    finally:
-        _active_rules.reset(token)
-
-
 def traced_with_rules(fn, rules: dict):
-    """fn, traced under `rules` (the model's constraints read the table when jit traces them)."""
+    """fn, traced under `rules`: the table `constrain` applies while jit traces the model."""
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with use_rules(rules):
+        token = _active_rules.set(rules)
+        try:
             return fn(*args, **kwargs)
+        finally:
+            _active_rules.reset(token)
     return wrapped
 
 
@@ -99,7 +91,7 @@ def param_axes(abstract_state) -> dict:
     return out
 
 
-def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict | None = None) -> dict:
+def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict = RULES) -> dict:
     """NamedShardings for a pure-dict tree, checked for even division."""
     def one(path, axes, shape):
         spec = logical_to_spec(axes, rules)

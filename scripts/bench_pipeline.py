@@ -61,7 +61,8 @@ def main():
     single = rows[0]["step_ms"]
     for r in rows:
         print(f"| {r['layout']} | {r['schedule']} | {r['microbatches']} | {r['bubble']:.1%} "
-              f"| {r['inputs_held']} + {r['grads_held']} | {r['hfu_factor']:.2f} | {mib(r['temp_bytes'])} | {mib(r['peak_memory_bytes'])} "
+              f"| {r['inputs_held']} + {r['grads_held']} | {r['hfu_factor']:.2f} "
+              f"| {mib(r['temp_bytes'])} | {mib(r['peak_memory_bytes'])} "
               f"| {r['step_ms']:.1f} | {r['step_ms'] / single:.2f}x | {r['final_loss']:.5f} |")
 
 

@@ -8,7 +8,6 @@ temporaries per device (XLA memory_analysis) and the collectives in its HLO. Pri
 """
 
 import argparse
-import sys
 
 import jax
 
@@ -54,7 +53,6 @@ def main():
                      for k in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")]
             print(f"| {tp} | {'yes' if sequence_parallel else 'no'} | {mib(row['temp_bytes'])} | "
                   + " | ".join(cells) + " |", flush=True)
-    print(file=sys.stderr)
 
 
 if __name__ == "__main__":
