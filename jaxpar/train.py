@@ -1,4 +1,4 @@
-"""`python -m jaxpar.train`: the command line of a training run (jaxpar.trainer runs it).
+"""`python -m jaxpar.train`: the command line of a training run (jaxpar.training.trainer runs it).
 
 Usable as a library too: `run(cfg, out_dir, devices)` returns the losses and the final params.
 """
@@ -7,11 +7,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxpar.config import DEFAULT_CONFIG_NAME, Config, load_config, valid_keys
-from jaxpar.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
-from jaxpar.mesh import parse_mesh_spec
-from jaxpar.plot import plot_after_training
-from jaxpar.trainer import run
+from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config, parse_overrides, valid_keys
+from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.parallel.mesh import parse_mesh_spec
+from jaxpar.training.plots import plot_after_training
+from jaxpar.training.trainer import run
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -39,23 +39,6 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_overrides(tokens: list[str]) -> dict[str, str]:
-    """['--model.n_layer=6', '--train.lr', '3e-4'] -> {'model.n_layer': '6', 'train.lr': '3e-4'}."""
-    overrides, i = {}, 0
-    while i < len(tokens):
-        token = tokens[i]
-        key, eq, value = token[2:].partition("=")
-        if not token.startswith("--") or "." not in key:
-            raise UserError(f"unrecognised argument '{token}'; see --help")
-        if not eq:
-            if i + 1 >= len(tokens):
-                raise UserError(f"{token} needs a value, e.g. {token}=VALUE")
-            value, i = tokens[i + 1], i + 1
-        overrides[key] = value
-        i += 1
-    return overrides
-
-
 def parse_args(argv: list[str], prog: str = "jaxpar.train"):
     """(Config, out_dir, the parsed named flags); touches no JAX backend."""
     args, rest = build_parser(prog).parse_known_args(argv)
@@ -66,7 +49,7 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
     overrides |= {k: v for k, v in named.items() if v is not None}
     cfg = load_config(args.config, overrides)
     if cfg.train.init_from:
-        from jaxpar.hf import apply_hf_config
+        from jaxpar.interop.hf import apply_hf_config
         explicit = {k: v for k, v in overrides.items() if k.startswith("model.")}
         vocab = apply_hf_config(cfg, cfg.train.init_from, explicit)
         asked = explicit.get("model.vocab_size")
@@ -84,10 +67,10 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.train"):
         cfg, out_dir, args = parse_args(sys.argv[1:] if argv is None else argv)
-        from jaxpar.distributed import exit_if_a_peer_fails, initialize, is_main_process
+        from jaxpar.parallel.distributed import exit_if_a_peer_fails, initialize, is_main_process
         initialize(cfg)
         if args.dry_run:
-            from jaxpar.placement import dry_run
+            from jaxpar.planning.placement import dry_run
             print(dry_run(cfg))
             return
         with exit_if_a_peer_fails("jaxpar.train"):

@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jaxpar import trainer  # noqa: E402
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.data import BatchLoader, load_dataset  # noqa: E402
-from jaxpar.mesh import build_mesh  # noqa: E402
-from jaxpar.train import parse_overrides  # noqa: E402
+from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
+from jaxpar.data.loader import BatchLoader, load_dataset  # noqa: E402
+from jaxpar.parallel.mesh import build_mesh  # noqa: E402
+from jaxpar.training import trainer  # noqa: E402
 
 
 class Inline:

@@ -16,9 +16,9 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 4)
 
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.mesh import parse_mesh_spec  # noqa: E402
-from jaxpar.train import parse_overrides, run  # noqa: E402
+from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
+from jaxpar.parallel.mesh import parse_mesh_spec  # noqa: E402
+from jaxpar.train import run  # noqa: E402
 
 # The default model (4 layers: one per stage) on a batch that splits into 4, 8 and 16 microbatches.
 BASE = {"train.batch_size": "32", "train.eval_every": "0", "train.micro_batch": "0"}

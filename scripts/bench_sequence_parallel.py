@@ -13,13 +13,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-from jaxpar import hlo  # noqa: E402
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.data import load_dataset, model_vocab  # noqa: E402
-from jaxpar.hardware import parse_target, tpu_devices  # noqa: E402
-from jaxpar.mesh import build_mesh, parse_mesh_spec  # noqa: E402
-from jaxpar.placement import compile_abstract_step  # noqa: E402
-from jaxpar.train import parse_overrides  # noqa: E402
+from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
+from jaxpar.data.loader import load_dataset, model_vocab  # noqa: E402
+from jaxpar.parallel import hlo  # noqa: E402
+from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
+from jaxpar.planning.hardware import parse_target, tpu_devices  # noqa: E402
+from jaxpar.planning.placement import compile_abstract_step  # noqa: E402
 
 # A model whose activations dominate its memory: block 512, 256 wide, batch 8.
 MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "256", "model.block_size": "512",

@@ -16,12 +16,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 4)
 
-from jaxpar import step as steps  # noqa: E402
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.data import BatchLoader, load_dataset  # noqa: E402
-from jaxpar.hlo import collectives  # noqa: E402
-from jaxpar.mesh import build_mesh, parse_mesh_spec  # noqa: E402
-from jaxpar.train import parse_overrides  # noqa: E402
+from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
+from jaxpar.data.loader import BatchLoader, load_dataset  # noqa: E402
+from jaxpar.models.gpt import abstract_model
+from jaxpar.parallel.hlo import collectives  # noqa: E402
+from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
+from jaxpar.training import step as steps  # noqa: E402
 
 # Large enough that the weights, not the activations, dominate a device's memory.
 MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "512", "model.block_size": "64",
@@ -36,7 +36,7 @@ def measure(stage: int, overrides: dict, n_steps: int) -> dict:
         tx = steps.make_optimizer(cfg.train)
         shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
         state = steps.init_state(cfg, vocab, tx, shardings)
-        graphdef, _, _ = steps.abstract_model(cfg, vocab)
+        graphdef, _, _ = abstract_model(cfg, vocab)
         loader = BatchLoader(data.train, "train", 0, cfg.train.batch_size, 1, cfg.model.block_size, mesh)
         compiled = steps.make_train_step(cfg, graphdef, tx, shardings, plan, loader.sharding) \
             .lower(state, loader(0)).compile()

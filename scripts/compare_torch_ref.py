@@ -21,13 +21,13 @@ import jax
 import numpy as np
 import torch
 
-from jaxpar import step as steps
-from jaxpar.config import load_config
-from jaxpar.data import BatchLoader, load_dataset
-from jaxpar.errors import UserError, exit_on_user_error
-from jaxpar.flops import flops_per_token, measure_matmul_peak
-from jaxpar.mesh import build_mesh, force_host_devices, parse_mesh_spec, resolve_mesh_shape
-from jaxpar.train import parse_overrides
+from jaxpar.core.config import load_config, parse_overrides
+from jaxpar.core.errors import UserError, exit_on_user_error
+from jaxpar.data.loader import BatchLoader, load_dataset
+from jaxpar.models.flops import flops_per_token, measure_matmul_peak
+from jaxpar.models.gpt import abstract_model
+from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, resolve_mesh_shape
+from jaxpar.training import step as steps
 
 DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "bench" / "torch_ref.py"
 REPORT_AT = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 1500, 2000)
@@ -107,7 +107,7 @@ def main():
     peaks = (measure_matmul_peak(jax.devices()[0], "float32"), torch_matmul_peak()) if args.speed else None
     with jax.set_mesh(mesh):
         tx = steps.make_optimizer(t)
-        graphdef, _, _ = steps.abstract_model(cfg, vocab)
+        graphdef, _, _ = abstract_model(cfg, vocab)
         shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
         state = steps.init_state(cfg, vocab, tx, shardings)
         microbatches = steps.microbatches_for(cfg, mesh)

@@ -57,8 +57,8 @@ JAXPAR_SIDE = """
 import json, sys
 import jax, numpy as np
 from flax import nnx
-from jaxpar import sample
-from jaxpar.step import abstract_model
+from jaxpar.inference import sample
+from jaxpar.models.gpt import abstract_model
 run_dir, ids_file, logits_file, prompt, new_tokens = sys.argv[1:]
 model = sample.load(run_dir)
 ids = np.load(ids_file)

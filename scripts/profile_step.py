@@ -20,11 +20,10 @@ from pathlib import Path
 
 import jax
 
-from jaxpar import trainer
-from jaxpar.config import load_config
-from jaxpar.mesh import build_mesh
-from jaxpar.placement import compile_abstract_step
-from jaxpar.train import parse_overrides
+from jaxpar.core.config import load_config, parse_overrides
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.planning.placement import compile_abstract_step
+from jaxpar.training import trainer
 
 # (category, source function names that put an op there), first match along the stack wins.
 BY_FUNCTION = [("attention softmax, mask", {"attention_scores", "attention_forward", "attention_backward", "sum_by_key_block",

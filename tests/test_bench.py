@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxpar import bench
+from jaxpar.planning import bench
 
 LOSS_RTOL = 1e-5
 ROW_KEYS = {"layout", "devices", "tokens_per_s", "step_time_ms", "compile_s", "mfu", "hfu", "speedup",

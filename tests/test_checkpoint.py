@@ -7,7 +7,6 @@ after a resume on another mesh agree within rtol 1e-5, as in test_equivalence.
 
 import json
 import math
-import os
 import re
 import shutil
 import signal
@@ -18,15 +17,15 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import fresh_process_env, mesh_overrides, tiny_config
 
-from conftest import mesh_overrides, tiny_config
-from jaxpar import step as steps
-from jaxpar.checkpoint import Checkpoints, restore_train_state
-from jaxpar.data import load_dataset
-from jaxpar.errors import UserError
-from jaxpar.mesh import build_mesh
+from jaxpar.core.errors import UserError
+from jaxpar.data.loader import load_dataset
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.zero import check_state
 from jaxpar.train import run
-from jaxpar.zero import check_state
+from jaxpar.training import step as steps
+from jaxpar.training.checkpoint import Checkpoints, restore_train_state
 
 LOSS_RTOL = 1e-5
 
@@ -196,7 +195,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_readable_one(tmp_path, caps
 
 def test_sigterm_saves_and_exits_0_with_how_to_resume(tmp_path):
     """A real signal, in a fresh process, at whatever step training has reached."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = fresh_process_env()
     out = tmp_path / "run"
     args = ["--config", "tiny", "--train.eval_every=0", "--train.decay_steps=100", "--out", str(out)]
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:

@@ -2,11 +2,11 @@
 
 import jax
 import numpy as np
-
 from conftest import mesh_overrides, tiny_config
-from jaxpar.config import Config, DataConfig, load_config
-from jaxpar.data import BatchLoader, CharTokenizer, batch_offsets, load_dataset
-from jaxpar.mesh import build_mesh
+
+from jaxpar.core.config import Config, DataConfig, load_config
+from jaxpar.data.loader import BatchLoader, CharTokenizer, batch_offsets, load_dataset
+from jaxpar.parallel.mesh import build_mesh
 
 
 def global_batch(spec: str, step: int, grad_accum: int = 1):
@@ -65,7 +65,7 @@ def test_default_config_file_equals_builtin_defaults():
 
 
 def test_micro_batch_caps_rows_per_device():
-    from jaxpar.step import num_microbatches
+    from jaxpar.training.step import num_microbatches
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 6}).train
     assert [num_microbatches(t, dp) for dp in (1, 2, 4)] == [2, 1, 1]
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 5}).train

@@ -10,13 +10,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from conftest import tiny_config
-from jaxpar import metrics
-from jaxpar.checkpoint import Checkpoints
-from jaxpar.errors import UserError
-from jaxpar.sample import load
+
+from jaxpar.core.errors import UserError
+from jaxpar.inference.sample import load
 from jaxpar.train import run
+from jaxpar.training import metrics
+from jaxpar.training.checkpoint import Checkpoints
 
 DIVERGING = ["--train.lr=50", "--train.grad_clip=0", "--train.warmup_steps=0", "--ckpt.every=2",
              "--train.eval_every=0", "--train.log_every=3"]

@@ -1,10 +1,10 @@
 """Every bad input gets one line on stderr that names the problem, exit code 2, and no output dir."""
 
-import os
 import subprocess
 import sys
 
 import pytest
+from conftest import fresh_process_env
 
 from jaxpar.train import main
 
@@ -50,6 +50,8 @@ def test_bad_mesh(capsys, tmp_path, argv, expected):
     (["--steps", "0"], ["train.steps must be positive"]),
     (["--train.batch_size=-4"], ["train.batch_size must be positive"]),
     (["--train.adam_eps=-1e-8"], ["train.adam_eps must be >= 0, got -1e-08"]),
+    (["--train.lr=-1e-3"], ["train.lr must be >= 0, got -0.001"]),
+    (["--train.min_lr=-1"], ["train.min_lr must be >= 0, got -1.0"]),
     (["--model.foo=1"], ["unknown config key 'model.foo'", "model.n_layer", "train.lr"]),
     (["--train.lr=fast"], ["train.lr expects float, got 'fast'"]),
     (["--model.n_head=3"], ["model.n_embd=32 must be divisible by model.n_head=3"]),
@@ -106,7 +108,7 @@ def test_an_out_dir_that_is_or_is_inside_a_file_is_named_as_such(capsys, tmp_pat
 
 def test_cli_process_exits_2_with_one_line(tmp_path):
     """The real entry point, in a fresh process: exit code 2 and a single line, nothing written."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = fresh_process_env()
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "jaxpar.train", "--mesh", "dp=2,tp=3",
                            "--config", "tiny", "--out", str(out)],
@@ -121,7 +123,7 @@ def test_a_step_too_big_for_memory_is_refused_before_anything_is_written(capsys,
                                                                         monkeypatch):
     """XLA's memory estimate of the compiled step (attention's block_size^2 scores per head and
     sequence: 2,150 GiB over the 8 devices) against a host with 64 GiB free."""
-    monkeypatch.setattr("jaxpar.hlo.host_available_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr("jaxpar.parallel.hlo.host_available_bytes", lambda: 64 * 2**30)
     fails_with(capsys, tmp_path, ["--config", "tiny", "--mesh", "dp=8",
                                   "--model.block_size=60000"],
                "the train step needs", "XLA's estimate", "lower train.micro_batch, model.block_size")
@@ -130,9 +132,9 @@ def test_a_step_too_big_for_memory_is_refused_before_anything_is_written(capsys,
 def test_the_memory_check_counts_each_host_device_against_the_hosts_ram(monkeypatch):
     import jax
 
-    from jaxpar.errors import UserError
-    from jaxpar.hlo import check_fits_in_memory
-    monkeypatch.setattr("jaxpar.hlo.host_available_bytes", lambda: 64 * 2**30)
+    from jaxpar.core.errors import UserError
+    from jaxpar.parallel.hlo import check_fits_in_memory
+    monkeypatch.setattr("jaxpar.parallel.hlo.host_available_bytes", lambda: 64 * 2**30)
     two_cpus = jax.local_devices(backend="cpu")[:2]
     check_fits_in_memory({"peak_memory_bytes": 32 * 2**30}, two_cpus)  # 64 GiB: just fits
     with pytest.raises(UserError, match=r"needs 66\.0 GiB \(XLA's estimate\) but this host "
@@ -143,7 +145,7 @@ def test_the_memory_check_counts_each_host_device_against_the_hosts_ram(monkeypa
 def test_xla_out_of_memory_becomes_one_line_and_other_errors_pass_through():
     import jax
 
-    from jaxpar.errors import UserError, out_of_memory_as_user_error
+    from jaxpar.core.errors import UserError, out_of_memory_as_user_error
     message = "INTERNAL: Error dispatching computation: Out of memory allocating 819200 bytes."
     with pytest.raises(UserError, match=r"^out of memory allocating 819200 bytes; lower --x$"):
         with out_of_memory_as_user_error("lower --x"):

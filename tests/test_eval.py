@@ -13,14 +13,15 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 from flax import nnx
 
-from conftest import tiny_config
-from jaxpar import sample, step as steps
-from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, make_meta
-from jaxpar.data import load_dataset, read_text
-from jaxpar.eval import evaluate, main
-from jaxpar.prepare import prepare
+from jaxpar.data.loader import load_dataset, read_text
+from jaxpar.data.prepare import prepare
+from jaxpar.inference import sample
+from jaxpar.inference.evaluate import evaluate, main
+from jaxpar.models.gpt import abstract_model
+from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 
 RTOL = 1e-5
 BLOCK = 32  # configs/tiny.toml
@@ -37,7 +38,7 @@ def saved(tmp_path_factory):
     prepare([str(text)], root / "bytes", "bytes")
     cfg = tiny_config(**{"data.path": str(root / "bytes")})
     tokenizer = load_dataset(cfg.data, BLOCK).tokenizer
-    _, shapes, _ = steps.abstract_model(cfg, tokenizer.vocab_size)
+    _, shapes, _ = abstract_model(cfg, tokenizer.vocab_size)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: 0.1 * rng.standard_normal(s.shape, np.float32), shapes)
     for norm in (params["blocks"]["ln_1"], params["blocks"]["ln_2"], params["ln_f"]):
@@ -60,7 +61,7 @@ def direct(saved):
     blocks = (len(tokens) - 1) // BLOCK
     inputs = tokens[:blocks * BLOCK].reshape(blocks, BLOCK)
     targets = tokens[1:blocks * BLOCK + 1].reshape(blocks, BLOCK)
-    graphdef, _, _ = steps.abstract_model(model.cfg, model.vocab_size)
+    graphdef, _, _ = abstract_model(model.cfg, model.vocab_size)
     with jax.set_mesh(model.mesh):
         logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params,
                                                                  inputs.astype(np.int32))

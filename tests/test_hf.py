@@ -15,21 +15,23 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import mesh_overrides, tiny_config
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
-from conftest import mesh_overrides, tiny_config
-from jaxpar import export, hf, sample, step as steps
-from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, make_meta
-from jaxpar.data import load_dataset
-from jaxpar.decode import empty_cache, forward
-from jaxpar.errors import UserError
-from jaxpar.mesh import build_mesh
-from jaxpar.model import padded_vocab
-from jaxpar.tokenizer import ByteTokenizer, CharTokenizer
+from jaxpar.core.errors import UserError
+from jaxpar.data.loader import load_dataset
+from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer
+from jaxpar.inference import export, sample
+from jaxpar.interop import hf
+from jaxpar.models.decode import empty_cache, forward
+from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run
+from jaxpar.training import step as steps
+from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 RTOL = ATOL = 1e-5
@@ -45,7 +47,7 @@ def placed(spec: str = "dp=1", zero: int = 0, hf_dir=FIXTURE, **overrides):
 
 
 def logits_of(cfg, vocab, mesh, params, ids) -> np.ndarray:
-    graphdef, _, _ = steps.abstract_model(cfg, vocab)
+    graphdef, _, _ = abstract_model(cfg, vocab)
     with jax.set_mesh(mesh):
         logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, ids)
     return np.asarray(logits)[..., :vocab]
@@ -117,7 +119,7 @@ def write_hf_dir(path: Path, tensors: dict, config: dict) -> Path:
 def random_params(cfg, vocab: int) -> dict:
     """Params of the model's shapes, every element random (biases and scales too), in numpy:
     quicker than compiling the model's init."""
-    _, shapes, _ = steps.abstract_model(cfg, vocab)
+    _, shapes, _ = abstract_model(cfg, vocab)
     rng = np.random.default_rng(0)
     return jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), shapes)
 

@@ -17,15 +17,18 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-
-from jaxpar import hf, sample, step as steps, trainer
-from jaxpar.config import load_config
-from jaxpar.data import batch_offsets, load_dataset
-from jaxpar.mesh import build_mesh
-from jaxpar.model import padded_vocab
-from jaxpar.prepare import prepare
-from jaxpar.train import parse_args, run
 from test_errors import fails_with
+
+from jaxpar.core.config import load_config
+from jaxpar.data.loader import batch_offsets, load_dataset
+from jaxpar.data.prepare import prepare
+from jaxpar.inference import sample
+from jaxpar.interop import hf
+from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.train import parse_args, run
+from jaxpar.training import step as steps
+from jaxpar.training import trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 LOSS_RTOL = 1e-5
@@ -61,7 +64,7 @@ def hf_loss(tmp_path_factory):
     mesh = build_mesh(cfg, devices(cfg))
     shardings, _ = steps.state_shardings(cfg, 101, mesh, steps.make_optimizer(cfg.train))
     params = hf.load_hf_params(FIXTURE, cfg, 101, shardings.params)
-    graphdef, _, _ = steps.abstract_model(cfg, 101)
+    graphdef, _, _ = abstract_model(cfg, 101)
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     with jax.set_mesh(mesh):
         fixture_logits = forward(params, np.load(FIXTURE / "input_ids.npy"))

@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_config
 from flax import nnx
 
-from conftest import tiny_config
-from jaxpar.flops import matmul_params
-from jaxpar.model import GPT, padded_vocab
+from jaxpar.models.flops import matmul_params
+from jaxpar.models.gpt import GPT, padded_vocab
 
 
 def tiny_model(**overrides):
@@ -68,7 +68,7 @@ def test_nanogpt_cpu_recipe_has_nanogpt_param_count():
 def test_weight_decay_covers_every_2d_weight_as_nanogpt():
     """nanoGPT decays its 2-D params (matmul weights, wte = the tied head, wpe), not its 1-D ones
     (biases, LayerNorm scales). Our q/k/v bias is factored to (3, heads, head_dim) but is 1-D there."""
-    from jaxpar.step import make_optimizer
+    from jaxpar.training.step import make_optimizer
 
     cfg, model = tiny_model()
     params = nnx.to_pure_dict(nnx.state(model))
@@ -87,8 +87,9 @@ def test_attention_backward_equals_autodiff(blocks, monkeypatch):
     """The hand-written attention backward against autodiff of the plain formula, with dropout too,
     whole and with the queries in blocks that skip the masked keys."""
     import math
-    from jaxpar import attention
-    from jaxpar.attention import causal_attention
+
+    from jaxpar.models import attention
+    from jaxpar.models.attention import causal_attention
     monkeypatch.setattr(attention, "query_blocks", lambda T: blocks or [(0, T)])
 
     def plain(q, k, v, rate, key):

@@ -17,8 +17,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from conftest import mesh_overrides, tiny_config
+
 from jaxpar.train import run
 
 LAUNCH = Path(__file__).resolve().parent.parent / "scripts" / "launch_local.sh"

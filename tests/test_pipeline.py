@@ -7,12 +7,13 @@ Equivalence tolerances, as in test_equivalence: losses within rtol 1e-5; each fi
 import jax
 import numpy as np
 import pytest
-
 from conftest import mesh_overrides, tiny_config
-from jaxpar.orders import BACKWARD, FORWARD, Op
-from jaxpar.schedule import Schedule, main as schedule_main
-from jaxpar.train import run
 from test_equivalence import LOSS_RTOL, STEPS, assert_same_training, train
+
+from jaxpar.parallel.orders import BACKWARD, FORWARD, Op
+from jaxpar.parallel.schedule import Schedule
+from jaxpar.schedule import main as schedule_main
+from jaxpar.train import run
 
 SHAPES = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8)]
 SCHEDULES = ("gpipe", "1f1b")  # the interleaved and ZB-H1 tables: test_schedule_tables.py

@@ -9,13 +9,15 @@ import sys
 
 import jax
 import pytest
-
 from conftest import tiny_config
-from jaxpar import estimate, flops, hardware, hlo
-from jaxpar.errors import UserError
-from jaxpar.hardware import Chip, parse_target
-from jaxpar.mesh import resolve_mesh_shape
-from jaxpar.plan import Candidate, compile_candidate, enumerate_candidates, layout_config, main
+
+from jaxpar.core.errors import UserError
+from jaxpar.models import flops
+from jaxpar.parallel import hlo
+from jaxpar.parallel.mesh import resolve_mesh_shape
+from jaxpar.planning import estimate, hardware
+from jaxpar.planning.hardware import Chip, parse_target
+from jaxpar.planning.plan import Candidate, compile_candidate, enumerate_candidates, layout_config, main
 
 CHIP = Chip("test chip", 1e9, 100e12, 50e9, 1, 2, "made up for the test")
 
@@ -196,8 +198,8 @@ def test_tpu_target_compiles_for_a_v5e_slice(tmp_path):
 
 def test_full_remat_lowers_the_compiled_steps_temporaries():
     """The equivalence tests prove remat changes no number; this proves it changes the program."""
-    from jaxpar.mesh import build_mesh
-    from jaxpar.placement import compile_abstract_step
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.planning.placement import compile_abstract_step
     temps = {}
     for remat in ("none", "full"):
         cfg = tiny_config(**{"model.n_layer": 4, "model.block_size": 128, "model.remat": remat})
@@ -218,7 +220,7 @@ def test_gpu_target_compiles_for_an_h100_node(tmp_path):
 
 
 def test_compile_order_puts_guessed_fits_first_and_lets_meshes_take_turns():
-    from jaxpar.plan import compile_order
+    from jaxpar.planning.plan import compile_order
 
     def candidate(dp, zero, memory, speed):
         c = Candidate({"dp": dp, "tp": 1, "pp": 1, "zero": zero, "micro_batch": 1, "remat": "none"}, None)
@@ -232,7 +234,7 @@ def test_compile_order_puts_guessed_fits_first_and_lets_meshes_take_turns():
 
 
 def test_explicit_layouts_infer_a_minus_one_axis_from_the_target():
-    from jaxpar.plan import parse_layouts
+    from jaxpar.planning.plan import parse_layouts
     assert parse_layouts("dp=-1,tp=2;dp=3;pp=2,dp=-1", 8) == [(4, 2, 1), (3, 1, 1), (4, 1, 2)]
     found = enumerate_candidates(tiny_config(), 8, layouts="dp=3", zeros=(0,), remats=("none",))
     assert {c.status for c in found} == {"skipped"}

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from jaxpar import prepare as prep
-from jaxpar.errors import UserError
-from jaxpar.prepare import main
-from jaxpar.prepared import read_prepared
-from jaxpar.tokenizer import EOT, CharTokenizer
+from jaxpar.core.errors import UserError
+from jaxpar.data import prepare as prep
+from jaxpar.data.prepare import main
+from jaxpar.data.prepared import read_prepared
+from jaxpar.data.tokenizer import EOT, CharTokenizer
 
 DOCS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n" * 3,
         "Café, naïve, 日本語 😀\nline two\n" * 2,

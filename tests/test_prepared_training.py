@@ -16,21 +16,22 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-
 from conftest import mesh_overrides, tiny_config
-from jaxpar import sample, step as steps
-from jaxpar.checkpoint import CHECKPOINTS, Checkpoints, make_meta
-from jaxpar.data import BatchLoader, batch_offsets, load_dataset, model_vocab, read_text
-from jaxpar.errors import UserError
-from jaxpar.mesh import build_mesh
-from jaxpar.model import padded_vocab
-from jaxpar.prepare import main as prepare_main
-from jaxpar.tokenizer import EOT, ByteTokenizer
-from jaxpar.train import main as train_main, run
-from test_equivalence import LOSS_RTOL, PARAM_TOL, STEPS, assert_same_training, losses, \
-    param_errors, train
+from test_equivalence import LOSS_RTOL, PARAM_TOL, STEPS, assert_same_training, losses, param_errors, train
 from test_errors import fails_with as train_fails_with
 from test_multiprocess import launch, logged_losses
+
+from jaxpar.core.errors import UserError
+from jaxpar.data.loader import BatchLoader, batch_offsets, load_dataset, model_vocab, read_text
+from jaxpar.data.prepare import main as prepare_main
+from jaxpar.data.tokenizer import EOT, ByteTokenizer
+from jaxpar.inference import sample
+from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.train import main as train_main
+from jaxpar.train import run
+from jaxpar.training import step as steps
+from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 
 TEXT_CHARS = 200_000  # of the built-in Tiny Shakespeare
 BPE_VOCAB = 512
@@ -185,7 +186,7 @@ def save_checkpoint(out, cfg, params=None, step: int = 0):
     tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     vocab = model_vocab(cfg, tokenizer)
     if params is None:
-        _, shapes, _ = steps.abstract_model(cfg, vocab)
+        _, shapes, _ = abstract_model(cfg, vocab)
         rng = np.random.default_rng(0)
         params = jax.tree.map(lambda s: 0.1 * rng.standard_normal(s.shape, np.float32), shapes)
     checkpoints = Checkpoints(out / CHECKPOINTS)
@@ -199,7 +200,7 @@ def eot_prone_params(cfg, vocab: int, eot: int, p_eot: float) -> dict:
     """A model whose every next token is the end-of-text one with probability p_eot, else any
     other token uniformly: the blocks are zero (identity), ln_f's scale is 0, so the logits are
     ln_f's bias against wte, which is zero but for wte[eot]."""
-    _, shapes, _ = steps.abstract_model(cfg, vocab)
+    _, shapes, _ = abstract_model(cfg, vocab)
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), shapes)
     for norm in ("ln_1", "ln_2"):
         params["blocks"][norm]["scale"][:] = 1.0

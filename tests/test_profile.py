@@ -2,11 +2,11 @@
 
 import jax
 import pytest
-
 from conftest import tiny_config
-from jaxpar import profiling
-from jaxpar.errors import UserError
+
+from jaxpar.core.errors import UserError
 from jaxpar.train import main, run
+from jaxpar.training import profiling
 
 
 @pytest.mark.parametrize("spec, expected", [

@@ -8,12 +8,13 @@ are of order 1). Greedy tokens must be equal.
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 from flax import nnx
 
-from conftest import tiny_config
-from jaxpar import sample
-from jaxpar.decode import empty_cache, forward
-from jaxpar.step import abstract_model
+from jaxpar.data.tokenizer import ByteTokenizer
+from jaxpar.inference import sample
+from jaxpar.models.decode import empty_cache, forward
+from jaxpar.models.gpt import abstract_model
 from jaxpar.train import run
 
 LOGITS_ATOL = 1e-5
@@ -97,3 +98,16 @@ def test_cli_without_checkpoints_names_the_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sample.main(["--ckpt", str(tmp_path)])
     assert f"no checkpoints in '{tmp_path}'" in capsys.readouterr().err
+
+
+def test_the_streamer_prints_what_it_held_back_when_the_sample_ends(capsys):
+    """A byte-level sample may end inside a character: the held-back bytes are printed at the
+    end, with replacement characters, as the tokenizer's decode gives them."""
+    tokenizer = ByteTokenizer()
+    streamer = sample.Streamer(tokenizer, eot=None)
+    ids = list(b"ROMEO: caf") + list("\u00e9".encode())[:1] + [0xFF]  # \u00e9 cut short, a stray byte
+    for token in ids:
+        streamer(np.array([token]))
+    assert capsys.readouterr().out == "ROMEO: caf"  # held back: it may be a character's start
+    streamer.finish()
+    assert capsys.readouterr().out == tokenizer.decode(ids)[len("ROMEO: caf"):] == "\ufffd\ufffd"

@@ -2,10 +2,11 @@
 
 import pytest
 
-from jaxpar.config import load_config
-from jaxpar.errors import UserError
-from jaxpar.orders import BACKWARD, FORWARD, WEIGHT, Op
-from jaxpar.schedule import Schedule, main as schedule_main
+from jaxpar.core.config import load_config
+from jaxpar.core.errors import UserError
+from jaxpar.parallel.orders import BACKWARD, FORWARD, WEIGHT, Op
+from jaxpar.parallel.schedule import Schedule
+from jaxpar.schedule import main as schedule_main
 
 INTERLEAVED = [(2, 2, 2), (2, 4, 2), (2, 6, 3), (4, 4, 2), (4, 8, 2), (4, 8, 3), (4, 16, 4), (8, 8, 2)]
 ZB_H1 = [(1, 1), (2, 1), (2, 2), (2, 8), (3, 5), (3, 9), (4, 4), (4, 7), (4, 8), (4, 16), (8, 8), (8, 16)]

@@ -5,16 +5,16 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import mesh_overrides, tiny_config
-from jaxpar import step as steps
-from jaxpar.errors import UserError
-from jaxpar.mesh import build_mesh, resolve_mesh_shape
-from jaxpar.model import apply_blocks, split_layers
-from jaxpar.sharding import (RULES, SEQUENCE_PARALLEL, check_divisible, logical_to_spec,
-                             traced_with_rules)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.core.errors import UserError
+from jaxpar.core.sharding import RULES, SEQUENCE_PARALLEL, check_divisible, logical_to_spec, traced_with_rules
+from jaxpar.models.gpt import abstract_model, apply_blocks, split_layers
+from jaxpar.parallel.mesh import build_mesh, resolve_mesh_shape
 from jaxpar.train import run
+from jaxpar.training import step as steps
 
 
 def test_rule_table_maps_megatron_layout():
@@ -45,7 +45,7 @@ def test_uneven_split_raises():
 def test_params_and_moments_follow_rules_after_training():
     cfg = tiny_config(**mesh_overrides("dp=2,tp=2"), **{"train.steps": 2, "train.eval_every": 0})
     result = run(cfg, devices=jax.devices()[:4], progress=False)
-    _, _, axes = steps.abstract_model(cfg, 65)
+    _, _, axes = abstract_model(cfg, 65)
     expected = jax.tree.map(logical_to_spec, axes, is_leaf=lambda x: isinstance(x, tuple))
 
     def spec_of(array):
@@ -80,7 +80,7 @@ def test_adam_moments_share_their_params_sharding_without_zero():
 
 def test_rules_cover_every_model_axis():
     cfg = tiny_config()
-    _, _, axes = steps.abstract_model(cfg, 65)
+    _, _, axes = abstract_model(cfg, 65)
     used = {name for t in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)) for name in t}
     assert used <= set(RULES)
 
@@ -93,7 +93,7 @@ def test_the_stream_between_blocks_is_split_along_the_sequence_only_under_sequen
     """The blocks' output, the residual stream, as the rule table in force lays it out."""
     cfg = tiny_config(**mesh_overrides("dp=2,tp=2"))
     mesh = build_mesh(cfg, jax.devices()[:4])
-    _, shapes, axes = steps.abstract_model(cfg, 65)
+    _, shapes, axes = abstract_model(cfg, 65)
     _, _, layers, layer_axes = split_layers(shapes, axes)
     x = jax.ShapeDtypeStruct((8, cfg.model.block_size, cfg.model.n_embd), jnp.float32)
     run = traced_with_rules(lambda p, x: apply_blocks(p, layer_axes, x, cfg.model), rules)

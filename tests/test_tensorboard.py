@@ -9,9 +9,9 @@ import types
 
 import jax
 import pytest
+from conftest import tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import tiny_config
 from jaxpar.train import main, run
 
 STEPS, EVERY = 12, 6

@@ -8,10 +8,18 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from jaxpar import corpus
-from jaxpar.errors import UserError
-from jaxpar.tokenizer import (EOT, ByteTokenizer, CharTokenizer, HFTokenizer, TiktokenTokenizer,
-                              from_meta, load_tokenizer, tokenizer_json)
+from jaxpar.core.errors import UserError
+from jaxpar.data import corpus
+from jaxpar.data.tokenizer import (
+    EOT,
+    ByteTokenizer,
+    CharTokenizer,
+    HFTokenizer,
+    TiktokenTokenizer,
+    from_meta,
+    load_tokenizer,
+    tokenizer_json,
+)
 
 SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\r\nSpeak, speak.\n"

@@ -5,13 +5,16 @@ Tolerances as in test_equivalence: losses rtol 1e-5, params within 1e-5 of each 
 
 import jax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import mesh_overrides, tiny_config
-from jaxpar import step as steps, zero
-from jaxpar.mesh import build_mesh
-from jaxpar.train import main
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_equivalence import assert_same_training, train
+
+from jaxpar.models.gpt import abstract_model
+from jaxpar.parallel import zero
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.train import main
+from jaxpar.training import step as steps
 
 LAYOUTS = ["dp=2", "dp=4", "dp=2,tp=2", "dp=4,tp=2"]
 
@@ -57,7 +60,7 @@ def test_params_grads_and_moments_are_placed_per_stage(stage):
     cfg, mesh, tx, shardings, plan = planned(stage)
     with jax.set_mesh(mesh):
         state = steps.init_state(cfg, 65, tx, shardings)
-        graphdef, _, _ = steps.abstract_model(cfg, 65)
+        graphdef, _, _ = abstract_model(cfg, 65)
         grads_of = jax.jit(steps.make_grad_fn(cfg, graphdef, plan.grads))
         tokens = jax.numpy.zeros((1, cfg.train.batch_size, cfg.model.block_size), "int32")
         _, grads = grads_of(state.params, tokens, tokens, 0)

@@ -1,0 +1,288 @@
+"""Run configuration: plain dataclasses, TOML files in configs/, and `--section.field=value` overrides.
+
+The dataclass defaults are nanoGPT's shakespeare_char CPU recipe, so no config file is needed.
+"""
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jaxpar.core.errors import UserError
+
+# The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
+# the repository's top-level configs/ in an editable install.
+_PACKAGE = Path(__file__).resolve().parent.parent  # jaxpar/
+CONFIG_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if d.is_dir()),
+                  _PACKAGE / "configs")
+DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
+GELU_KINDS = ("exact", "tanh")
+REMAT_KINDS = ("none", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline schedules; see jaxpar.parallel.orders
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
+    # Rows of the embedding. 0: the data's vocabulary. Larger leaves room, as GPT-2's 50257 does
+    # for any tokenizer with fewer tokens; smaller than the data's vocabulary is an error.
+    vocab_size: int = 0
+    dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
+    unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
+    # The MLP's GELU: "exact" (erf) as nanoGPT's nn.GELU(), or "tanh", the approximation that
+    # Hugging Face GPT-2 checkpoints were trained with (activation_function "gelu_new").
+    gelu: str = "exact"
+    # "full": keep only each layer's input and rerun the layer in the backward pass (jax.checkpoint):
+    # activation memory of one layer instead of all, for about a third more FLOPs.
+    remat: str = "none"
+    # Megatron sequence parallelism: with tp > 1, the residual stream between the matmuls (LayerNorm,
+    # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
+    # activations shrink by tp. No effect at tp = 1.
+    sequence_parallel: bool = False
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 12  # global batch, in sequences, over all devices and microbatches
+    grad_accum: int = 1  # microbatches per step on every layout (nanoGPT's gradient_accumulation_steps)
+    # Most sequences one device runs through one forward/backward (Megatron's micro-batch-size);
+    # a device with more rows splits them into further microbatches. 0: no limit. On a 2-core CPU,
+    # 6 rows of 64 tokens keep activations in cache: 1.3x the speed of 12 rows at once.
+    micro_batch: int = 6
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    decay_steps: int = 0  # nanoGPT's lr_decay_iters; 0 means "the run's steps"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    adam_eps: float = 1e-8  # AdamW's epsilon: torch's and nanoGPT's
+    grad_clip: float = 1.0  # 0 disables clipping
+    # ZeRO over the data axis: 1 shards the AdamW moments, 2 also the gradients, 3 also the params
+    # (FSDP); 0 is plain data parallelism. 1 is the default: it saves memory at no extra
+    # communication (an all-reduce is a reduce-scatter plus an all-gather).
+    zero: int = 1
+    eval_every: int = 250  # 0 disables evaluation
+    eval_batches: int = 20
+    log_every: int = 1
+    seed: int = 1337
+    # A Hugging Face GPT-2 directory (config.json + model.safetensors) to start from instead of a
+    # random init: the model shape comes from its config.json (see jaxpar.hf). Empty: random init.
+    init_from: str = ""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # empty: the built-in Tiny Shakespeare
+    val_fraction: float = 0.1
+
+
+@dataclass
+class MeshConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class PipelineConfig:
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved or zb-h1; see jaxpar.schedule
+    virtual: int = 1  # interleaved: layer chunks per stage (stage s holds chunks s, s+pp, ...)
+    microbatches: int = 0  # per step and grad_accum round; 0: the largest multiple of pp up to 4*pp that fits
+
+
+@dataclass
+class DistConfig:
+    # jax.distributed over several processes. Left empty, a SLURM or Open MPI launch is detected.
+    coordinator: str = ""  # HOST:PORT of process 0's coordination service
+    num_processes: int = 1
+    process_id: int = 0
+
+
+@dataclass
+class CkptConfig:
+    every: int = 250  # save every N steps; 0: only at the end and on interruption
+    keep: int = 3  # newest checkpoints kept in <out>/checkpoints
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True  # scalars into <out>/tensorboard (process 0), beside --profile's trace
+    wandb: str = ""  # a W&B project name: log the same scalars there too (needs `pip install wandb`)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, sections: dict) -> "Config":
+        """The inverse of to_dict (e.g. a checkpoint's resolved config); validated."""
+        cfg = cls()
+        for section, table in sections.items():
+            for name, value in table.items():
+                set_value(cfg, f"{section}.{name}", value)
+        validate(cfg)
+        return cfg
+
+
+def valid_keys(cfg: Config) -> list[str]:
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
+            for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def _coerce(key: str, typ: type, value):
+    """Convert a TOML value or a command-line string to the field's type, or raise UserError."""
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+                return value.lower() in ("true", "1", "yes")
+            raise ValueError
+        if typ is int:
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError
+            return int(value)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise UserError(f"{key} expects {typ.__name__}, got {value!r}") from None
+
+
+def set_value(cfg: Config, key: str, value) -> None:
+    """Set `section.field` from a string or TOML value; unknown keys list the valid ones."""
+    section, _, name = key.partition(".")
+    sub = getattr(cfg, section, None) if section in {f.name for f in dataclasses.fields(cfg)} else None
+    types = {f.name: f.type for f in dataclasses.fields(sub)} if sub is not None else {}
+    if name not in types:
+        raise UserError(f"unknown config key '{key}'; valid keys: {', '.join(valid_keys(cfg))}")
+    setattr(sub, name, _coerce(key, types[name], value))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A path to a TOML file, or the name of one in configs/ (with or without .toml)."""
+    path = Path(name_or_path)
+    candidates = [path, CONFIG_DIR / path.name, CONFIG_DIR / f"{path.name}.toml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"config file '{name_or_path}' not found; pass a TOML path or one of: "
+                    + ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))))
+
+
+def load_config(path: str | None, overrides: dict[str, str]) -> Config:
+    """Defaults, then the TOML file (if any), then command-line overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        file = resolve_config_path(path)
+        try:
+            data = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"config file '{file}' is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise UserError(f"config file '{file}': '{section}' must be a [section]; "
+                                f"valid keys: {', '.join(valid_keys(cfg))}")
+            for name, value in table.items():
+                set_value(cfg, f"{section}.{name}", value)
+    for key, value in overrides.items():
+        set_value(cfg, key, value)
+    validate(cfg)
+    if cfg.train.decay_steps == 0:
+        cfg.train.decay_steps = cfg.train.steps
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that cannot train; every message names the key and what it needs."""
+    positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
+                "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
+                "train.log_every", "ckpt.keep"]
+    # lr = 0 is a frozen run: Hugging Face weights into a checkpoint, or a step timed without
+    # changing the weights.
+    non_negative = ["model.vocab_size", "train.micro_batch", "train.lr", "train.min_lr", "train.warmup_steps", "train.decay_steps",
+                    "train.weight_decay", "train.adam_eps", "train.grad_clip", "train.eval_every",
+                    "pipeline.microbatches", "ckpt.every"]
+    get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
+    for key in positive:
+        if get(key) <= 0:
+            raise UserError(f"{key} must be positive, got {get(key)}")
+    for key in non_negative:
+        if get(key) < 0:
+            raise UserError(f"{key} must be >= 0, got {get(key)}")
+    m, t = cfg.model, cfg.train
+    if not 0 <= m.dropout < 1:
+        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.n_embd % m.n_head:
+        raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    if m.gelu not in GELU_KINDS:
+        raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{m.gelu}'")
+    if m.remat not in REMAT_KINDS:
+        raise UserError(f"model.remat must be one of {', '.join(REMAT_KINDS)}, got '{m.remat}'")
+    if m.dtype not in ("float32", "bfloat16"):
+        raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
+    if t.batch_size % t.grad_accum:
+        raise UserError(f"train.batch_size={t.batch_size} must be divisible by "
+                        f"train.grad_accum={t.grad_accum}")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    if cfg.pipeline.schedule not in SCHEDULES:
+        raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
+                        f"got '{cfg.pipeline.schedule}'")
+    interleaved = cfg.pipeline.schedule == "interleaved"
+    if interleaved and cfg.pipeline.virtual < 2 or not interleaved and cfg.pipeline.virtual != 1:
+        raise UserError(f"pipeline.virtual={cfg.pipeline.virtual}: interleaved needs "
+                        f"--pipeline.virtual >= 2 layer chunks per stage, every other schedule 1")
+    if t.zero not in (0, 1, 2, 3):
+        raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
+    for axis in ("dp", "tp", "pp"):
+        size = getattr(cfg.mesh, axis)
+        if size != -1 and size < 1:
+            raise UserError(f"mesh.{axis} must be a positive integer or -1 (inferred), got {size}")
+    d = cfg.dist
+    if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
+        raise UserError(f"dist.process_id must be in [0, dist.num_processes={d.num_processes}), "
+                        f"got {d.process_id}")
+    host, _, port = d.coordinator.rpartition(":")
+    if d.num_processes > 1 and not (host and port.isdigit()):
+        raise UserError(f"dist.coordinator must be HOST:PORT when dist.num_processes > 1, "
+                        f"got '{d.coordinator}'")
+    if [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp].count(-1) > 1:
+        raise UserError("at most one mesh axis may be -1 (inferred)")
+
+
+def parse_overrides(tokens: list[str]) -> dict[str, str]:
+    """['--model.n_layer=6', '--train.lr', '3e-4'] -> {'model.n_layer': '6', 'train.lr': '3e-4'}."""
+    overrides, i = {}, 0
+    while i < len(tokens):
+        token = tokens[i]
+        key, eq, value = token[2:].partition("=")
+        if not token.startswith("--") or "." not in key:
+            raise UserError(f"unrecognised argument '{token}'; see --help")
+        if not eq:
+            if i + 1 >= len(tokens):
+                raise UserError(f"{token} needs a value, e.g. {token}=VALUE")
+            value, i = tokens[i + 1], i + 1
+        overrides[key] = value
+        i += 1
+    return overrides

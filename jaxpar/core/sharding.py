@@ -1,0 +1,110 @@
+"""The one rule table from logical axis names (used by the model) to mesh axes (used by JAX).
+
+Model code names logical axes only; changing a parallel layout means changing this table.
+"""
+
+import contextvars
+import functools
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Megatron-style tensor parallelism: q/k/v and the MLP input are column-parallel (split over
+# 'heads' / 'mlp'), the attention and MLP outputs are row-parallel (their input dim is split), and
+# the tied embedding / lm_head is split over the vocabulary. Activations between blocks (the
+# residual stream) are split over 'data' by batch and whole on every tensor rank, unless
+# SEQUENCE_PARALLEL applies.
+RULES: dict[str, str | None] = {
+    "batch": "data",
+    "tokens": "data",  # batch * seq, flattened for 2-D matmuls
+    "vocab": "tensor",
+    "heads": "tensor",
+    "mlp": "tensor",
+    "layers": "pipe",
+    "embed": None,
+    "pos": None,
+    "seq": None,
+    "qkv": None,
+    "head_dim": None,
+    "microbatch": None,  # the pipeline's per-stage buffers of microbatches
+    "stream_seq": None,  # the residual stream's sequence axis, between the blocks' matmuls
+}
+
+# Megatron's sequence parallelism (model.sequence_parallel): the residual stream, and with it
+# LayerNorm, dropout and the residual adds, is split over 'tensor' along the sequence. Each block's
+# matmuls gather the sequence first (an all-gather), and the row-parallel outputs are summed into
+# the split layout (a reduce-scatter) instead of being all-reduced.
+SEQUENCE_PARALLEL = {**RULES, "stream_seq": "tensor"}
+
+_active_rules = contextvars.ContextVar("jaxpar_rules", default=RULES)
+
+
+def rules_for(model_cfg) -> dict:
+    return SEQUENCE_PARALLEL if model_cfg.sequence_parallel else RULES
+
+
+def traced_with_rules(fn, rules: dict):
+    """fn, traced under `rules`: the table `constrain` applies while jit traces the model."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        token = _active_rules.set(rules)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _active_rules.reset(token)
+    return wrapped
+
+
+def logical_to_spec(axes: tuple[str, ...], rules: dict | None = None) -> P:
+    """PartitionSpec for a tuple of logical names (by the active table unless `rules` is given).
+    Unknown or conflicting names raise."""
+    rules = _active_rules.get() if rules is None else rules
+    mesh_axes = []
+    for name in axes:
+        if name not in rules:
+            raise ValueError(f"unknown logical axis '{name}' in {axes}; known: {sorted(rules)}")
+        mesh_axes.append(rules[name])
+    used = [a for a in mesh_axes if a is not None]
+    if len(used) != len(set(used)):
+        raise ValueError(f"logical axes {axes} map to the same mesh axis twice: {mesh_axes}")
+    return P(*mesh_axes)
+
+
+def check_divisible(name: str, shape: tuple[int, ...], spec: P, mesh) -> None:
+    """Refuse a sharding that would need padding: every split dim must divide evenly."""
+    for size, mesh_axis in zip(shape, spec):
+        ways = mesh.shape[mesh_axis] if mesh_axis is not None else 1
+        if size % ways:
+            raise ValueError(f"{name}: dim of size {size} does not divide over mesh axis "
+                             f"'{mesh_axis}' of size {ways}")
+
+
+def param_axes(abstract_state) -> dict:
+    """Pure dict of logical axis tuples, read from each nnx.Param's `axes` metadata."""
+    from flax import nnx
+    out = {}
+    for path, var in nnx.to_flat_state(abstract_state):
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = tuple(var.get_metadata()["axes"])
+    return out
+
+
+def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict = RULES) -> dict:
+    """NamedShardings for a pure-dict tree, checked for even division."""
+    def one(path, axes, shape):
+        spec = logical_to_spec(axes, rules)
+        check_divisible(jax.tree_util.keystr(path), shape.shape, spec, mesh)
+        return NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map_with_path(one, axes_tree, shapes,
+                                            is_leaf=lambda x: isinstance(x, tuple))
+
+
+def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Pin an activation's sharding by logical names; a no-op outside a mesh context."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes))

@@ -1,0 +1,153 @@
+"""Training data and deterministic batches: a `jaxpar.prepare` directory (train.bin and val.bin,
+memory-mapped), or a UTF-8 text file (the built-in Tiny Shakespeare by default) at character level.
+
+The global batch at step s is a pure function of (seed, split, s): the same for every mesh and
+process count. Each process materialises only the rows its devices hold.
+"""
+
+import gzip
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.core.config import DataConfig
+from jaxpar.core.errors import UserError
+from jaxpar.data.tokenizer import CharTokenizer, from_meta
+
+BUILTIN_NAME = "tinyshakespeare.txt.gz"
+SPLIT_IDS = {"train": 0, "val": 1}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    tokenizer: object  # any kind of jaxpar.tokenizer
+    train: np.ndarray  # token ids; memory-mapped for prepared data
+    val: np.ndarray
+
+    def split(self, name: str) -> np.ndarray:
+        return self.train if name == "train" else self.val
+
+
+def read_text(path: str) -> str:
+    """The built-in corpus when path is empty, else the UTF-8 file at path."""
+    if not path:
+        return gzip.decompress(resources.files("jaxpar").joinpath("assets", BUILTIN_NAME)
+                               .read_bytes()).decode("utf-8")
+    file = Path(path)
+    # Anything but a directory (prepared data) is read: a pipe such as <(zcat corpus.gz) works.
+    if not file.exists():
+        raise UserError(f"data file '{path}' not found; pass an existing UTF-8 text file or a "
+                        "jaxpar.prepare directory with --data.path, or omit it for the built-in "
+                        "Tiny Shakespeare")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"data file '{path}' is not UTF-8 text (byte {e.start}); "
+                        "convert it to UTF-8 first") from None
+    except PermissionError:
+        raise UserError(f"data file '{path}' is not readable by this user; fix its "
+                        "permissions or copy it somewhere readable") from None
+
+
+def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
+    """A jaxpar.prepare directory (memory-mapped), or a text file tokenised by character and split
+    train/val; both splits must hold a block."""
+    if cfg.path and Path(cfg.path).is_dir():
+        return load_prepared(cfg.path, block_size)
+    text = read_text(cfg.path)
+    name = cfg.path or "the built-in corpus"
+    if not text:
+        raise UserError(f"data file '{name}' is empty; pass a file with text in it")
+    tokenizer = CharTokenizer.from_text(text)
+    ids = tokenizer.encode(text)
+    n_val = int(len(ids) * cfg.val_fraction)
+    return checked(Dataset(tokenizer, ids[: len(ids) - n_val], ids[len(ids) - n_val:]),
+                   f"data file '{name}'", "characters", block_size)
+
+
+def load_prepared(directory: str, block_size: int) -> Dataset:
+    from jaxpar.data.prepared import read_prepared
+    meta, train, val = read_prepared(directory)
+    if "tokenizer_meta" not in meta:
+        raise UserError(f"'{directory}/meta.json' does not describe its tokenizer; run "
+                        "python -m jaxpar.prepare again")
+    return checked(Dataset(from_meta(meta["tokenizer_meta"]), train, val),
+                   f"prepared data '{directory}'", "tokens", block_size)
+
+
+def checked(dataset: Dataset, name: str, unit: str, block_size: int) -> Dataset:
+    shortest = min(len(dataset.train), len(dataset.val))
+    if shortest <= block_size:
+        raise UserError(f"{name} is too short: its smaller split has {shortest} {unit}, but "
+                        f"model.block_size={block_size} needs at least {block_size + 1}; use "
+                        "more text or a smaller block_size")
+    return dataset
+
+
+def model_vocab(cfg, tokenizer) -> int:
+    """The model's vocabulary: model.vocab_size, or the tokenizer's when that is 0."""
+    wanted = cfg.model.vocab_size
+    if wanted and wanted < tokenizer.vocab_size:
+        raise UserError(f"model.vocab_size={wanted} is smaller than the data's vocabulary of "
+                        f"{tokenizer.vocab_size} tokens; raise it, or set 0 to follow the data")
+    return wanted or tokenizer.vocab_size
+
+
+def batch_offsets(seed: int, split: str, step: int, batch_size: int, n_tokens: int,
+                  block_size: int) -> np.ndarray:
+    """Start offsets of the global batch: a pure function of (seed, split, step)."""
+    rng = np.random.default_rng([seed, SPLIT_IDS[split], step])
+    return rng.integers(0, n_tokens - block_size, size=batch_size)
+
+
+class BatchLoader:
+    """Builds global (inputs, targets) arrays of shape (microbatches, rows, block_size).
+
+    Rows are split over 'data' on axis 1; this process builds only the rows its devices hold.
+    """
+
+    def __init__(self, tokens: np.ndarray, split: str, seed: int, batch_size: int,
+                 microbatches: int, block_size: int, mesh):
+        self.tokens, self.split, self.seed = tokens, split, seed
+        self.batch_size, self.block_size = batch_size, block_size
+        self.shape = (microbatches, batch_size // microbatches, block_size)
+        self.sharding = NamedSharding(mesh, P(None, "data", None))
+        rows = [idx[1] for idx in self.sharding.addressable_devices_indices_map(self.shape).values()]
+        self.row_start = min(r.start or 0 for r in rows)
+        self.row_stop = max(self.shape[1] if r.stop is None else r.stop for r in rows)
+
+    def __call__(self, step: int) -> tuple[jax.Array, jax.Array]:
+        offsets = batch_offsets(self.seed, self.split, step, self.batch_size, len(self.tokens),
+                                self.block_size).reshape(self.shape[:2])
+        local = offsets[:, self.row_start:self.row_stop]
+        window = local[..., None] + np.arange(self.block_size + 1)
+        chunk = self.tokens[window].astype(np.int32)  # (microbatches, local rows, block_size + 1)
+        return tuple(jax.make_array_from_process_local_data(self.sharding, part, self.shape)
+                     for part in (chunk[..., :-1], chunk[..., 1:]))
+
+
+class Prefetcher:
+    """The loader's batches for consecutive steps, each built on a worker thread while the step
+    before it runs, so building a batch (reading a memory-mapped file, above all) never holds up
+    the device. Any step may be asked for; a step out of order is built at once."""
+
+    def __init__(self, loader: BatchLoader, first_step: int):
+        self.loader, self.sharding = loader, loader.sharding
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-batches")
+        self.next = (first_step, self.pool.submit(loader, first_step))
+
+    def __call__(self, step: int) -> tuple[jax.Array, jax.Array]:
+        ready_step, ready = self.next
+        batch = ready.result() if ready_step == step else self.loader(step)
+        self.next = (step + 1, self.pool.submit(self.loader, step + 1))
+        return batch
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+

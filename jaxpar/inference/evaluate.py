@@ -1,0 +1,112 @@
+"""`python -m jaxpar.eval --ckpt RUN_DIR [--data DIR] [--mesh SPEC]`: a checkpoint's loss over the
+whole val split, every non-overlapping block of it (not a sample of random batches), as one JSON line.
+
+The loss is the mean next-token cross-entropy over all scored tokens; the perplexity is its exp.
+"""
+
+import json
+import math
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+from jaxpar.core.config import DataConfig, load_config
+from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.data.loader import load_dataset
+from jaxpar.inference.sample import Model, load
+from jaxpar.models.gpt import abstract_model, cross_entropy
+from jaxpar.parallel.mesh import force_host_devices, parse_mesh_spec
+
+
+def blocks_of(tokens: np.ndarray, block_size: int) -> int:
+    """How many non-overlapping blocks (inputs and their next-token targets) the split holds."""
+    return (len(tokens) - 1) // block_size
+
+
+def block_rows(tokens: np.ndarray, first: int, count: int, block_size: int):
+    """(inputs, targets) of blocks first..first+count-1, as int32 (count, block_size) arrays."""
+    start, stop = first * block_size, (first + count) * block_size
+    window = np.asarray(tokens[start:stop + 1]).astype(np.int32)
+    return window[:-1].reshape(count, block_size), window[1:].reshape(count, block_size)
+
+
+def make_row_losses(model: Model):
+    """jit(params, inputs, targets) -> each row's mean loss."""
+    graphdef, _, _ = abstract_model(model.cfg, model.vocab_size)
+
+    def row_losses(params, inputs, targets):
+        logits = nnx.merge(graphdef, params)(inputs)
+        return jax.vmap(lambda lg, tg: cross_entropy(lg[None], tg[None]))(logits, targets)
+    return jax.jit(row_losses)
+
+
+def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = False) -> dict:
+    """Loss and perplexity of `model` over every non-overlapping block of `tokens`."""
+    block = model.cfg.model.block_size
+    total = blocks_of(tokens, block)
+    if total < 1:
+        raise UserError(f"the val split has {len(tokens)} tokens, fewer than a block of {block} "
+                        "and its target; use more data")
+    dp = model.mesh.shape["data"]
+    rows = -(-rows // dp) * dp  # whole rows on every data replica
+    sharding = NamedSharding(model.mesh, P("data", None))
+    row_losses = make_row_losses(model)
+    losses, seconds = [], 0.0
+    with jax.set_mesh(model.mesh), tqdm(total=total, unit="block", disable=not progress,
+                                        file=sys.stderr) as bar:
+        for first in range(0, total, rows):
+            count = min(rows, total - first)
+            inputs, targets = (np.resize(a, (rows, block)) for a in  # padded with repeats
+                               block_rows(tokens, first, count, block))
+            start = time.perf_counter()
+            per_row = row_losses(model.params, *(jax.device_put(a, sharding)
+                                                 for a in (inputs, targets)))
+            losses.append(np.asarray(per_row)[:count])
+            if first:  # the first batch includes the compile
+                seconds += time.perf_counter() - start
+            bar.update(count)
+    loss = float(np.concatenate(losses).astype(np.float64).mean())
+    scored = total * block
+    timed = scored - min(rows, total) * block
+    return {"split": "val", "loss": loss, "perplexity": math.exp(loss), "tokens": scored,
+            "blocks": total, "tokens_per_s": round(timed / seconds, 1) if seconds else None}
+
+
+def data_for(model: Model, path: str | None):
+    """The val split of --data (or of the run's own data), which must use the model's tokenizer."""
+    cfg = DataConfig(**{**vars(model.cfg.data), **({"path": path} if path is not None else {})})
+    dataset = load_dataset(cfg, model.cfg.model.block_size)
+    if dataset.tokenizer.to_meta() != model.tokenizer.to_meta():
+        raise UserError(f"the data '{cfg.path or 'built-in'}' uses another tokenizer "
+                        f"({dataset.tokenizer.spec}, {dataset.tokenizer.vocab_size} tokens) than "
+                        f"the model ({model.tokenizer.spec}, {model.tokenizer.vocab_size}); pass "
+                        "data prepared with the model's tokenizer")
+    return dataset.val
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error("jaxpar.eval"):
+        parser = ArgumentParser(prog="jaxpar.eval", description="Loss over the whole val split.")
+        parser.add_argument("--ckpt", required=True, help="a training run's --out directory")
+        parser.add_argument("--data", help="a jaxpar.prepare directory or text file (default: "
+                            "the run's own data)")
+        parser.add_argument("--mesh", default="dp=1", help="e.g. dp=2 (default: one device)")
+        parser.add_argument("--rows", type=int, default=16, help="blocks per forward pass")
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        if args.rows < 1:
+            raise UserError(f"--rows must be at least 1, got {args.rows}")
+        force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
+        model = load(args.ckpt, args.mesh)
+        tokens = data_for(model, args.data)
+        result = evaluate(model, tokens, args.rows, progress=True)
+    print(json.dumps({"step": model.step, **result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""`python -m jaxpar.sample --ckpt DIR`: generate text from a checkpoint on any mesh, with a KV cache.
+
+Usable as a library: `model = load(dir, "tp=2")`, then `generate(model, "ROMEO:")`.
+"""
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.core.config import Config, load_config
+from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error, out_of_memory_as_user_error
+from jaxpar.core.sharding import shardings_for
+from jaxpar.models.decode import empty_cache, forward, pick
+from jaxpar.models.gpt import abstract_model
+from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
+from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints, saved_vocab
+
+
+@dataclass
+class Model:
+    cfg: Config  # the checkpoint's resolved config, with this mesh
+    tokenizer: object  # any kind of jaxpar.tokenizer, as the checkpoint names it
+    vocab_size: int  # the model's (model.vocab_size, or the tokenizer's)
+    params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
+    mesh: Mesh
+    step: int  # the training step the checkpoint holds
+    decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
+
+
+@dataclass
+class Generation:
+    texts: list[str]  # each sample: the prompt, then the new tokens
+    new_tokens: int  # per sample
+    seconds: float  # generating, compile excluded
+    compile_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.texts) * self.new_tokens / self.seconds
+
+
+def load(path, mesh: str = "dp=1", devices=None) -> Model:
+    """The newest readable checkpoint's params in `path` (a run's --out or its checkpoints folder),
+    placed on a `mesh` over `devices` (default: the first devices the mesh needs)."""
+    ckpt = Checkpoints(find_checkpoints(path))
+    built = {}
+
+    def targets_for(meta: dict) -> dict:
+        cfg = Config.from_dict(meta["config"])
+        for key, value in parse_mesh_spec(mesh).items():
+            setattr(cfg.mesh, key.split(".")[1], int(value))
+        cfg.train.zero = 0  # no optimizer here, and the whole params on every data replica
+        wanted = requested_devices(cfg.mesh)
+        chosen = devices if devices is not None else jax.devices()[:wanted or len(jax.devices())]
+        # Sampling replicates its batch over 'data': the training batch does not bind the mesh.
+        cfg.train.batch_size, cfg.train.grad_accum = len(chosen), 1
+        built["mesh"] = build_mesh(cfg, chosen)
+        built["cfg"] = cfg
+        built["tokenizer"], built["vocab"] = saved_vocab(meta)
+        _, shapes, axes = abstract_model(cfg, built["vocab"])
+        return {"params": abstract_tree(shapes, shardings_for(axes, shapes, built["mesh"]))}
+
+    found = ckpt.restore_latest(targets_for)
+    if found is None:
+        raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
+    step, _, items, _ = found
+    return Model(built["cfg"], built["tokenizer"], built["vocab"], items.params, built["mesh"], step)
+
+
+def prompt_ids(tokenizer, prompt: str) -> np.ndarray:
+    """The prompt's token ids; an unknown character is a UserError naming it."""
+    if not prompt:
+        raise UserError("the prompt is empty; pass at least one character with --prompt")
+    return tokenizer.encode(prompt)
+
+
+def make_decoders(model: Model, temperature: float, top_k: int):
+    """Jitted (prefill, step, recompute). Each returns the next token of every sample; token i
+    uses the key fold_in(key(seed), i) on either path, so both sample the same way."""
+    # Rows of the embedding beyond the tokenizer's (model.vocab_size) are never sampled.
+    m, vocab = model.cfg.model, model.tokenizer.vocab_size
+
+    def next_token(logits, seed, i):
+        return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)
+
+    def prefill(params, tokens, seed, i):
+        logits, cache = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype,
+                                m.gelu)
+        return next_token(logits[:, -1], seed, i), cache
+
+    def step(params, cache, token, pos, seed, i):
+        logits, cache = forward(params, token[:, None], cache, pos, vocab, m.dtype, m.gelu)
+        return next_token(logits[:, 0], seed, i), cache
+
+    def recompute(params, tokens, length, seed, i):
+        """The whole window again; tokens are padded to block_size, and causal attention keeps
+        the padding from reaching position length - 1."""
+        logits, _ = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype,
+                            m.gelu)
+        return next_token(jax.lax.dynamic_index_in_dim(logits, length - 1, 1, False), seed, i)
+
+    return jax.jit(prefill), jax.jit(step, donate_argnums=1), jax.jit(recompute)
+
+
+def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
+             temperature: float = 0.8, top_k: int = 200, seed: int = 1337, num_samples: int = 1,
+             use_cache: bool = True, on_tokens=None, stop_at_eot: bool = False) -> Generation:
+    """Sample `num_samples` continuations of `prompt`; `on_tokens(ids)` sees each new token of
+    every sample as it comes. With `stop_at_eot`, a sample ends at its end-of-text token (left
+    out of its text), and generation stops when every sample has ended.
+
+    The window is block_size tokens, as the model was trained (learned positions go no
+    further). A longer prompt keeps its last block_size tokens, as nanoGPT does. When the window
+    is full, it restarts with its last block_size // 2 tokens, re-prefilled: nanoGPT instead
+    recomputes the last block_size tokens for every new token, which a cache cannot do.
+    """
+    ids = prompt_ids(model.tokenizer, prompt)
+    eot = end_of_text(model.tokenizer) if stop_at_eot else None
+    window = np.tile(ids[-model.cfg.model.block_size:], (num_samples, 1))
+    if (temperature, top_k) not in model.decoders:
+        model.decoders[temperature, top_k] = make_decoders(model, temperature, top_k)
+    decoders = model.decoders[temperature, top_k]
+    with jax.set_mesh(model.mesh):
+        compile_start = time.perf_counter()
+        warm_up(model, decoders, window, seed, use_cache)
+        start = time.perf_counter()
+        tokens = sample_tokens(model, decoders, window, max_new_tokens, seed, use_cache, eot, on_tokens)
+        seconds = time.perf_counter() - start
+    texts = [prompt + model.tokenizer.decode(row if eot is None else until(row, eot))
+             for row in tokens]
+    return Generation(texts, tokens.shape[1], seconds, start - compile_start)
+
+
+def on_mesh(model: Model, tokens) -> jax.Array:
+    """int32 tokens, replicated over the model's mesh."""
+    return jax.device_put(np.asarray(tokens, np.int32), NamedSharding(model.mesh, P()))
+
+
+def padded(model: Model, window: np.ndarray) -> jax.Array:
+    """The window, padded to block_size with zeros (the no-cache path's one shape)."""
+    out = np.zeros((window.shape[0], model.cfg.model.block_size), np.int32)
+    out[:, :window.shape[1]] = window
+    return on_mesh(model, out)
+
+
+def warm_up(model: Model, decoders, window: np.ndarray, seed: int, use_cache: bool) -> None:
+    """Compile outside the timing: one call of each decoder, on the shapes the loop will use."""
+    prefill, step, recompute = decoders
+    rows, keep = window.shape[0], max(model.cfg.model.block_size // 2, 1)
+    if use_cache:
+        for n in {window.shape[1], keep}:
+            token, cache = prefill(model.params, on_mesh(model, np.zeros((rows, n))), seed, 0)
+        jax.block_until_ready(step(model.params, cache, token, 0, seed, 0))
+    else:
+        jax.block_until_ready(recompute(model.params, padded(model, window), 1, seed, 0))
+
+
+def sample_tokens(model: Model, decoders, window: np.ndarray, max_new_tokens: int, seed: int,
+                  use_cache: bool, eot: int | None, on_tokens) -> np.ndarray:
+    """(samples, new tokens): up to max_new_tokens each, fewer once every sample has met `eot`.
+
+    When the window is full it restarts from its last block_size // 2 tokens, re-prefilled."""
+    prefill, step, recompute = decoders
+    block, params = model.cfg.model.block_size, model.params
+    keep = max(block // 2, 1)
+    ended, new, new_window = np.zeros(window.shape[0], bool), [], True
+    for i in range(max_new_tokens):
+        if not use_cache:
+            token = recompute(params, padded(model, window), window.shape[1], seed, i)
+        elif new_window:
+            token, cache = prefill(params, on_mesh(model, window), seed, i)
+        else:
+            token, cache = step(params, cache, token, window.shape[1] - 1, seed, i)
+        new_window = False
+        latest = np.asarray(token)
+        new.append(latest)
+        if on_tokens is not None:
+            on_tokens(latest)
+        window = np.concatenate([window, latest[:, None]], axis=1)
+        if window.shape[1] > block:  # no position left for the newest token
+            window, new_window = window[:, -keep:], True
+        ended |= latest == eot  # never true without stop_at_eot (eot is None)
+        if ended.all():
+            break
+    return np.stack(new, axis=1)
+
+
+def end_of_text(tokenizer) -> int:
+    if tokenizer.eot_id is None:
+        raise UserError(f"--stop-at-eot: this model's tokenizer ({tokenizer.spec}) has no "
+                        "end-of-text token; drop --stop-at-eot")
+    return tokenizer.eot_id
+
+
+def until(row: np.ndarray, token: int) -> np.ndarray:
+    """`row` up to (not including) its first `token`."""
+    hits = np.flatnonzero(row == token)
+    return row[:hits[0]] if len(hits) else row
+
+
+class Streamer:
+    """Prints one sample's text as its tokens come: the decoded text so far, less what is already
+    printed, so that a character split over several byte-level tokens prints once it is whole."""
+
+    def __init__(self, tokenizer, eot: int | None):
+        self.tokenizer, self.eot, self.ids, self.printed, self.ended = tokenizer, eot, [], 0, False
+
+    def __call__(self, latest: np.ndarray):
+        token = int(latest[0])
+        self.ended = self.ended or token == self.eot
+        if self.ended:
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):  # a character whose bytes are not all here yet
+            self.print_from(text)
+
+    def print_from(self, text: str):
+        print(text[self.printed:], end="", flush=True)
+        self.printed = len(text)
+
+    def finish(self):
+        """Print what is held back when the sample ends: bytes of no whole character, decoded
+        with replacement characters as the tokenizer's own decode gives them."""
+        self.print_from(self.tokenizer.decode(self.ids))
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="jaxpar.sample", description="Generate text from a checkpoint.")
+    parser.add_argument("--ckpt", required=True,
+                        help="a training run's --out directory, or its checkpoints folder")
+    parser.add_argument("--mesh", default="dp=1", help="e.g. tp=2 (default: one device)")
+    parser.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    parser.add_argument("--max-new-tokens", type=int, default=500)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy decoding")
+    parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest; 0: all")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--stop-at-eot", action="store_true",
+                        help="end each sample at its end-of-text token")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="recompute the whole window for every token (to compare speed)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error("jaxpar.sample"):
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        for name, least in [("max_new_tokens", 1), ("temperature", 0), ("top_k", 0),
+                            ("num_samples", 1)]:
+            if getattr(args, name) < least:
+                raise UserError(f"--{name.replace('_', '-')} must be at least {least}, "
+                                f"got {getattr(args, name)}")
+        force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
+        model = load(args.ckpt, args.mesh)
+        prompt_ids(model.tokenizer, args.prompt)  # before anything is printed
+        eot = end_of_text(model.tokenizer) if args.stop_at_eot else None
+        single = args.num_samples == 1
+        if single:
+            print(args.prompt, end="", flush=True)
+        streamer = Streamer(model.tokenizer, eot) if single else None
+        with out_of_memory_as_user_error("lower --num-samples"):
+            result = generate(model, args.prompt, args.max_new_tokens, args.temperature,
+                              args.top_k, args.seed, args.num_samples, not args.no_cache,
+                              streamer, args.stop_at_eot)
+        if streamer is not None:
+            streamer.finish()
+    print("" if single else "\n---------------\n".join(result.texts))
+    print(f"jaxpar.sample: step {model.step} of {args.ckpt}, {args.num_samples} x "
+          f"{result.new_tokens} tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} "
+          f"tokens/s ({'full recomputation, no cache' if args.no_cache else 'KV cache'}; "
+          f"compile {result.compile_seconds:.1f} s not counted)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""FLOPs per token and the peak FLOP/s that MFU divides by: counted and looked up here, nowhere else.
+
+Model FLOPs per token (training, forward + backward) follow PaLM / nanoGPT:
+    6 * N  +  12 * n_layer * n_embd * block_size
+where N counts the parameters that take part in matmuls: the blocks and the (tied) lm_head over
+the real vocabulary. Position embeddings, LayerNorms and biases are excluded, as is the vocabulary
+padding (an implementation detail, not model work). The second term is attention's QK^T and AV.
+"""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core.config import ModelConfig
+
+# Dense peak FLOP/s per device from vendor data sheets, by compute dtype. On GPUs, float32 matmuls
+# run as TF32 by default in XLA, so their peak is the TF32 tensor-core figure.
+PEAK_FLOPS = {
+    # device_kind substring: {dtype: flop/s}
+    "H200": {"bfloat16": 989e12, "float32": 494e12},
+    "H100": {"bfloat16": 989e12, "float32": 494e12},  # SXM; the PCIe part is lower
+    "A100": {"bfloat16": 312e12, "float32": 156e12},
+    "TPU v6": {"bfloat16": 918e12, "float32": 918e12},
+    "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
+    "TPU v5 lite": {"bfloat16": 197e12, "float32": 197e12},
+    "TPU v5e": {"bfloat16": 197e12, "float32": 197e12},
+    "TPU v4": {"bfloat16": 275e12, "float32": 275e12},
+}
+
+
+def matmul_params(cfg: ModelConfig, vocab_size: int) -> int:
+    """N in 6N: the weights of every matmul, lm_head over the real vocab, no biases or norms."""
+    C = cfg.n_embd
+    per_layer = 3 * C * C + C * C + 2 * 4 * C * C  # qkv, attention out, MLP in and out
+    return cfg.n_layer * per_layer + vocab_size * C
+
+
+def flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:
+    return 6 * matmul_params(cfg, vocab_size) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def recompute_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOPs a pipeline backward adds by rerunning its stage's forward: the blocks' 2N and attention."""
+    block_params = matmul_params(cfg, 0)
+    return 2 * block_params + 4 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, pp: int, schedule: str = "1f1b") -> int:
+    """Model FLOPs plus what is run again: each layer's forward once more under remat=full, and
+    once more in a pipeline's backward (which reruns its stage from the saved input).
+
+    ZB-H1 reruns more: B (the input gradient) and W (the weight gradient) are each a vjp from the
+    saved input, so the forward runs three times, and W also recomputes the input gradients
+    inside the stage (the chain to each layer's weights), about one more forward's FLOPs.
+    """
+    remat = cfg.remat == "full"
+    if pp == 1:
+        reruns = remat
+    elif schedule == "zb-h1":
+        reruns = 3 + 2 * remat
+    else:
+        reruns = 1 + remat
+    return flops_per_token(cfg, vocab_size) + reruns * recompute_flops_per_token(cfg)
+
+
+def datasheet_peak(kind: str, dtype: str) -> float | None:
+    """PEAK_FLOPS for a device kind ('TPU v5e', 'NVIDIA H100 SXM', ...), or None if unknown."""
+    return next((by_dtype[dtype] for name, by_dtype in PEAK_FLOPS.items()
+                 if name.lower() in kind.lower()), None)
+
+
+@functools.cache
+def measure_matmul_peak(device, dtype: str, size: int = 2048, repeats: int = 5) -> float:
+    """Best FLOP/s of a jitted size^3 matmul on one device (on CPU, all host cores take part)."""
+    a = jax.device_put(jnp.ones((size, size), dtype), device)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def peak_flops(devices, dtype: str) -> tuple[float, str]:
+    """(total peak FLOP/s of these devices, where the figure came from).
+
+    Accelerators: the data-sheet figure per device times the device count. CPU: forced host
+    devices share the same cores, so the peak is one measured matmul over all cores, not times n.
+    """
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":
+        return measure_matmul_peak(devices[0], dtype), f"measured {dtype} 2048^3 matmul on the host CPU"
+    if (peak := datasheet_peak(kind, dtype)) is not None:
+        return peak * len(devices), f"data sheet: {kind} {dtype} x {len(devices)}"
+    # Unknown accelerator: measure rather than guess.
+    return measure_matmul_peak(devices[0], dtype) * len(devices), f"measured {dtype} matmul on {kind} x {len(devices)}"

@@ -1,0 +1,264 @@
+"""Pipeline parallelism: each stage holds n_layer/pp of the stacked layers; one executor runs any table.
+
+The blocks run inside `jax.shard_map`, manual over 'pipe' only, so data and tensor parallelism and
+ZeRO still come from the shardings. Activations go to the next stage and gradients to the previous
+one with `ppermute`. A backward is explicit: `jax.vjp` of the stage on its saved input, recomputing
+the forward, so a stage keeps one input per microbatch in flight (at most pp for 1F1B).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.core.config import Config
+from jaxpar.core.sharding import constrain
+from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
+from jaxpar.models.gpt import STREAM, apply_blocks, cross_entropy, embed, logits_of, split_layers
+from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
+from jaxpar.parallel.schedule import Schedule, resolve_microbatches
+
+PIPE = "pipe"
+HEAD = ("wte", "ln_f")  # the params the loss needs after the last block: the tied lm_head and ln_f
+
+
+def schedule_for(cfg: Config, mesh, forward_only: bool = False) -> Schedule:
+    """Evaluation runs the layers in order (a forward per stage); training runs cfg's schedule."""
+    pp = mesh.shape[PIPE]
+    M = resolve_microbatches(cfg, mesh.shape["data"], pp)
+    if forward_only:
+        return Schedule("forward", pp, M)
+    return Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
+
+
+def tree_add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+def chunk_major(tree, pp: int, virtual: int, axis: int = 0, inverse: bool = False):
+    """Reorder a layer axis so that stage s's contiguous share holds chunks s, s+pp, ... (interleaved).
+
+    Params stay in layer order everywhere else (checkpoints, evaluation, export); under jit the
+    reorder and its inverse for the gradients are communication over 'pipe' every round (an
+    all-to-all on XLA:CPU; docs/benchmarks.md has what XLA:TPU makes of it).
+    """
+    if virtual == 1:
+        return tree
+    order = (virtual, pp) if not inverse else (pp, virtual)
+
+    def move(a):
+        shape = a.shape
+        split = a.reshape(shape[:axis] + order + (shape[axis] // (pp * virtual),) + shape[axis + 1:])
+        return jnp.swapaxes(split, axis, axis + 1).reshape(shape)
+    return jax.tree.map(move, tree)
+
+
+class StageOps:
+    """One pipeline stage inside `shard_map`: the schedule table's entries for this stage, and the
+    ops a tick can run (idle, F, B, W), each (carry, tick) -> (carry, to next stage, to previous).
+
+    The carry holds the stage's buffers: inputs and output gradients in their slots, the losses,
+    and the gradients summed so far.
+    """
+
+    def __init__(self, cfg: Config, vocab_size: int, layer_axes: dict, schedule: Schedule, table: dict,
+                 layer_params, head, x0, targets, layer_keys):
+        self.cfg, self.vocab_size, self.layer_axes, self.schedule = cfg, vocab_size, layer_axes, schedule
+        self.head, self.x0, self.targets = head, x0, targets
+        self.V, self.train = schedule.virtual, schedule.name != "forward"
+        self.stage = jax.lax.axis_index(PIPE)
+        self.is_first, self.is_last = self.stage == 0, self.stage == schedule.pp - 1
+        self.arrays = {name: jnp.asarray(a) for name, a in table.items()}  # one constant each
+        # (V * layers per chunk, ...) -> (V, layers per chunk, ...); the keys are (M, layers, ...)
+        self.chunks = jax.tree.map(lambda a: a.reshape((self.V, -1) + a.shape[1:]), layer_params)
+        self.key_chunks = None if layer_keys is None else layer_keys.reshape(
+            (schedule.microbatches, self.V, -1) + layer_keys.shape[2:])
+
+    def at(self, name: str, t):
+        """This stage's entry of a schedule array at tick t."""
+        return self.arrays[name][t, self.stage]
+
+    def chunk_params(self, chunk):
+        return jax.tree.map(lambda a: a[chunk], self.chunks)
+
+    def run_chunk(self, params, x, k, chunk):
+        keys = None if self.key_chunks is None else self.key_chunks[k, chunk]
+        return apply_blocks(params, self.layer_axes, x, self.cfg.model, keys)
+
+    def loss_of(self, head, y, k):
+        logits = logits_of(head, y, self.vocab_size, jnp.dtype(self.cfg.model.dtype))
+        return cross_entropy(logits, self.targets[k])
+
+    def op_input(self, c, t):
+        """(microbatch, chunk, its input, its output gradient) for the op at tick t."""
+        k, chunk = self.at("microbatch", t), self.at("chunk", t)
+        x = jnp.where(self.is_first & (chunk == 0), self.x0[k], c["inputs"][self.at("input_slot", t)])
+        return k, chunk, x, c["grads_in"][self.at("grad_slot", t)] if self.train else None
+
+    def idle(self, c, t):
+        return c, jnp.zeros_like(self.x0[0]), jnp.zeros_like(self.x0[0])
+
+    def forward(self, c, t):
+        k, chunk, x, _ = self.op_input(c, t)
+        y = self.run_chunk(self.chunk_params(chunk), x, k, chunk)
+
+        def loss_here(c):  # the last chunk's output goes into the loss; its gradient starts B
+            if not self.train:
+                return {**c, "losses": c["losses"].at[k].set(self.loss_of(self.head, y, k))}
+            loss, (d_head, dy) = jax.value_and_grad(self.loss_of, argnums=(0, 1))(self.head, y, k)
+            return {**c, "losses": c["losses"].at[k].set(loss),
+                    "head_grads": tree_add(c["head_grads"], d_head),
+                    "grads_in": c["grads_in"].at[self.at("grad_slot", t)].set(dy)}
+        c = jax.lax.cond(self.is_last & (chunk == self.V - 1), loss_here, lambda c: c, c)
+        return c, y, jnp.zeros_like(y)
+
+    def add_weight_grads(self, c, chunk, d_params):
+        return {**c, "layer_grads": jax.tree.map(lambda g, d: g.at[chunk].add(d), c["layer_grads"], d_params)}
+
+    def backward(self, c, t):
+        """The input gradient, and unless ZB-H1 splits off W, the weight gradient."""
+        k, chunk, x, dy = self.op_input(c, t)
+        if self.schedule.name == "zb-h1":
+            _, vjp = jax.vjp(lambda x: self.run_chunk(self.chunk_params(chunk), x, k, chunk), x)
+            (dx,) = vjp(dy)
+        else:
+            _, vjp = jax.vjp(lambda params, x: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk), x)
+            d_params, dx = vjp(dy)
+            c = self.add_weight_grads(c, chunk, d_params)
+        dx0 = c["dx0"].at[k].set(jnp.where(self.is_first & (chunk == 0), dx, c["dx0"][k]))
+        return {**c, "dx0": dx0}, jnp.zeros_like(dx), dx
+
+    def weight(self, c, t):
+        """ZB-H1's W: the weight gradient, rerunning the chunk from its saved input."""
+        k, chunk, x, dy = self.op_input(c, t)
+        _, vjp = jax.vjp(lambda params: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk))
+        (d_params,) = vjp(dy)
+        return self.add_weight_grads(c, chunk, d_params), jnp.zeros_like(x), jnp.zeros_like(x)
+
+    def tick(self, c, t, to_next, to_previous):
+        """Run this tick's op, then store what the neighbours sent into the slots the table names."""
+        branches = {IDLE: self.idle, FORWARD: self.forward}
+        if self.train:
+            branches[BACKWARD] = self.backward
+        if self.schedule.name == "zb-h1":
+            branches[WEIGHT] = self.weight
+        c, to_send_next, to_send_previous = jax.lax.switch(
+            self.at("kind", t), [branches[kind] for kind in sorted(branches)], c, t)
+        c["inputs"] = store(c["inputs"], self.at("store_input", t), jax.lax.ppermute(to_send_next, PIPE, to_next))
+        if self.train:
+            c["grads_in"] = store(c["grads_in"], self.at("store_grad", t),
+                                  jax.lax.ppermute(to_send_previous, PIPE, to_previous))
+        return c, None
+
+    def initial_carry(self) -> dict:
+        def buffer(slots):
+            return constrain(jnp.zeros((slots,) + self.x0.shape[1:], self.x0.dtype), ("microbatch",) + STREAM)
+
+        carry = {"inputs": buffer(self.schedule.input_slots),
+                 "losses": jnp.zeros((self.schedule.microbatches,), jnp.float32)}
+        if self.train:
+            carry |= {"grads_in": buffer(self.schedule.grad_slots), "dx0": jnp.zeros_like(self.x0),
+                      "layer_grads": jax.tree.map(jnp.zeros_like, self.chunks),
+                      "head_grads": jax.tree.map(jnp.zeros_like, self.head)}
+        return carry
+
+
+def store(buffer, slot, value):
+    """buffer[slot] = value; slot < 0: nothing arrives for this stage this tick."""
+    i = jnp.maximum(slot, 0)
+    return buffer.at[i].set(jnp.where(slot >= 0, value, buffer[i]))
+
+
+def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Schedule, mesh):
+    """run(layer_params, head, x0, targets, layer_keys) -> (losses, layer_grads, head_grads, dx0).
+
+    x0 (M, rows, seq, embed) is the embedded input of every microbatch; losses (M,) are each
+    microbatch's mean loss; the gradients are summed over microbatches (in order, as one device's
+    gradient accumulation sums them). A forward-only schedule returns the losses alone. With V
+    layer chunks per stage, layer_params and layer_keys come in chunk_major order.
+    """
+    pp, train = schedule.pp, schedule.name != "forward"
+    table = schedule.executor_arrays()
+    ring = schedule.virtual > 1  # the last stage's output feeds stage 0's next chunk
+    to_next = [(s, (s + 1) % pp) for s in range(pp if ring else pp - 1)]
+    to_previous = [((s + 1) % pp, s) for s in range(pp if ring else pp - 1)]
+
+    def per_stage(layer_params, head, x0, targets, layer_keys):
+        ops = StageOps(cfg, vocab_size, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys)
+        carry, _ = jax.lax.scan(lambda c, t: ops.tick(c, t, to_next, to_previous), ops.initial_carry(),
+                                jnp.arange(schedule.ticks))
+        # Only the last stage has losses and head gradients, only the first has dx0: psum shares them.
+        losses = jax.lax.psum(carry["losses"], PIPE)
+        if not train:
+            return losses
+        layer_grads = jax.tree.map(lambda g, p: g.reshape(p.shape), carry["layer_grads"], layer_params)
+        return losses, layer_grads, jax.lax.psum(carry["head_grads"], PIPE), jax.lax.psum(carry["dx0"], PIPE)
+
+    def run(layer_params, head, x0, targets, layer_keys=None):
+        out_specs = (P(), P(PIPE), P(), P()) if train else P()
+        in_specs = (P(PIPE), P(), P(), P(), None if layer_keys is None else P(None, PIPE))
+        # check_vma=False: nothing differentiates through this map (backwards are explicit vjps).
+        return jax.shard_map(per_stage, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=frozenset({PIPE}), check_vma=False)(
+            layer_params, head, x0, targets, layer_keys)
+
+    return run
+
+
+def dropout_keys(cfg: Config, round_key, M: int):
+    """Per microbatch: the embedding's key and one key per layer, as the unpipelined model splits them."""
+    if round_key is None:
+        return None, None
+    keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(round_key[0], round_key[1] * M + i),
+                                               cfg.model.n_layer + 1))(jnp.arange(M))
+    return keys[:, 0], keys[:, 1:]
+
+
+def make_round_fn(cfg: Config, vocab_size: int, axes: dict, mesh, forward_only: bool = False):
+    """f(params, inputs, targets, round_key) -> (mean loss, grads) for one round of M microbatches.
+
+    inputs/targets are (M, rows, seq). The embedding runs before the pipeline and the head's loss
+    on the last stage; the embedding's backward is a vjp of the first stage's input gradients.
+    round_key is (step key, round index) when dropout is on, else None. forward_only: loss only.
+    """
+    schedule = schedule_for(cfg, mesh, forward_only)
+    rate = cfg.model.dropout
+
+    def round_fn(params, inputs, targets, round_key=None):
+        top, _, layer_params, layer_axes = split_layers(params, axes)
+        run = make_executor(cfg, vocab_size, layer_axes, schedule, mesh)
+        embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
+        head = {name: top[name] for name in HEAD}
+
+        def embed_all(top):
+            if embed_keys is None:
+                return jax.vmap(lambda tokens: embed(top, tokens, rate, None))(inputs)
+            return jax.vmap(lambda tokens, key: embed(top, tokens, rate, key))(inputs, embed_keys)
+
+        if forward_only:
+            return run(layer_params, head, embed_all(top), targets, layer_keys).mean()
+        x0, embed_vjp = jax.vjp(embed_all, top)
+        pp, V = schedule.pp, schedule.virtual
+        losses, layer_grads, head_grads, dx0 = run(
+            chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1))
+        layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
+        (top_grads,) = embed_vjp(dx0)
+        grads = {**top_grads, **{name: tree_add(top_grads[name], head_grads[name]) for name in HEAD},
+                 "blocks": layer_grads}
+        return losses.mean(), jax.tree.map(lambda g: g / schedule.microbatches, grads)
+
+    return round_fn
+
+
+def summary(cfg: Config, mesh, vocab_size: int) -> dict:
+    """The schedule's shape and theoretical bubble; a bubble of 0 without a pipeline."""
+    if mesh.shape["pipe"] == 1:
+        return {"bubble_fraction": 0.0}
+    schedule = schedule_for(cfg, mesh)
+    model_flops = flops_per_token(cfg.model, vocab_size)
+    return {"schedule": schedule.name, "virtual": schedule.virtual, "microbatches": schedule.microbatches,
+            "ticks": schedule.ticks,
+            "bubble_fraction": schedule.bubble_fraction, "inputs_held_per_stage": schedule.input_slots,
+            "grads_held_per_stage": schedule.grad_slots,
+            # Each backward reruns its stage's forward from the saved input: HFU = MFU x this.
+            "hardware_flops_factor": hardware_flops_per_token(cfg.model, vocab_size, schedule.pp,
+                                                              schedule.name) / model_flops}

@@ -1,0 +1,81 @@
+"""`jaxpar.plan`'s step-time model, and the cheap memory and time guesses that order its compiles.
+
+The model is simple on purpose:
+    compute  = FLOPs per chip / the chip's peak
+    comms    = sum over collectives of the bytes each chip sends / the ring's bandwidth
+    step     = max(compute, comms) / (1 - pipeline bubble)
+A collective over a group of n chips runs as one bidirectional ring (two links' bandwidth); each
+chip sends 2(n-1)/n of an all-reduce's bytes, (n-1)/n of an all-gather's or all-to-all's result,
+n-1 times a reduce-scatter's shard; a collective-permute sends its bytes over one link.
+"""
+
+from jaxpar.core.config import Config
+from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
+from jaxpar.planning.hardware import Chip
+from jaxpar.planning.placement import activation_bytes
+
+SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a group of n
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1,
+}
+MODEL_TEXT = __doc__.split("The model is simple on purpose:\n", 1)[1].strip()
+
+
+def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
+    """Time of every collective of a step, one after another, under the ring model above."""
+    total = 0.0
+    for op in ops:
+        n = op["group"] or devices
+        if op["kind"] == "collective-permute":
+            seconds = op["bytes"] / chip.link_bytes_per_s
+        elif n <= 1:
+            seconds = 0.0
+        else:
+            seconds = op["bytes"] * SENT_PER_BYTE[op["kind"]](n) / (2 * chip.link_bytes_per_s)
+        total += op["count"] * seconds
+    return total
+
+
+def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float) -> dict:
+    """The estimate for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
+    devices = layout["dp"] * layout["tp"] * layout["pp"]
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    flops_per_chip = (hardware_flops_per_token(cfg.model, vocab, layout["pp"], cfg.pipeline.schedule)
+                      * tokens / devices)
+    compute_s = flops_per_chip / chip.peak_flops
+    step_s = max(compute_s, comm_s) / (1 - bubble)
+    return {"flops_per_chip": flops_per_chip, "compute_s": compute_s, "comm_s": comm_s,
+            "bubble": bubble, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "mfu": flops_per_token(cfg.model, vocab) * tokens / step_s / (devices * chip.peak_flops)}
+
+
+def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
+                 in_flight: int) -> float:
+    """Bytes per chip, roughly: float32 params, grads and two AdamW moments split as the layout
+    splits them, plus the saved activations of `in_flight` passes (placement.activation_bytes)."""
+    dp, tp, pp, zero = layout["dp"], layout["tp"], layout["pp"], layout["zero"]
+    share = n_params / (tp * pp)
+    state = 4 * share * ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1)
+                         + 2 * (1 / dp if zero >= 1 else 1))
+    saved = activation_bytes(cfg, vocab, rows_per_pass, tp, layers=cfg.model.n_layer // pp)
+    return state + saved * in_flight
+
+
+def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int) -> list[dict]:
+    """The collectives a layout needs, counted from the model rather than from HLO."""
+    m, dp, tp, pp, zero = cfg.model, layout["dp"], layout["tp"], layout["pp"], layout["zero"]
+    share = 4 * n_params / (tp * pp)
+    activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4)
+    ops = [{"kind": "all-reduce", "bytes": share, "group": dp, "count": 1}]
+    if zero >= 3:  # each pass gathers the weights for the forward and again for the backward
+        ops.append({"kind": "all-gather", "bytes": share, "group": dp, "count": 2 * passes})
+    layers = m.n_layer // pp
+    ops.append({"kind": "all-reduce", "bytes": activation, "group": tp, "count": 4 * layers * passes})
+    if pp > 1:
+        V = cfg.pipeline.virtual
+        ops.append({"kind": "collective-permute", "bytes": activation, "group": pp, "count": 2 * V * passes})
+        if V > 1:  # interleaved: the layers move into chunk order and their gradients back, each round
+            ops.append({"kind": "all-to-all", "bytes": share, "group": pp, "count": 2 * cfg.train.grad_accum})
+    return ops

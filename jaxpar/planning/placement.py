@@ -1,0 +1,121 @@
+"""`--dry-run`: where every tensor lives and what one device holds, computed without training.
+
+Nothing is allocated: shapes are abstract and the step is compiled from ShapeDtypeStructs, the same
+way `jaxpar.plan` compiles it for a target.
+"""
+
+import math
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.core.config import Config
+from jaxpar.data.loader import load_dataset, model_vocab
+from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.parallel import hlo
+from jaxpar.parallel.mesh import build_mesh, mesh_shape
+from jaxpar.parallel.pipeline import schedule_for
+from jaxpar.parallel.zero import expected_bytes_per_device
+from jaxpar.training import step as steps
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
+                     layers: int | None = None) -> int:
+    """Saved activations of one forward pass on one device: Korthikanti et al. (2022), eq. 2 with
+    tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations
+    (eq. 4, 10/t for the first term, with sequence parallelism),
+    scaled to the compute dtype, plus the float32 logits. Under model.remat=full a layer keeps its
+    float32 input alone, and one layer's activations live while it reruns. `layers`: those this
+    device runs (default: all)."""
+    m = cfg.model
+    s, h, a = m.block_size, m.n_embd, m.n_head
+    layers = m.n_layer if layers is None else layers
+    scale = 4 / 2 if m.dtype == "float32" else 1
+    split = tp if m.sequence_parallel else 1  # eq. 4: LayerNorm, dropout and residual split too
+    per_layer = s * rows_per_pass * h * (10 / split + 24 / tp + 5 * a * s / (h * tp)) * scale
+    saved = layers * per_layer if m.remat == "none" else layers * 4 * s * rows_per_pass * h + per_layer
+    logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
+    return int(saved + logits)
+
+
+def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> dict[str, int]:
+    """Activation bytes per device by part. A pipeline stage holds the stage inputs and output
+    gradients its schedule's table keeps in flight, and one layer chunk's activations while a
+    backward reruns it; without a pipeline, one pass's saved activations."""
+    tp, pp = mesh.shape["tensor"], mesh.shape["pipe"]
+    if pp == 1:
+        return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp)}
+    schedule = schedule_for(cfg, mesh)
+    held = schedule.input_slots + schedule.grad_slots
+    split = tp if cfg.model.sequence_parallel else 1  # the buffers hold the stream's layout
+    one = rows_per_pass * cfg.model.block_size * cfg.model.n_embd * 4 // split
+    chunk = cfg.model.n_layer // (pp * schedule.virtual)
+    return {f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)": held * one,
+            f"activations ({chunk}-layer chunk)": activation_bytes(cfg, vocab, rows_per_pass, tp, layers=chunk)}
+
+
+def compile_abstract_step(cfg: Config, vocab: int, mesh):
+    """The train step `jaxpar.train` runs, compiled for `mesh` from ShapeDtypeStructs (nothing is
+    allocated, so the devices may be compile-only)."""
+    tx = steps.make_optimizer(cfg.train)
+    shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)  # eager work: outside the mesh
+    graphdef, shapes, _ = abstract_model(cfg, vocab)
+    micro = steps.microbatches_for(cfg, mesh)
+    batch_sharding = NamedSharding(mesh, P(None, "data", None))
+    batch = jax.ShapeDtypeStruct((micro, cfg.train.batch_size // micro, cfg.model.block_size),
+                                 "int32", sharding=batch_sharding)
+    abstract = steps.TrainState(jax.ShapeDtypeStruct((), "int32"), shapes,
+                                jax.eval_shape(tx.init, shapes))
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            abstract, shardings)
+    step = steps.make_train_step(cfg, graphdef, tx, shardings, plan, batch_sharding)
+    with jax.set_mesh(mesh):
+        return step.lower(abstract, (batch, batch)).compile()
+
+
+def dry_run(cfg: Config, devices=None) -> str:
+    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    mesh = build_mesh(cfg, devices)
+    with jax.set_mesh(mesh):
+        tx = steps.make_optimizer(cfg.train)
+        shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
+        graphdef, shapes, _ = abstract_model(cfg, vocab)
+        rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}", "",
+                f"{'tensor':28s} {'shape':>18s}  {'param spec':40s} {'moment spec':40s} {'bytes/device':>12s}"]
+        flat = jax.tree_util.tree_leaves_with_path(shapes)
+        for (path, shape), p_sh, m_sh in zip(flat, jax.tree.leaves(plan.params),
+                                             jax.tree.leaves(plan.moments)):
+            per_device = 4 * (math.prod(p_sh.shard_shape(shape.shape))
+                              + 2 * math.prod(m_sh.shard_shape(shape.shape)))
+            rows.append(f"{jax.tree_util.keystr(path, simple=True, separator='.'):28s} "
+                        f"{str(shape.shape):>18s}  {str(p_sh.spec):40s} {str(m_sh.spec):40s} "
+                        f"{per_device:>12,d}")
+
+        abstract_opt = jax.eval_shape(tx.init, shapes)
+        micro = steps.microbatches_for(cfg, mesh)
+        rows_per_pass = cfg.train.batch_size // micro // mesh.shape["data"]
+        estimate = {
+            "params": expected_bytes_per_device(plan.params, shapes),
+            "gradients": expected_bytes_per_device(plan.grads, shapes),
+            "optimizer state": expected_bytes_per_device(shardings.opt_state, abstract_opt),
+            **activation_estimate(cfg, vocab, mesh, rows_per_pass),
+        }
+        rows += ["", "peak memory per device, by part:"]
+        rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
+        rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
+
+        memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh))
+        if memory:
+            peak = memory["peak_memory_bytes"]  # the figure jaxpar.plan reports
+            rows += ["", "compiled train step, per device (XLA memory_analysis):",
+                     f"  arguments {mib(memory['argument_bytes'])}, "
+                     f"outputs {mib(memory['output_bytes'])} "
+                     f"(aliased with arguments: {mib(memory['alias_bytes'])}), "
+                     f"temporaries {mib(memory['temp_bytes'])}",
+                     f"  peak per device: {mib(peak)} ({peak:,d} bytes)"]
+    return "\n".join(rows)

@@ -1,0 +1,286 @@
+"""`python -m jaxpar.plan`: compile the real train step for every layout of a target you may not
+have (a TPU pod slice, or N host devices), and rank the layouts by estimated speed among those
+that fit.
+
+Each layout (dp, tp, pp, ZeRO stage, micro-batch, remat) is checked as `jaxpar.train` checks it,
+guessed cheaply, and the most promising are compiled from ShapeDtypeStructs: XLA's own memory
+figure decides whether it fits, and its HLO gives the collectives of the step-time estimate
+(jaxpar.estimate). Writes plan.md, plan.json and plan.png, and prints the train command to run.
+"""
+
+import copy
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+
+from jaxpar.core.config import REMAT_KINDS, Config, load_config, valid_keys, validate
+from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.parallel.mesh import CLI_AXES, infer_axis, parse_mesh_spec, resolve_mesh_shape
+from jaxpar.planning.hardware import parse_target
+
+DEFAULT_MAX_COMPILES = 32
+# XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
+OUT_OF_HBM = re.compile(r"\(([\d.]+)G\) exceeds available HBM")
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: dict  # dp, tp, pp, zero, micro_batch, remat
+    cfg: Config
+    status: str = "pending"  # skipped | not compiled | error | out of memory | compiled
+    reason: str = ""  # why skipped, or the compile error's first line
+    guess: dict = dataclasses.field(default_factory=dict)  # the cheap estimate that ordered compiles
+    compiled: dict = dataclasses.field(default_factory=dict)  # memory, collectives, estimate
+    fits: bool | None = None
+
+    def mesh_spec(self) -> str:
+        return ",".join(f"{a}={self.layout[a]}" for a in CLI_AXES)
+
+
+def mesh_triples(devices: int) -> list[tuple[int, int, int]]:
+    return [(dp, tp, devices // (dp * tp)) for dp in range(1, devices + 1) if devices % dp == 0
+            for tp in range(1, devices // dp + 1) if (devices // dp) % tp == 0]
+
+
+def parse_layouts(spec: str, devices: int) -> list[tuple[int, int, int]]:
+    if spec == "auto":
+        return mesh_triples(devices)
+    triples = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        sizes = [int(v) for v in parse_mesh_spec(part).values()]  # dp, tp, pp
+        try:  # a -1 axis is inferred from the target's device count, as --mesh infers it
+            sizes = infer_axis(sizes, devices)
+        except UserError:
+            pass  # left at -1: the trainer's own check lists the layout as skipped, saying why
+        triples.append(tuple(sizes))
+    return triples
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def micro_batch_options(cfg: Config, dp: int, pp: int, asked: str) -> list[int]:
+    """train.micro_batch values that give distinct rows per pass (one value when pp > 1, where the
+    pipeline's microbatches set the rows instead)."""
+    rows = cfg.train.batch_size // cfg.train.grad_accum // max(dp, 1)
+    if pp > 1 or rows < 1:
+        return [cfg.train.micro_batch]
+    if asked != "auto":
+        return int_list(asked, "--micro-batch")
+    options, k = [], 1
+    while k < rows:
+        options.append(k)
+        k *= 2
+    return options + [rows]
+
+
+def layout_config(cfg: Config, layout: dict) -> Config:
+    c = copy.deepcopy(cfg)
+    c.mesh.dp, c.mesh.tp, c.mesh.pp = layout["dp"], layout["tp"], layout["pp"]
+    c.train.zero, c.train.micro_batch, c.model.remat = layout["zero"], layout["micro_batch"], layout["remat"]
+    return c
+
+
+def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros=(0, 1, 2, 3),
+                         micro: str = "auto", remats=REMAT_KINDS) -> list[Candidate]:
+    """Every layout asked for; those the trainer would refuse are 'skipped' with its reason."""
+    found = []
+    for dp, tp, pp in parse_layouts(layouts, devices):
+        for zero in zeros:
+            for micro_batch in micro_batch_options(cfg, dp, pp, micro):
+                for remat in remats:
+                    layout = {"dp": dp, "tp": tp, "pp": pp, "zero": zero,
+                              "micro_batch": micro_batch, "remat": remat}
+                    c = Candidate(layout, layout_config(cfg, layout))
+                    try:
+                        validate(c.cfg)
+                        resolve_mesh_shape(c.cfg, devices)
+                        if dp == 1 and zero > 0:
+                            raise UserError("with dp=1 every ZeRO stage is the same program as zero 0")
+                    except UserError as why:
+                        c.status, c.reason = "skipped", str(why)
+                    found.append(c)
+    return found
+
+
+def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
+    from jaxpar.parallel.schedule import Schedule, resolve_microbatches
+    from jaxpar.planning import estimate
+    from jaxpar.training import step as steps
+    cfg, lay = c.cfg, c.layout
+    if lay["pp"] > 1:
+        M = resolve_microbatches(cfg, lay["dp"], lay["pp"])
+        schedule = Schedule(cfg.pipeline.schedule, lay["pp"], M, cfg.pipeline.virtual)
+        passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
+    else:
+        passes, in_flight, bubble = steps.num_microbatches(cfg.train, lay["dp"]), 1, 0.0
+    rows = cfg.train.batch_size // passes // lay["dp"]
+    ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows)
+    devices = lay["dp"] * lay["tp"] * lay["pp"]
+    time = estimate.step_time(cfg, vocab, lay, chip, estimate.collective_seconds(ops, chip, devices), bubble)
+    return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight),
+            "rows_per_pass": rows, **time}
+
+
+def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
+    """Compile c's train step for `devices` and fill in c.compiled and c.fits; an error is kept."""
+    from jaxpar.parallel import hlo, pipeline
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.planning import estimate
+    from jaxpar.planning.placement import compile_abstract_step
+    try:
+        mesh = build_mesh(c.cfg, devices)
+        compiled = compile_abstract_step(c.cfg, vocab, mesh)
+        ops = hlo.collective_ops(compiled.as_text())
+        summary = {**hlo.memory_summary(compiled), "collectives": hlo.totals(ops)}
+        bubble = pipeline.summary(c.cfg, mesh, vocab)["bubble_fraction"]
+    except Exception as error:  # a layout XLA cannot compile is listed, not fatal
+        c.reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        needs = OUT_OF_HBM.search(c.reason)  # the TPU compiler refuses a step that cannot fit
+        c.status, c.fits = ("out of memory", False) if needs else ("error", None)
+        if needs:
+            c.compiled = {"needs_bytes": float(needs.group(1)) * 2**30}
+        return
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else (cost or {})
+    comm_s = estimate.collective_seconds(ops, chip, len(devices))
+    c.compiled = {**summary, "collective_ops": ops, "xla_flops_loop_bodies_once": cost.get("flops"),
+                  **estimate.step_time(c.cfg, vocab, c.layout, chip, comm_s, bubble)}
+    c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
+    c.status = "compiled"
+
+
+def compile_order(candidates: list[Candidate], capacity: float) -> list[Candidate]:
+    """Valid layouts, most promising first: those guessed to fit by guessed speed, then the rest
+    by guessed memory. Meshes take turns (each one's best, then each one's second, ...), so a
+    compile cap still sees every mesh rather than one mesh's ZeRO and micro-batch variants."""
+    valid = [c for c in candidates if c.status == "pending"]
+    fit = sorted((c for c in valid if c.guess["memory_bytes"] <= capacity),
+                 key=lambda c: -c.guess["tokens_per_s"])
+    rest = sorted((c for c in valid if c.guess["memory_bytes"] > capacity),
+                  key=lambda c: c.guess["memory_bytes"])
+    return take_turns(fit) + take_turns(rest)
+
+
+def take_turns(ordered: list[Candidate]) -> list[Candidate]:
+    """Round-robin over meshes, keeping each mesh's own order and the meshes' first-seen order."""
+    by_mesh: dict[str, list] = {}
+    for c in ordered:
+        by_mesh.setdefault(c.mesh_spec(), []).append(c)
+    queues = list(by_mesh.values())
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
+    """The `jaxpar.train` command line that runs layout c."""
+    set_here = {"mesh.dp", "mesh.tp", "mesh.pp", "train.zero", "train.micro_batch", "model.remat"}
+    parts = ["python -m jaxpar.train"] + ([f"--config {config}"] if config else [])
+    parts += [f"--{k}={v}" for k, v in overrides.items() if k not in set_here]
+    lay = c.layout
+    parts += [f"--mesh {c.mesh_spec()}", f"--zero {lay['zero']}"]
+    if lay["pp"] == 1:
+        parts.append(f"--train.micro_batch={lay['micro_batch']}")
+    if lay["remat"] != "none":
+        parts.append(f"--model.remat={lay['remat']}")
+    return " ".join(parts)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="jaxpar.plan", description=__doc__.splitlines()[0],
+                            epilog="Any config field can be set as --section.field=value, with keys: "
+                            f"{', '.join(valid_keys(Config()))}.")
+    parser.add_argument("--config", help="TOML file, or a name in configs/ (e.g. gpt2-xl)")
+    parser.add_argument("--target", required=True, help="tpu:v5e-256, tpu:v5p-128, tpu:v4-64, "
+                        "tpu:v6e-64 (Cloud TPU accelerator types), gpu:h100-8 (one node of 1, 2, 4 "
+                        "or 8 H100s), or cpu:N (N host devices)")
+    parser.add_argument("--layouts", default="auto", help='"auto" (every dp x tp x pp of the target), '
+                        'or meshes separated by ";", e.g. "dp=8,tp=4;dp=16,tp=2"')
+    parser.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
+    parser.add_argument("--micro-batch", default="auto", help="train.micro_batch values to try; "
+                        "auto: powers of two up to the rows each device holds")
+    parser.add_argument("--remat", default=",".join(REMAT_KINDS), help="model.remat values to try "
+                        "(default none,full)")
+    parser.add_argument("--max-compiles", type=int, default=DEFAULT_MAX_COMPILES,
+                        help=f"compile at most this many layouts, the most promising first "
+                        f"(default {DEFAULT_MAX_COMPILES})")
+    parser.add_argument("--top", type=int, default=10, help="rows of the ranked table to print")
+    parser.add_argument("--out", help="output directory (default: out/plan-<target>)")
+    return parser
+
+
+def parse_args(argv: list[str]):
+    """(Config, Target, the flags with --zero and --remat as lists and --out a Path, the
+    --section.field overrides); every check is made here, before any work."""
+    from jaxpar.core.config import parse_overrides
+    args, rest = build_parser().parse_known_args(argv)
+    overrides = parse_overrides(rest)
+    cfg = load_config(args.config, overrides)
+    target = parse_target(args.target)
+    remats = [r.strip() for r in args.remat.split(",") if r.strip()]
+    if not remats or set(remats) - set(REMAT_KINDS):
+        raise UserError(f"--remat takes values from {', '.join(REMAT_KINDS)}, got {args.remat!r}")
+    zeros = int_list(args.zero, "--zero")
+    if not zeros or set(zeros) - {0, 1, 2, 3}:
+        raise UserError(f"--zero takes stages from 0,1,2,3, got {args.zero!r}")
+    if args.max_compiles < 1:
+        raise UserError("--max-compiles must be at least 1")
+    if args.micro_batch != "auto" and min(int_list(args.micro_batch, "--micro-batch")) < 1:
+        raise UserError("--micro-batch values must be positive")
+    parse_layouts(args.layouts, target.chips)  # a bad --layouts fails before any work
+    out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
+    check_output_dir(out)
+    args.zero, args.remat, args.out = zeros, remats, out
+    return cfg, target, args, overrides
+
+
+def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
+    import jax
+    from tqdm import tqdm
+
+    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.models.gpt import abstract_model
+    from jaxpar.planning.hardware import chip_for, target_devices
+    from jaxpar.planning.plan_report import write_report
+    devices = target_devices(target)
+    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    chip = chip_for(target, devices, cfg.model.dtype)
+    _, shapes, _ = abstract_model(cfg, vocab)
+    n_params = sum(int(s.size) for s in jax.tree.leaves(shapes))
+    candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
+                                      args.remat)
+    for c in candidates:
+        if c.status == "pending":
+            c.guess = guess(c, vocab, n_params, chip)
+    order = compile_order(candidates, chip.hbm_bytes)
+    for c in order[args.max_compiles:]:
+        c.status, c.reason = "not compiled", f"past --max-compiles {args.max_compiles}"
+    for c in tqdm(order[: args.max_compiles], desc=f"compiling for {target.name}", unit="layout",
+                  dynamic_ncols=True):
+        compile_candidate(c, vocab, devices, chip)
+    command = lambda c: train_command(args.config, overrides, c)  # noqa: E731
+    write_report(args.out, target, chip, cfg, candidates, command, args.top)
+    return candidates
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error("jaxpar.plan"):
+        cfg, target, args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        if target.platform != "cpu" and not os.environ.get("JAX_PLATFORMS"):
+            # Nothing runs here: keep JAX off any local accelerator (and libtpu's or CUDA's
+            # start-up noise off a machine without one). Compiling for a topology does not need it.
+            import jax
+            try:
+                jax.config.update("jax_platforms", "cpu")
+            except RuntimeError:
+                pass
+        plan(cfg, target, args, overrides)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""`jaxpar.plan`'s outputs: the ranked table (stdout and plan.md), plan.json and plan.png."""
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from jaxpar.planning.estimate import MODEL_TEXT
+
+GiB = 2**30
+LISTED = 20  # layouts past the compile cap shown in plan.md (all are in plan.json)
+SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
+         "collective-permute": "CP", "all-to-all": "A2A"}
+
+
+def ranked(candidates: list) -> list:
+    """Compiled layouts that fit, fastest (estimated) first; at equal speed, less communication,
+    then less memory."""
+    return sorted((c for c in candidates if c.status == "compiled" and c.fits),
+                  key=lambda c: (-round(c.compiled["tokens_per_s"], 6), c.compiled["comm_s"],
+                                 c.compiled["peak_memory_bytes"]))
+
+
+def layout_cell(c) -> str:
+    lay = c.layout
+    micro = f" mb={lay['micro_batch']}" if lay["pp"] == 1 else ""
+    remat = " remat" if lay["remat"] != "none" else ""
+    return f"{c.mesh_spec()} z{lay['zero']}{micro}{remat}"
+
+
+def collectives_cell(collectives: dict) -> str:
+    return " ".join(f"{SHORT[k]} {v['count']}x {v['bytes'] / 2**20:,.0f}M"
+                    for k, v in collectives.items()) or "none"
+
+
+def table(rows: list, with_rank: bool = True) -> list[str]:
+    head = (["#"] if with_rank else []) + ["layout", "HBM/chip GiB", "TFLOP/chip", "collectives "
+            "per step (count, MiB)", "compute ms", "comms ms", "bubble", "step ms", "tokens/s", "MFU"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rank, c in enumerate(rows, 1):
+        r = c.compiled
+        cells = ([str(rank)] if with_rank else []) + [
+            layout_cell(c), f"{r['peak_memory_bytes'] / GiB:,.3f}", f"{r['flops_per_chip'] / 1e12:,.1f}",
+            collectives_cell(r["collectives"]), f"{1e3 * r['compute_s']:,.1f}",
+            f"{1e3 * r['comm_s']:,.1f}", f"{r['bubble']:.2f}", f"{1e3 * r['step_s']:,.1f}",
+            f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def skipped_lines(candidates: list) -> list[str]:
+    """Skipped layouts grouped by reason (a reason usually covers many ZeRO x micro-batch x remat)."""
+    by_reason = defaultdict(set)
+    for c in candidates:
+        if c.status == "skipped":
+            by_reason[c.reason].add(c.mesh_spec())
+    return [f"- {', '.join(sorted(meshes))}: {reason}" for reason, meshes in by_reason.items()]
+
+
+def report_text(target, chip, cfg, candidates: list, command) -> str:
+    best = ranked(candidates)
+    m = cfg.model
+    out = [f"# Plan for {target.name}" + (f" ({target.topology})" if target.topology else ""),
+           "",
+           f"Model: {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads, block {m.block_size}, "
+           f"{m.dtype}; batch {cfg.train.batch_size} sequences. Chip: {chip.kind}, "
+           f"{chip.hbm_bytes / GiB:,.1f} GiB, {chip.peak_flops / 1e12:,.0f} TFLOP/s, "
+           f"{chip.link_bytes_per_s / 1e9:,.0f} GB/s per link and direction ({chip.source}).", "",
+           f"## Ranked: {len(best)} compiled layouts that fit", ""] + table(best)
+    too_big = [c for c in candidates if c.status == "compiled" and not c.fits]
+    refused = [c for c in candidates if c.status == "out of memory"]
+    if too_big or refused:
+        out += ["", f"## Do not fit in {chip.hbm_bytes / GiB:,.2f} GiB", ""]
+        out += table(sorted(too_big, key=lambda c: c.compiled["peak_memory_bytes"]), with_rank=False)
+        out += [""] + [f"- {layout_cell(c)}: needs {c.compiled['needs_bytes'] / GiB:,.2f} GiB of "
+                       f"temporaries alone (XLA: {c.reason})"
+                       for c in sorted(refused, key=lambda c: c.compiled["needs_bytes"])]
+    errors = [c for c in candidates if c.status == "error"]
+    if errors:
+        out += ["", "## Compile errors", ""] + [f"- {layout_cell(c)}: {c.reason}" for c in errors]
+    later = sorted((c for c in candidates if c.status == "not compiled"),
+                   key=lambda c: -c.guess["tokens_per_s"])
+    if later:
+        out += ["", f"## Not compiled ({len(later)}, past --max-compiles), by the cheap guess", ""]
+        out += [f"- {layout_cell(c)}: ~{c.guess['memory_bytes'] / GiB:,.1f} GiB, "
+                f"~{c.guess['tokens_per_s']:,.0f} tokens/s" for c in later[:LISTED]]
+        if len(later) > LISTED:
+            out.append(f"- and {len(later) - LISTED} more, in plan.json")
+    if any(c.status == "skipped" for c in candidates):
+        out += ["", "## Skipped (the trainer would refuse them)", ""] + skipped_lines(candidates)
+    out += ["", "## How the estimate is made", "", "HBM per chip is XLA's memory_analysis of the "
+            "compiled step (arguments + outputs - donated + temporaries). FLOPs per chip are counted "
+            "(jaxpar.flops, plus recomputation); XLA's cost_analysis counts a loop body once, so it "
+            "is kept in plan.json only. Collectives and their replica groups come from the compiled "
+            "HLO, each loop's body counted once per iteration.", "", "```", MODEL_TEXT, "```"]
+    if best:
+        out += ["", "## Run the best layout", "", "```", command(best[0]), "```"]
+    return "\n".join(out) + "\n"
+
+
+def candidate_json(c, command) -> dict:
+    return {"layout": c.layout, "status": c.status, "reason": c.reason, "fits": c.fits,
+            "guess": c.guess, "compiled": c.compiled,
+            "command": command(c) if c.status == "compiled" else None}
+
+
+def memory_of(c) -> float:
+    return c.compiled.get("peak_memory_bytes", c.compiled.get("needs_bytes", 0))
+
+
+def time_of(c) -> float:
+    return c.compiled.get("step_s", c.guess.get("step_s", 0))
+
+
+def plot(path: Path, candidates: list, capacity: float, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups = [("fits", "tab:blue", "o", [c for c in candidates if c.status == "compiled" and c.fits]),
+              ("compiled, does not fit", "tab:red", "o",
+               [c for c in candidates if c.status == "compiled" and not c.fits]),
+              ("refused by XLA (bytes it asked for; guessed time)", "tab:red", "x",
+               [c for c in candidates if c.status == "out of memory"])]
+    for label, color, marker, group in groups:
+        if group:
+            ax.scatter([memory_of(c) / GiB for c in group], [1e3 * time_of(c) for c in group],
+                       c=color, marker=marker, label=label, s=18)
+    best = ranked(candidates)
+    if best:
+        ax.scatter([memory_of(best[0]) / GiB], [1e3 * time_of(best[0])], marker="*", s=160,
+                   c="gold", edgecolors="black", zorder=3, label=f"best: {layout_cell(best[0])}")
+    ax.axvline(capacity / GiB, color="black", linestyle="--", label=f"capacity {capacity / GiB:,.2f} GiB")
+    ax.set_xlabel("HBM per chip (GiB, XLA memory_analysis)")
+    ax.set_ylabel("estimated step time (ms)")
+    if any(c.status in ("compiled", "out of memory") for c in candidates):
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(out: Path, target, chip, cfg, candidates: list, command, top: int) -> None:
+    text = report_text(target, chip, cfg, candidates, command)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.md").write_text(text)
+    meta = {"target": target.name, "topology": target.topology, "chip": chip.__dict__,
+            "config": cfg.to_dict(), "model": MODEL_TEXT}
+    (out / "plan.json").write_text(json.dumps(
+        {**meta, "layouts": [candidate_json(c, command) for c in candidates]}, indent=1))
+    plot(out / "plan.png", candidates, chip.hbm_bytes, f"{target.name}: one point per compiled layout")
+    best = ranked(candidates)
+    print("\n".join(table(best[:top])))
+    counts = defaultdict(int)
+    for c in candidates:
+        counts["fit" if c.fits else "do not fit" if c.status == "compiled" else c.status] += 1
+    print(f"\n{len(candidates)} layouts: " + ", ".join(f"{n} {k}" for k, n in counts.items())
+          + f"; wrote {out}/plan.md, plan.json and plan.png")
+    if best:
+        print(f"best: {command(best[0])}")
+    else:
+        print("no compiled layout fits: see plan.md for what each needs")

@@ -1,0 +1,308 @@
+"""One training run, in four phases: `prepare` the data, mesh and state (new or restored);
+`compile_run` and describe it; `train_loop`; `summarise`. `run` strings them together.
+
+Nothing is written before the compiled step is known to fit in memory. A non-finite loss or
+gradient norm stops the run with a UserError, leaving the last good checkpoint in place.
+"""
+
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, model_vocab
+from jaxpar.models import flops
+from jaxpar.models.gpt import abstract_model
+from jaxpar.parallel import hlo, pipeline, zero
+from jaxpar.parallel.distributed import is_main_process
+from jaxpar.parallel.mesh import build_mesh, mesh_shape
+from jaxpar.training import step as steps
+from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
+from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, strict_json
+from jaxpar.training.profiling import StepProfiler
+
+
+@dataclass
+class RunResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss before its update
+    val_losses: dict[int, float] = field(default_factory=dict)  # updates applied -> val loss
+    params: dict | None = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """What phase 1 builds: the data, the mesh and the train state to start from."""
+    cfg: Config
+    dataset: Dataset
+    mesh: jax.sharding.Mesh
+    ckpt: Checkpoints | None
+    tx: object  # the optax optimizer
+    graphdef: object
+    shardings: steps.TrainState
+    plan: zero.ZeroPlan
+    state: steps.TrainState
+    start: int  # the step the state is at
+    damaged: list[int]  # unreadable checkpoints newer than `start`
+
+
+@dataclass
+class Compiled:
+    """What phase 2 builds: the batches, the compiled steps and the run's description."""
+    step: object  # the compiled train step
+    eval_step: object
+    train_batches: BatchLoader
+    val_batches: list
+    info: dict
+
+
+def versions() -> dict:
+    import flax
+    import optax
+
+    import jaxpar
+    return {"jaxpar": jaxpar.__version__, "jax": jax.__version__, "jaxlib": jax.lib.__version__,
+            "flax": flax.__version__, "optax": optax.__version__,
+            "python": platform.python_version()}
+
+
+def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
+    """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
+    under `jax.set_mesh(mesh)`."""
+    vocab = model_vocab(cfg, dataset.tokenizer)
+    ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
+    tx = steps.make_optimizer(cfg.train)
+    graphdef, _, _ = abstract_model(cfg, vocab)
+    shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
+    restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, dataset.tokenizer,
+                                                                       tx, shardings)
+    state, meta, damaged = restored or (initial_state(cfg, vocab, tx, shardings), None, [])
+    start = meta["step"] if meta else 0
+    if start > cfg.train.steps:
+        raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
+                        f"{cfg.train.steps}; pass --steps {start} or more, or start over with --fresh")
+    return Prepared(cfg, dataset, mesh, ckpt, tx, graphdef, shardings, plan, state, start, damaged)
+
+
+def initial_state(cfg: Config, vocab: int, tx, shardings: steps.TrainState) -> steps.TrainState:
+    """A new state: random params, or train.init_from's Hugging Face GPT-2 weights, each placed
+    straight into its shards."""
+    if not cfg.train.init_from:
+        return steps.init_state(cfg, vocab, tx, shardings)
+    from jaxpar.interop.hf import load_hf_params
+    params = load_hf_params(cfg.train.init_from, cfg, vocab, shardings.params)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
+
+
+def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
+    """Phase 2: batch loaders, the train step compiled (and checked to fit), and run.json's info.
+
+    `peak`: the devices' peak FLOP/s and its source, measured outside the mesh context.
+    """
+    cfg, t, mesh = p.cfg, p.cfg.train, p.mesh
+    vocab = model_vocab(cfg, p.dataset.tokenizer)
+    zero.check_state(p.state, p.shardings)
+    microbatches = steps.microbatches_for(cfg, mesh)
+    loader = lambda split: BatchLoader(p.dataset.split(split), split, t.seed, t.batch_size,  # noqa: E731
+                                       microbatches, cfg.model.block_size, mesh)
+    train_batches, val_loader = loader("train"), loader("val")
+    val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
+    train_step = steps.make_train_step(cfg, p.graphdef, p.tx, p.shardings, p.plan,
+                                       train_batches.sharding)
+    eval_step = steps.make_eval_step(cfg, p.graphdef, p.shardings.params, val_loader.sharding)
+
+    compile_start = time.perf_counter()
+    compiled = train_step.lower(p.state, train_batches(0)).compile()
+    compile_s = time.perf_counter() - compile_start
+    compiled_summary = hlo.compiled_summary(compiled)
+    hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
+    info = {
+        "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
+        "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
+                    "kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count()},
+        "versions": versions(), "vocab_size": vocab, "zero_stage": p.plan.stage,
+        "zero_unsharded": p.plan.unsharded,
+        "n_params": flops.matmul_params(cfg.model, vocab),
+        "n_params_stored": sum(int(a.size) for a in jax.tree.leaves(p.state.params)),
+        "bytes_per_device": {"params": steps.bytes_per_device(p.state.params),
+                             "opt_state": steps.bytes_per_device(p.state.opt_state)},
+        "bytes_total": {"params": steps.bytes_total(p.state.params),
+                        "opt_state": steps.bytes_total(p.state.opt_state)},
+        "tokens_per_step": t.batch_size * cfg.model.block_size,
+        "flops_per_token": flops.flops_per_token(cfg.model, vocab), "peak_flops": peak[0],
+        "peak_flops_source": peak[1], "compile_s": round(compile_s, 3),
+        "compiled": compiled_summary, "pipeline": pipeline.summary(cfg, mesh, vocab),
+        "resumed_from": p.start, "checkpoints": str(p.ckpt.directory) if p.ckpt else None,
+    }
+    return Compiled(compiled, eval_step, train_batches, val_batches, info)
+
+
+def open_outputs(p: Prepared, info: dict, out_dir: Path | None, fresh: bool) -> MetricsWriters | None:
+    """Clear what a fresh start or a damaged checkpoint leaves; run.json; the metrics writers."""
+    if p.ckpt is not None:
+        if fresh and is_main_process():
+            p.ckpt.remove_all()
+        p.ckpt.delete(p.damaged)  # newer than the restored step: a new save may need the name
+    if out_dir is None or not is_main_process():
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+    return MetricsWriters(out_dir, p.start, p.cfg)
+
+
+def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult, bar) -> StepLogger:
+    """The step logger: each record into result.losses, the writers and the progress bar."""
+    t, info = p.cfg.train, c.info
+
+    def on_record(record: dict):
+        result.losses[record["step"]] = record["loss"]
+        if writers:
+            writers.write(record)
+        # No redraw here: a fetch delivers 10 records at once, and the bar shows the newest.
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                        refresh=False)
+
+    return StepLogger(on_record, lambda s: s % t.log_every == 0 or s == t.steps - 1,
+                      lambda s: float(steps.learning_rate(s, t, xp=np)), info["tokens_per_step"],
+                      info["flops_per_token"], info["peak_flops"],
+                      {"bubble": info["pipeline"]["bubble_fraction"]})
+
+
+def make_evaluate(c: Compiled, writers: MetricsWriters | None, result: RunResult, bar):
+    """evaluate(updates, params): the mean val loss over the fixed val batches, recorded."""
+    def evaluate(updates: int, params):
+        # One eval in flight at a time: many multi-device evals queued at once deadlocked
+        # XLA:CPU's collectives (rendezvous timeout, abort) on dp=2.
+        val = sum(float(c.eval_step(params, b)) for b in c.val_batches) / len(c.val_batches)
+        result.val_losses[updates] = val
+        if writers:
+            writers.write({"step": updates, "val_loss": val})
+        if not bar.disable:
+            bar.write(f"step {updates}: val loss {val:.4f}")
+    return evaluate
+
+
+def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult,
+               profiler: StepProfiler, progress: bool, stop_at: int | None):
+    """Phase 3: steps from p.start to train.steps, with logs, evals and checkpoints; returns the
+    state and the logged steps' times.
+
+    Raises Diverged at a non-finite step; checkpoint saves check every step before them, so none
+    holds non-finite params.
+    """
+    cfg, t, ckpt = p.cfg, p.cfg.train, p.ckpt
+    bar = tqdm(total=t.steps, initial=p.start, disable=not (progress and is_main_process()),
+               dynamic_ncols=True, mininterval=0.5)
+    logger, evaluate = make_logger(p, c, writers, result, bar), make_evaluate(c, writers, result, bar)
+    state = p.state
+    if c.val_batches and p.start % t.eval_every == 0:  # a resumed run repeats its eval
+        evaluate(p.start, state.params)
+    batches = Prefetcher(c.train_batches, p.start)
+    logger.restart_clock(p.start - 1)
+    with StopRequest() as stop:
+        try:
+            for step in range(p.start, t.steps):
+                profiler.before_step(step)
+                state, metrics = c.step(state, batches(step))
+                profiler.after_step(step, (state, metrics))
+                logger.add(step, metrics)
+                if (step + 1) % FETCH_EVERY == 0:
+                    logger.flush()
+                bar.update(1)
+                updates = step + 1
+                if c.val_batches and (updates % t.eval_every == 0 or updates == t.steps):
+                    logger.flush(step)
+                    evaluate(updates, state.params)
+                    logger.restart_clock(step)
+                if updates == stop_at:
+                    stop.request()
+                stopping = stop.agreed(updates)
+                if ckpt is not None and (cfg.ckpt.every and updates % cfg.ckpt.every == 0
+                                         or updates == t.steps or stopping):
+                    logger.flush()  # the divergence guard sees every step before it is saved
+                    # Training goes on while it writes; the next save waits for this one.
+                    ckpt.save(updates, state.params, state.opt_state, make_meta(cfg, p.dataset.tokenizer, updates))
+                if stopping:
+                    c.info["interrupted"] = {"step": updates, "signal": stopping}
+                    break
+            logger.flush(step)
+        finally:
+            batches.close()
+            bar.close()
+            if ckpt is not None:
+                ckpt.wait()  # inside the handlers: a signal now cannot cut the last write short
+                ckpt.close()
+    return state, logger.step_times
+
+
+def summarise(info: dict, result: RunResult, step_times: list[float]) -> dict:
+    """Phase 4: the run's summary (medians, as the first interval can include one-off work)."""
+    median = statistics.median(step_times) if step_times else float("nan")
+    tokens_per_s = info["tokens_per_step"] / median
+    return {
+        "final_loss": result.losses[max(result.losses)] if result.losses else None,
+        "final_val_loss": result.val_losses[max(result.val_losses)] if result.val_losses else None,
+        "step_time_ms_median": round(1e3 * median, 3),
+        "tokens_per_s_median": round(tokens_per_s, 1),
+        "mfu_median": tokens_per_s * info["flops_per_token"] / info["peak_flops"],
+    }
+
+
+def stop_diverged(p: Prepared, info: dict, out_dir: Path | None, diverged: Diverged) -> UserError:
+    """The one-line error for a diverged run, after recording it in run.json."""
+    kept = p.ckpt.steps() if p.ckpt is not None else []
+    last_good = str(p.ckpt.directory / str(kept[-1])) if kept else None
+    info["diverged"] = json.loads(strict_json({k: diverged.record[k]
+                                               for k in ("step", "loss", "grad_norm")}))
+    if out_dir is not None and is_main_process():
+        (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+    return UserError(diverged.explain(last_good, p.cfg.train.grad_clip))
+
+
+def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True, *,
+        fresh: bool = False, stop_at: int | None = None, profile: str | None = None) -> RunResult:
+    """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing.
+
+    With `out_dir`, it checkpoints to out_dir/checkpoints and resumes from the newest checkpoint
+    there, unless `fresh`. `stop_at` stops after that step as SIGTERM would (tests use it).
+    """
+    profiler = StepProfiler(profile, out_dir, cfg.train.steps)
+    check_wandb(cfg)
+    dataset = load_dataset(cfg.data, cfg.model.block_size)
+    mesh = build_mesh(cfg, devices)
+    peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
+    result = RunResult()
+    with jax.set_mesh(mesh):
+        p = prepare(cfg, dataset, mesh, out_dir, fresh)
+        if p.start == cfg.train.steps:  # already trained this far: nothing to do or write
+            result.params = p.state.params
+            result.info = {"resumed_from": p.start, "checkpoints": str(p.ckpt.directory),
+                           "summary": None}
+            return result
+        c = compile_run(p, peak)
+        writers = open_outputs(p, c.info, out_dir, fresh)
+        if p.start and progress and is_main_process():
+            print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
+        try:
+            state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at)
+        except Diverged as diverged:
+            raise stop_diverged(p, c.info, out_dir, diverged) from None
+        finally:
+            if writers:
+                writers.close()
+        c.info["summary"] = summarise(c.info, result, step_times)
+        zero.check_state(state, p.shardings)  # out_shardings pin them; this proves it after training
+        if writers:
+            (out_dir / "run.json").write_text(json.dumps(c.info, indent=2))
+        result.params, result.info = state.params, c.info
+    return result
