@@ -16,6 +16,7 @@ OPT_FLAG = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPT_FLAG}".strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -51,3 +52,9 @@ def fresh_process_env() -> dict:
     env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
                                 if not flag.startswith("--xla_force_host_platform_device_count"))
     return env
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eight_host_devices():
+    """Each test process (pytest-xdist starts one per worker) has its own 8 forced host devices."""
+    assert jax.device_count() == 8 and jax.devices()[0].platform == "cpu", jax.devices()

@@ -3,6 +3,7 @@
 Tolerances: losses within rtol 1e-5; each final param within 1e-5 of that tensor's largest magnitude.
 """
 
+import functools
 import math
 
 import jax
@@ -20,10 +21,23 @@ LOSS_RTOL = 1e-5
 PARAM_TOL = 1e-5  # relative to each tensor's largest magnitude
 
 
-def train(spec: str = "dp=1", **overrides):
-    cfg = tiny_config(**mesh_overrides(spec), **{"train.steps": STEPS, **overrides})
-    n_devices = math.prod(cfg.mesh.__dict__.values())
-    return run(cfg, devices=jax.devices()[:n_devices], progress=False)
+def train(spec: str = "dp=1", evaluate: bool = False, **overrides):
+    """STEPS of the tiny config on `spec`. Evaluation is off unless asked: most comparisons are of
+    training, and those that evaluate compare the val losses too. One-device runs are shared."""
+    overrides = {"train.steps": STEPS, "train.eval_every": 5 if evaluate else 0, **overrides}
+    if spec == "dp=1":
+        return one_device_run(tuple(sorted((k, str(v)) for k, v in overrides.items())))
+    cfg = tiny_config(**mesh_overrides(spec), **overrides)
+    return run(cfg, devices=jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False)
+
+
+@functools.cache
+def one_device_run(overrides: tuple):
+    """A reference run, once per test process: ZeRO 0-2 are the same program on one device."""
+    overrides = dict(overrides)
+    if overrides.get("train.zero") in ("0", "1", "2", None):
+        overrides["train.zero"] = "0"
+    return run(tiny_config(**overrides), devices=jax.devices()[:1], progress=False)
 
 
 def losses(result) -> np.ndarray:
@@ -41,6 +55,9 @@ def param_errors(result, reference) -> dict[str, float]:
 
 def assert_same_training(result, reference):
     np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
+    assert result.val_losses.keys() == reference.val_losses.keys()
+    np.testing.assert_allclose(list(result.val_losses.values()), list(reference.val_losses.values()),
+                               rtol=LOSS_RTOL)
     worst = {k: e for k, e in param_errors(result, reference).items() if e > PARAM_TOL}
     assert not worst, f"params differ beyond {PARAM_TOL} of their max magnitude: {worst}"
 
@@ -50,10 +67,16 @@ def one_device():
     return train()
 
 
+@pytest.fixture(scope="module")
+def one_device_evaluated():
+    return train(evaluate=True)
+
+
 @pytest.mark.parametrize("spec", ["dp=2", "tp=2", "dp=2,tp=2", "dp=4,tp=2"])
-def test_mesh_matches_one_device(one_device, spec):
-    """Plain data and tensor parallelism (ZeRO off; tests/test_zero.py covers stages 1-3)."""
-    assert_same_training(train(spec, **{"train.zero": 0}), one_device)
+def test_mesh_matches_one_device(one_device_evaluated, spec):
+    """Plain data and tensor parallelism (ZeRO off; tests/test_zero.py covers stages 1-3), with
+    the val losses of evaluation on the mesh."""
+    assert_same_training(train(spec, evaluate=True, **{"train.zero": 0}), one_device_evaluated)
 
 
 def test_grad_accumulation_matches_one_big_batch(one_device):
@@ -76,10 +99,11 @@ def test_full_remat_matches_no_remat(one_device, spec, zero):
 
 
 @pytest.mark.parametrize("spec, zero", [("tp=2", 0), ("dp=2,tp=2", 0), ("tp=2,pp=2", 0), ("dp=2,tp=2", 3)])
-def test_sequence_parallel_matches_one_device(one_device, spec, zero):
-    """The residual stream split over 'tensor' along the sequence: the same math, the same training."""
-    assert_same_training(train(spec, **{"model.sequence_parallel": "true", "train.zero": zero}),
-                         one_device)
+def test_sequence_parallel_matches_one_device(one_device_evaluated, spec, zero):
+    """The residual stream split over 'tensor' along the sequence: the same math, the same training
+    and evaluation."""
+    assert_same_training(train(spec, evaluate=True, **{"model.sequence_parallel": "true", "train.zero": zero}),
+                         one_device_evaluated)
 
 
 def test_attention_in_query_blocks_matches_one_block(one_device, monkeypatch):
@@ -118,7 +142,7 @@ def test_bfloat16_compute_tracks_float32(one_device):
 def test_a_learning_rate_of_0_leaves_the_weights_as_they_were():
     """A frozen run (lr = min_lr = 0: weights into a checkpoint, or a step timed) is allowed and
     changes no weight, bit for bit, weight decay included."""
-    result = train(**{"train.lr": 0, "train.min_lr": 0, "train.steps": 2, "train.eval_every": 0})
+    result = train(**{"train.lr": 0, "train.min_lr": 0, "train.steps": 2})
     cfg = tiny_config(**{"train.lr": 0, "train.min_lr": 0})
     # Drawn under jit, as the trainer draws them (eager draws differ in the last bit).
     initial = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg, result.info["vocab_size"]))))()

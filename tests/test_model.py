@@ -74,7 +74,7 @@ def test_weight_decay_covers_every_2d_weight_as_nanogpt():
     params = nnx.to_pure_dict(nnx.state(model))
     # Weight decay alone moves a decayed param (lr * wd * p) and leaves the others where they are.
     tx = make_optimizer(cfg.train)
-    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
     moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
     expected = jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key not in ("bias", "scale"), params)

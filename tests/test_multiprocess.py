@@ -1,6 +1,6 @@
 """Multi-process training on jax.distributed, on CPU: 2 processes x 2 devices via launch_local.sh.
 
-Tolerance: per-step losses within rtol 1e-5 of the single-process run on 4 devices. Every process
+Tolerance: per-step losses and val losses within rtol 1e-5 of one device's run. Every process
 listens on 127.0.0.1 only, and every launch is bounded by a timeout.
 """
 
@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
+from test_equivalence import train
 
 from jaxpar.train import run
 
@@ -38,13 +39,17 @@ def launch(out: Path, *train_args: str, background: bool = False):
     return done
 
 
-def logged_losses(out: Path) -> dict[int, float]:
+def logged_values(out: Path, name: str) -> dict[int, float]:
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+    return {r["step"]: r[name] for r in lines if name in r}
+
+
+def logged_losses(out: Path) -> dict[int, float]:
+    return logged_values(out, "loss")
 
 
 def one_process(spec: str, out: Path | None = None, stop_at: int | None = None):
-    cfg = tiny_config(**mesh_overrides(spec), **{"train.steps": STEPS, "ckpt.every": 5})
+    cfg = tiny_config(**mesh_overrides(spec), **{"train.steps": STEPS, "ckpt.every": 3})
     return run(cfg, out, jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False,
                stop_at=stop_at)
 
@@ -56,42 +61,43 @@ def assert_close(losses: dict, reference: dict, steps):
 
 @pytest.fixture(scope="module")
 def reference():
-    return one_process("dp=2,tp=2").losses
+    """One device's run, with evaluation every 5 steps as the tiny config has it."""
+    return train(evaluate=True)
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
+def resumed_in_two(tmp_path_factory):
+    """Steps 0-3 in one process on dp=2,tp=2 (a checkpoint at 4), then 4-9 in two processes, which
+    save checkpoints at 6, 9 and 10."""
     out = tmp_path_factory.mktemp("two") / "run"
-    launch(out, "--mesh", "dp=2,tp=2", "--steps", str(STEPS), "--ckpt.every=5")
+    one_process("dp=2,tp=2", out=out, stop_at=4)
+    launch(out, "--mesh", "dp=2,tp=2", "--steps", str(STEPS), "--ckpt.every=3")
     return out
 
 
-def test_two_processes_match_one(two_process_run, reference):
-    assert_close(logged_losses(two_process_run), reference, range(STEPS))
-    info = json.loads((two_process_run / "run.json").read_text())
+def test_a_one_process_checkpoint_resumes_in_two_and_they_match_one(resumed_in_two, reference):
+    assert_close(logged_losses(resumed_in_two), reference.losses, range(STEPS))
+    assert_close(logged_values(resumed_in_two, "val_loss"), reference.val_losses, [5, 10])
+    info = json.loads((resumed_in_two / "run.json").read_text())
+    assert info["resumed_from"] == 4
     assert info["devices"] == {**info["devices"], "count": 4, "processes": 2}
 
 
-def test_two_processes_with_a_pipeline_match_one(tmp_path):
+def test_two_processes_with_a_pipeline_match_one(reference, tmp_path):
     out = tmp_path / "run"
     launch(out, "--mesh", "dp=2,pp=2", "--steps", str(STEPS))
-    assert_close(logged_losses(out), one_process("dp=2,pp=2").losses, range(STEPS))
+    assert_close(logged_losses(out), reference.losses, range(STEPS))
+    assert_close(logged_values(out, "val_loss"), reference.val_losses, [0, 5, 10])
 
 
-def test_a_two_process_checkpoint_resumes_in_one_process(two_process_run, reference, tmp_path):
+def test_a_two_process_checkpoint_resumes_in_one_process(resumed_in_two, reference, tmp_path):
     out = tmp_path / "run"
-    shutil.copytree(two_process_run, out)
-    shutil.rmtree(out / "checkpoints" / str(STEPS))  # keep step 5 only
+    shutil.copytree(resumed_in_two, out)
+    for step in (9, STEPS):  # keep step 6, saved by two processes
+        shutil.rmtree(out / "checkpoints" / str(step))
     resumed = one_process("dp=2,tp=2", out=out)
-    assert resumed.info["resumed_from"] == 5
-    assert_close(resumed.losses, reference, range(5, STEPS))
-
-
-def test_a_one_process_checkpoint_resumes_in_two(reference, tmp_path):
-    out = tmp_path / "run"
-    one_process("dp=2,tp=2", out=out, stop_at=5)
-    launch(out, "--mesh", "dp=2,tp=2", "--steps", str(STEPS), "--ckpt.every=5")
-    assert_close(logged_losses(out), reference, range(STEPS))
+    assert resumed.info["resumed_from"] == 6
+    assert_close(resumed.losses, reference.losses, range(6, STEPS))
 
 
 def test_a_dead_process_stops_the_launch_within_a_minute(tmp_path):
