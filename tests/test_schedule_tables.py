@@ -1,4 +1,4 @@
-"""The interleaved 1F1B and ZB-H1 tables, tested on the tables themselves (jaxpar.orders)."""
+"""The interleaved 1F1B and ZB-H1 tables, tested on the tables themselves (jaxpar.parallel.orders)."""
 
 import pytest
 

@@ -73,7 +73,7 @@ class TrainConfig:
     log_every: int = 1
     seed: int = 1337
     # A Hugging Face GPT-2 directory (config.json + model.safetensors) to start from instead of a
-    # random init: the model shape comes from its config.json (see jaxpar.hf). Empty: random init.
+    # random init: the model shape comes from its config.json (see jaxpar.interop.hf). Empty: random init.
     init_from: str = ""
 
 

@@ -26,7 +26,7 @@ SPLIT_IDS = {"train": 0, "val": 1}
 
 @dataclass(frozen=True)
 class Dataset:
-    tokenizer: object  # any kind of jaxpar.tokenizer
+    tokenizer: object  # any kind of jaxpar.data.tokenizer
     train: np.ndarray  # token ids; memory-mapped for prepared data
     val: np.ndarray
 

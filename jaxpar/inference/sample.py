@@ -24,7 +24,7 @@ from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoi
 @dataclass
 class Model:
     cfg: Config  # the checkpoint's resolved config, with this mesh
-    tokenizer: object  # any kind of jaxpar.tokenizer, as the checkpoint names it
+    tokenizer: object  # any kind of jaxpar.data.tokenizer, as the checkpoint names it
     vocab_size: int  # the model's (model.vocab_size, or the tokenizer's)
     params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
     mesh: Mesh

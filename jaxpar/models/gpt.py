@@ -1,6 +1,6 @@
 """GPT-2 as in nanoGPT, in Flax NNX, with its blocks stacked on a leading 'layers' axis and run by scan.
 
-The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.sharding maps them to
+The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.core.sharding maps them to
 the mesh. The `kernel`s, `wte` and `wpe` get weight decay; `scale` and `bias` do not.
 """
 

@@ -1,5 +1,5 @@
 """What each pipeline stage runs, in what order: the ops (F, B, W), what each waits for on other
-stages, and the per-stage orders of every schedule. jaxpar.schedule places them on ticks.
+stages, and the per-stage orders of every schedule. jaxpar.parallel.schedule places them on ticks.
 
 Besides GPipe and 1F1B: interleaved 1F1B (Megatron's virtual stages: stage s holds layer chunks
 s, s+pp, ..., and F(k) of chunk c follows chunk c-1 on the last stage) and ZB-H1 (Qi et al., 2023:

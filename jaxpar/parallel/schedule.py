@@ -1,8 +1,9 @@
 """Pipeline schedules as data: (schedule, pp, M) -> a table of (tick, stage) -> F(k), B(k) or idle.
 
 The executor (jaxpar.parallel.pipeline), the tests, the bubble figure and `python -m
-jaxpar.schedule` all read the same table. Each stage's order of work is written down, then placed on ticks as early as
-its dependencies allow: F(k) on stage s after F(k) on s-1; B(k) after F(k) and after B(k) on s+1.
+jaxpar.schedule` all read the same table. Each stage's order of work is written down, then placed
+on ticks as early as its dependencies allow: F(k) on stage s after F(k) on s-1; B(k) after F(k)
+and after B(k) on s+1.
 The orders of every schedule, interleaved 1F1B and ZB-H1 among them, are in jaxpar.parallel.orders.
 """
 

@@ -34,7 +34,7 @@ class Chip:
     source: str
 
 
-# One table, every figure from the source given beside it; the peaks are jaxpar.flops' data-sheet
+# One table, every figure from the source given beside it; the peaks are jaxpar.models.flops' data-sheet
 # table's (bf16 here; chip_for picks the compute dtype's).
 CHIPS = {
     # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16; 16 GB HBM2, of which XLA:TPU gives a program

@@ -5,7 +5,7 @@ that fit.
 Each layout (dp, tp, pp, ZeRO stage, micro-batch, remat) is checked as `jaxpar.train` checks it,
 guessed cheaply, and the most promising are compiled from ShapeDtypeStructs: XLA's own memory
 figure decides whether it fits, and its HLO gives the collectives of the step-time estimate
-(jaxpar.estimate). Writes plan.md, plan.json and plan.png, and prints the train command to run.
+(jaxpar.planning.estimate). Writes plan.md, plan.json and plan.png, and prints the train command to run.
 """
 
 import copy

@@ -89,7 +89,7 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
         out += ["", "## Skipped (the trainer would refuse them)", ""] + skipped_lines(candidates)
     out += ["", "## How the estimate is made", "", "HBM per chip is XLA's memory_analysis of the "
             "compiled step (arguments + outputs - donated + temporaries). FLOPs per chip are counted "
-            "(jaxpar.flops, plus recomputation); XLA's cost_analysis counts a loop body once, so it "
+            "(jaxpar.models.flops, plus recomputation); XLA's cost_analysis counts a loop body once, so it "
             "is kept in plan.json only. Collectives and their replica groups come from the compiled "
             "HLO, each loop's body counted once per iteration.", "", "```", MODEL_TEXT, "```"]
     if best:
