@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.sharding import constrain, param_axes
 from jaxpar.models.attention import apply_dropout, causal_attention
+from jaxpar.models.matmul import project
 
 VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 LN_EPS = 1e-5
@@ -159,18 +160,18 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
     def add_to_stream(x, y, p_out, key):  # a row-parallel output: summed into the stream's layout
         return x + dropout(add_bias(constrain(y.reshape(B, T, C), STREAM), p_out), rate, key)
 
-    qkv = jnp.einsum("nc,cshd->nshd", matmul_input(x, p["ln_1"]), p["qkv"]["kernel"])
+    qkv = project("nc,cshd->nshd", matmul_input(x, p["ln_1"]), p["qkv"]["kernel"], dtype)
     if "bias" in p["qkv"]:
         qkv = qkv + exact_qkv_bias(p["qkv"]["bias"])
-    qkv = constrain(qkv.reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
+    qkv = constrain(qkv.astype(dtype).reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
     q, k, v = (constrain(qkv[:, :, i].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
                for i in range(3))
     y = causal_attention(q, k, v, rate, keys[0]).reshape(B * T, *q.shape[1:2], q.shape[3])
     y = constrain(y, ("tokens", "heads", "head_dim"))
-    x = add_to_stream(x, jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"], keys[1])
-    h = matmul_input(x, p["ln_2"]) @ p["mlp_in"]["kernel"]
-    h = constrain(gelu(add_bias(h, p["mlp_in"]), gelu_kind), ("tokens", "mlp"))
-    x = add_to_stream(x, jnp.einsum("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"], keys[2])
+    x = add_to_stream(x, project("nhd,hdc->nc", y, p["attn_out"]["kernel"], dtype), p["attn_out"], keys[1])
+    h = project("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"], dtype)
+    h = constrain(gelu(add_bias(h, p["mlp_in"]).astype(dtype), gelu_kind), ("tokens", "mlp"))
+    x = add_to_stream(x, project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype), p["mlp_out"], keys[2])
     return constrain(x, STREAM)
 
 
@@ -215,8 +216,7 @@ def apply_blocks(layer_params: dict, layer_axes: dict, x: jax.Array, cfg: ModelC
 def logits_of(top: dict, x: jax.Array, vocab_size: int, dtype) -> jax.Array:
     """Final LayerNorm and the tied lm_head: (batch, seq, embed) -> float32 logits over the padded vocab."""
     x = constrain(layer_norm(x, top["ln_f"]), ("batch", "seq", "embed"))  # the whole sequence
-    logits = jnp.einsum("btc,vc->btv", x.astype(dtype), top["wte"].astype(dtype),
-                        preferred_element_type=jnp.float32)
+    logits = project("btc,vc->btv", x.astype(dtype), top["wte"].astype(dtype), dtype)
     logits = constrain(logits, ("batch", "seq", "vocab"))
     # Padding rows of the vocabulary can never be predicted.
     is_real = jnp.arange(logits.shape[-1]) < vocab_size
