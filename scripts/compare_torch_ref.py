@@ -7,7 +7,8 @@ and of torch_ref's own loop body, in one process, so that both see the same load
 It needs torch installed beside jaxpar; the project itself never imports torch.
 
     python scripts/compare_torch_ref.py [--torch-ref PATH] [--steps N] [--speed ROUNDS [--block K]]
-                                        [--mesh dp=2] [--section.field=value ...]
+                                        [--mesh dp=2] [--dtype bfloat16 [--torch-dtype float32]]
+                                        [--section.field=value ...]
 """
 
 import argparse
@@ -30,6 +31,7 @@ from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec
 from jaxpar.training import step as steps
 
 DEFAULT_REF = Path(__file__).resolve().parents[2] / "shared" / "bench" / "torch_ref.py"
+DTYPES = ("float32", "bfloat16")
 REPORT_AT = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 1500, 2000)
 
 
@@ -80,8 +82,14 @@ def main():
                     help="time ROUNDS pairs of blocks instead of comparing losses")
     ap.add_argument("--block", type=int, default=20, metavar="K", help="steps per timed block")
     ap.add_argument("--mesh", default=None, help="jaxpar's layout for --speed, e.g. dp=2 (forced host devices)")
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="compute dtype of both: jaxpar's model.dtype, torch_ref's CPU autocast")
+    ap.add_argument("--torch-dtype", choices=DTYPES, default=None, help="torch_ref's alone, where it differs")
     args, rest = ap.parse_known_args()
     overrides = parse_overrides(rest)
+    if args.dtype:
+        overrides["model.dtype"] = args.dtype
+    autocast = (args.torch_dtype or args.dtype) == "bfloat16"  # as torch_ref.py --dtype bfloat16
     if args.mesh:
         if not args.speed:
             raise UserError("--mesh times a layout: pass it with --speed (the loss comparison runs on one device)")
@@ -126,7 +134,8 @@ def main():
             """torch_ref's loop body at step s on (inputs, targets) rows; returns the loss."""
             for group in opt.param_groups:
                 group["lr"] = ref.lr_at(s, t.lr, t.min_lr, t.warmup_steps, t.decay_steps)
-            _, loss = model(*rows)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                _, loss = model(*rows)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)

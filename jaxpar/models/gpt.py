@@ -164,8 +164,10 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
     if "bias" in p["qkv"]:
         qkv = qkv + exact_qkv_bias(p["qkv"]["bias"])
     qkv = constrain(qkv.astype(dtype).reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
-    q, k, v = (constrain(qkv[:, :, i].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
-               for i in range(3))
+    # Split, not indexed: the backward joins the three gradients (a concatenate) instead of adding
+    # three zero-padded copies of the whole qkv.
+    q, k, v = (constrain(part[:, :, 0].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
+               for part in jnp.split(qkv, 3, axis=2))
     y = causal_attention(q, k, v, rate, keys[0]).reshape(B * T, *q.shape[1:2], q.shape[3])
     y = constrain(y, ("tokens", "heads", "head_dim"))
     x = add_to_stream(x, project("nhd,hdc->nc", y, p["attn_out"]["kernel"], dtype), p["attn_out"], keys[1])
