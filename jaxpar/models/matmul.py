@@ -7,7 +7,8 @@ start; so is autodiff's weight gradient x^T g, which contracts over the leading 
 low-precision dtype `project` therefore returns float32, and its backward casts the output
 gradient to that dtype, returns float32-accumulated dots, and lays out the weight gradient's
 transposed operand explicitly (an optimization barrier keeps XLA from folding the transpose back
-into the dot). In float32 it is the plain einsum.
+into the dot). In float32, and on accelerators (which run bf16 dots in any layout), it is the plain
+einsum.
 """
 
 import functools
@@ -19,9 +20,17 @@ import jax.numpy as jnp
 def project(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """einsum(spec, x, w) of activations x and weights w: float32 in, float32 out; in a lower
     dtype, x and w in it and the result accumulated in and returned as float32."""
-    if jnp.dtype(dtype) == jnp.float32:
+    if jnp.dtype(dtype) == jnp.float32 or not traced_for_cpu():
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
     return low_precision_project(spec, x, w)
+
+
+def traced_for_cpu() -> bool:
+    """Whether the program being traced runs on CPUs: the mesh's devices (compile-only TPU or GPU
+    devices included), else JAX's default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return (device.platform if device is not None else jax.default_backend()) == "cpu"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
