@@ -65,6 +65,7 @@ class StageOps:
         self.cfg, self.vocab_size, self.layer_axes, self.schedule = cfg, vocab_size, layer_axes, schedule
         self.head, self.x0, self.targets = head, x0, targets
         self.V, self.train = schedule.virtual, schedule.name != "forward"
+        self.split_backward = schedule.name == "zb-h1"  # B the input gradient only; W the weights
         self.stage = jax.lax.axis_index(PIPE)
         self.is_first, self.is_last = self.stage == 0, self.stage == schedule.pp - 1
         self.arrays = {name: jnp.asarray(a) for name, a in table.items()}  # one constant each
@@ -117,7 +118,7 @@ class StageOps:
     def backward(self, c, t):
         """The input gradient, and unless ZB-H1 splits off W, the weight gradient."""
         k, chunk, x, dy = self.op_input(c, t)
-        if self.schedule.name == "zb-h1":
+        if self.split_backward:
             _, vjp = jax.vjp(lambda x: self.run_chunk(self.chunk_params(chunk), x, k, chunk), x)
             (dx,) = vjp(dy)
         else:
@@ -139,7 +140,7 @@ class StageOps:
         branches = {IDLE: self.idle, FORWARD: self.forward}
         if self.train:
             branches[BACKWARD] = self.backward
-        if self.schedule.name == "zb-h1":
+        if self.split_backward:
             branches[WEIGHT] = self.weight
         c, to_send_next, to_send_previous = jax.lax.switch(
             self.at("kind", t), [branches[kind] for kind in sorted(branches)], c, t)

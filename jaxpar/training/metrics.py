@@ -7,8 +7,8 @@ to metrics.jsonl (strict JSON: non-finite values as null), TensorBoard and, if a
 
 import json
 import math
-import uuid
 import time
+import uuid
 from pathlib import Path
 
 from jaxpar.core.errors import UserError
