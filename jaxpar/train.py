@@ -55,7 +55,7 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
         asked = explicit.get("model.vocab_size")
         if asked is not None and cfg.model.vocab_size not in (0, vocab):
             raise UserError(f"model.vocab_size={asked} conflicts with vocab_size={vocab} of the "
-                            f"GPT-2 in {cfg.train.init_from}; drop the override")
+                            f"model in {cfg.train.init_from}; drop the override")
         cfg.model.vocab_size = vocab
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name

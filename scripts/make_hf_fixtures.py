@@ -58,7 +58,7 @@ import json, sys
 import jax, numpy as np
 from flax import nnx
 from jaxpar.inference import sample
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.family import abstract_model
 run_dir, ids_file, logits_file, prompt, new_tokens = sys.argv[1:]
 model = sample.load(run_dir)
 ids = np.load(ids_file)

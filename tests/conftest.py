@@ -36,9 +36,10 @@ from jaxpar.core.config import load_config  # noqa: E402
 from jaxpar.parallel.mesh import parse_mesh_spec  # noqa: E402
 
 
-def tiny_config(**overrides):
-    """configs/tiny.toml with `section.field` overrides (values as strings or numbers)."""
-    return load_config("tiny", {k: str(v) for k, v in overrides.items()})
+def tiny_config(config: str = "tiny", **overrides):
+    """configs/tiny.toml (or another named config) with `section.field` overrides (values as
+    strings or numbers)."""
+    return load_config(config, {k: str(v) for k, v in overrides.items()})
 
 
 def mesh_overrides(spec: str) -> dict:

@@ -13,7 +13,7 @@ from conftest import mesh_overrides, tiny_config
 from flax import nnx
 
 from jaxpar.models import attention
-from jaxpar.models.gpt import build_model
+from jaxpar.models.family import build_model
 from jaxpar.train import run
 
 STEPS = 10
@@ -21,23 +21,24 @@ LOSS_RTOL = 1e-5
 PARAM_TOL = 1e-5  # relative to each tensor's largest magnitude
 
 
-def train(spec: str = "dp=1", evaluate: bool = False, **overrides):
-    """STEPS of the tiny config on `spec`. Evaluation is off unless asked: most comparisons are of
-    training, and those that evaluate compare the val losses too. One-device runs are shared."""
+def train(spec: str = "dp=1", evaluate: bool = False, config: str = "tiny", **overrides):
+    """STEPS of the tiny config (or another named one) on `spec`. Evaluation is off unless asked:
+    most comparisons are of training, and those that evaluate compare the val losses too.
+    One-device runs are shared."""
     overrides = {"train.steps": STEPS, "train.eval_every": 5 if evaluate else 0, **overrides}
     if spec == "dp=1":
-        return one_device_run(tuple(sorted((k, str(v)) for k, v in overrides.items())))
-    cfg = tiny_config(**mesh_overrides(spec), **overrides)
+        return one_device_run(config, tuple(sorted((k, str(v)) for k, v in overrides.items())))
+    cfg = tiny_config(config, **mesh_overrides(spec), **overrides)
     return run(cfg, devices=jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False)
 
 
 @functools.cache
-def one_device_run(overrides: tuple):
+def one_device_run(config: str, overrides: tuple):
     """A reference run, once per test process: ZeRO 0-2 are the same program on one device."""
     overrides = dict(overrides)
     if overrides.get("train.zero") in ("0", "1", "2", None):
         overrides["train.zero"] = "0"
-    return run(tiny_config(**overrides), devices=jax.devices()[:1], progress=False)
+    return run(tiny_config(config, **overrides), devices=jax.devices()[:1], progress=False)
 
 
 def losses(result) -> np.ndarray:

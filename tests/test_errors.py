@@ -62,6 +62,24 @@ def test_bad_config_value(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["--model.n_kv_head=3"], ["model.n_kv_head=3 must divide model.n_head=4"]),
+    (["--mesh", "dp=2,tp=4"], ["tp=4 does not divide model.n_kv_head=2", "dp", "--zero 3"]),
+    (["--model.n_embd=36", "--model.n_head=4", "--model.mlp_dim=64"], ["head dim n_embd/n_head = 9 is odd"]),
+    (["--model.family=mamba"], ["model.family must be one of gpt2, llama, got 'mamba'"]),
+    (["--model.gelu=tanh"], ["model.gelu is a gpt2-only setting", "model.family=llama"]),
+    (["--model.bias=false"], ["model.bias is a gpt2-only setting"]),
+    (["--model.rope_type=yarn"], ["model.rope_type must be one of default, llama3, got 'yarn'"]),
+])
+def test_bad_llama_config(capsys, tmp_path, argv, expected):
+    fails_with(capsys, tmp_path, ["--config", "tiny_llama"] + argv, *expected)
+
+
+def test_llama_keys_on_a_gpt2_model_are_refused(capsys, tmp_path):
+    fails_with(capsys, tmp_path, ["--config", "tiny", "--model.n_kv_head=2"],
+               "model.n_kv_head is a llama-only setting, and this model is model.family=gpt2")
+
+
 def test_missing_config_file(capsys, tmp_path):
     fails_with(capsys, tmp_path, ["--config", str(tmp_path / "nope.toml")], "nope.toml", "not found")
 

@@ -20,7 +20,7 @@ from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
 from jaxpar.inference import sample
 from jaxpar.inference.evaluate import evaluate, main
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.family import abstract_model
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 
 RTOL = 1e-5

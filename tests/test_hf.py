@@ -27,7 +27,8 @@ from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer
 from jaxpar.inference import export, sample
 from jaxpar.interop import hf
 from jaxpar.models.decode import empty_cache, forward
-from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.models.family import abstract_model
+from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run
 from jaxpar.training import step as steps
@@ -74,8 +75,7 @@ def test_hf_checkpoint_gives_transformers_logits_on_any_mesh(spec, zero):
         # Sampling's forward pass (with its KV cache) honours model.gelu as well.
         m = cfg.model
         with jax.set_mesh(mesh):
-            decoded, _ = jax.jit(lambda p, t: forward(p, t, empty_cache(m, 2), 0, vocab, m.dtype,
-                                                      m.gelu))(params, ids)
+            decoded, _ = jax.jit(lambda p, t: forward(p, t, empty_cache(m, 2), 0, vocab, m))(params, ids)
         np.testing.assert_allclose(np.asarray(decoded)[..., :vocab], expected, RTOL, ATOL)
         # The tanh GELU matters: the exact one misses by 1e-3, 100x the tolerance.
         cfg.model.gelu = "exact"
@@ -167,12 +167,13 @@ def test_model_overrides_from_hf():
     overrides, vocab = hf.model_overrides_from_hf(FIXTURE)
     assert vocab == 101 and overrides == {
         "model.n_layer": 2, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 32,
-        "model.bias": True, "model.gelu": "tanh"}
+        "model.family": "gpt2", "model.bias": True, "model.gelu": "tanh"}
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
-     "describes a model_type 'llama' model (LlamaForCausalLM); only GPT-2"),
+    ({"model_type": "falcon", "architectures": ["FalconForCausalLM"]},
+     "describes a model_type 'falcon' model (FalconForCausalLM); jaxpar loads gpt2 (GPT2LMHeadModel) "
+     "and llama (LlamaForCausalLM)"),
     ({"scale_attn_by_inverse_layer_idx": True}, "has scale_attn_by_inverse_layer_idx=true"),
     ({"scale_attn_weights": False}, "has scale_attn_weights=false"),
     ({"n_inner": 100}, "has n_inner=100"),
@@ -201,7 +202,8 @@ def test_missing_directory_and_files_are_named(tmp_path):
         hf.model_overrides_from_hf(tmp_path / "empty")
     hf_dir = copy_fixture(tmp_path)
     (hf_dir / "model.safetensors").rename(hf_dir / "pytorch_model.bin")
-    with pytest.raises(UserError, match="has no model.safetensors; it has pytorch_model.bin"):
+    with pytest.raises(UserError, match="has no model.safetensors or model.safetensors.index.json; "
+                                        "it has pytorch_model.bin"):
         hf.model_overrides_from_hf(hf_dir)
 
 
@@ -221,7 +223,7 @@ def test_conflicting_override_names_both_values():
 
 def test_n_head_that_tp_cannot_split_is_refused():
     cfg = tiny_config(**mesh_overrides("tp=3"))
-    with pytest.raises(UserError, match=r"tp=3 does not divide n_head=4 of the GPT-2 in .*config.json"):
+    with pytest.raises(UserError, match=r"tp=3 does not divide n_head=4 of the model in .*config.json"):
         hf.apply_hf_config(cfg, FIXTURE, {})
 
 

@@ -24,7 +24,8 @@ from jaxpar.data.loader import batch_offsets, load_dataset
 from jaxpar.data.prepare import prepare
 from jaxpar.inference import sample
 from jaxpar.interop import hf
-from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.models.family import abstract_model
+from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import parse_args, run
 from jaxpar.training import step as steps
@@ -150,9 +151,9 @@ def bytes_data(tmp_path_factory):
      f"model.n_embd=64 conflicts with n_embd=32 in {FIXTURE}/config.json"),
     (["--model.gelu=exact"], "model.gelu=exact conflicts with activation_function=gelu_new"),
     (["--model.vocab_size=200"],
-     f"model.vocab_size=200 conflicts with vocab_size=101 of the GPT-2 in {FIXTURE}; drop the "
+     f"model.vocab_size=200 conflicts with vocab_size=101 of the model in {FIXTURE}; drop the "
      "override"),
-    (["--mesh", "tp=8"], "tp=8 does not divide n_head=4 of the GPT-2 in"),
+    (["--mesh", "tp=8"], "tp=8 does not divide n_head=4 of the model in"),
     (["--mesh", "dp=8", "--data.path={bytes}"],
      "model.vocab_size=101 is smaller than the data's vocabulary of 257 tokens"),
 ])

@@ -7,13 +7,14 @@ import pytest
 from conftest import tiny_config
 from flax import nnx
 
+from jaxpar.models.family import Transformer
 from jaxpar.models.flops import matmul_params
-from jaxpar.models.gpt import GPT, padded_vocab
+from jaxpar.models.layers import padded_vocab
 
 
 def tiny_model(**overrides):
     cfg = tiny_config(**overrides)
-    return cfg, GPT(cfg.model, 65, nnx.Rngs(0))
+    return cfg, Transformer(cfg.model, 65, nnx.Rngs(0))
 
 
 def test_vocab_is_padded_and_padding_never_wins():
@@ -48,11 +49,17 @@ def test_init_follows_gpt2():
     assert float(jnp.abs(model.blocks.qkv.bias[...]).max()) == 0.0
 
 
-def test_matmul_param_count_matches_the_model():
-    cfg, model = tiny_model()
+@pytest.mark.parametrize("config", ["tiny", "tiny_llama"])
+def test_matmul_param_count_matches_the_model(config):
+    """N in 6N is every block kernel (for Llama: q, the smaller k/v, out, and SwiGLU's three) and
+    the lm_head over the real vocabulary, tied or not."""
+    cfg = tiny_config(config)
+    model = Transformer(cfg.model, 65, nnx.Rngs(0))
     blocks = nnx.to_pure_dict(nnx.state(model.blocks))
     kernels = sum(blocks[name]["kernel"].size for name in blocks if "kernel" in blocks[name])
     assert matmul_params(cfg.model, 65) == kernels + 65 * cfg.model.n_embd
+    if config == "tiny_llama":  # 2 KV heads of 8 and an MLP of 64: by hand
+        assert kernels == 2 * (32 * 32 + 2 * 32 * 2 * 8 + 32 * 32 + 3 * 32 * 64)
 
 
 def test_nanogpt_cpu_recipe_has_nanogpt_param_count():
@@ -82,10 +89,13 @@ def test_weight_decay_covers_every_2d_weight_as_nanogpt():
     assert moved["wte"] and moved["wpe"]
 
 
+@pytest.mark.parametrize("kv_heads", [3, 1], ids=["heads-3", "gqa-3-of-1"])
 @pytest.mark.parametrize("blocks", [None, [(0, 4), (4, 12), (12, 16)]], ids=["one-block", "query-blocks"])
-def test_attention_backward_equals_autodiff(blocks, monkeypatch):
+def test_attention_backward_equals_autodiff(blocks, kv_heads, monkeypatch):
     """The hand-written attention backward against autodiff of the plain formula, with dropout too,
-    whole and with the queries in blocks that skip the masked keys."""
+    whole and with the queries in blocks that skip the masked keys; with grouped-query attention,
+    against the plain formula on K and V repeated as Hugging Face's repeat_kv repeats them (query
+    head h reads KV head h // group)."""
     import math
 
     from jaxpar.models import attention
@@ -93,6 +103,8 @@ def test_attention_backward_equals_autodiff(blocks, monkeypatch):
     monkeypatch.setattr(attention, "query_blocks", lambda T: blocks or [(0, T)])
 
     def plain(q, k, v, rate, key):
+        group = q.shape[1] // k.shape[1]
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
         T, D = q.shape[2], q.shape[3]
         scores = jnp.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(D)
         probs = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores, -jnp.inf), -1)
@@ -102,6 +114,7 @@ def test_attention_backward_equals_autodiff(blocks, monkeypatch):
         return jnp.einsum("bhts,bhsd->bthd", probs, v)
 
     q, k, v, w = (jax.random.normal(jax.random.key(i), (2, 3, 16, 8)) for i in range(4))
+    k, v = k[:, :kv_heads], v[:, -kv_heads:]
     w = w.transpose(0, 2, 1, 3)  # a fixed cotangent in the output's (batch, seq, heads, dim) layout
     for rate, key in ((0.0, None), (0.25, jax.random.key(7))):
         grads = [jax.grad(lambda *qkv: jnp.sum(f(*qkv, rate, key) * w), argnums=(0, 1, 2))(q, k, v)

@@ -26,7 +26,8 @@ from jaxpar.data.loader import BatchLoader, batch_offsets, load_dataset, model_v
 from jaxpar.data.prepare import main as prepare_main
 from jaxpar.data.tokenizer import EOT, ByteTokenizer
 from jaxpar.inference import sample
-from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.models.family import abstract_model
+from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run

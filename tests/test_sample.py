@@ -14,7 +14,7 @@ from flax import nnx
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.inference import sample
 from jaxpar.models.decode import empty_cache, forward
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.family import abstract_model
 from jaxpar.train import run
 
 LOGITS_ATOL = 1e-5
@@ -41,10 +41,10 @@ def test_decode_forward_matches_the_model(trained, spec, n_devices):
 
         @jax.jit
         def decode(params, tokens):
-            logits, _ = forward(params, tokens, empty_cache(m, 1), 0, vocab, m.dtype)
+            logits, _ = forward(params, tokens, empty_cache(m, 1), 0, vocab, m)
             # The same positions fed in two parts: the second reads the first from the cache.
-            _, cache = forward(params, tokens[:, :20], empty_cache(m, 1), 0, vocab, m.dtype)
-            rest, _ = forward(params, tokens[:, 20:], cache, 20, vocab, m.dtype)
+            _, cache = forward(params, tokens[:, :20], empty_cache(m, 1), 0, vocab, m)
+            rest, _ = forward(params, tokens[:, 20:], cache, 20, vocab, m)
             return logits, rest
         logits, rest = decode(model.params, tokens)
     real = slice(0, vocab)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import RULES, SEQUENCE_PARALLEL, check_divisible, logical_to_spec, traced_with_rules
-from jaxpar.models.gpt import abstract_model, apply_blocks, split_layers
+from jaxpar.models.family import abstract_model, apply_blocks, split_layers
 from jaxpar.parallel.mesh import build_mesh, resolve_mesh_shape
 from jaxpar.train import run
 from jaxpar.training import step as steps

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig  # noqa: F401
+from jaxpar.core.model_config import check_family_keys, validate_model
 
 # The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
 # the repository's top-level configs/ in an editable install.
@@ -16,34 +18,7 @@ _PACKAGE = Path(__file__).resolve().parent.parent  # jaxpar/
 CONFIG_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if d.is_dir()),
                   _PACKAGE / "configs")
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
-GELU_KINDS = ("exact", "tanh")
-REMAT_KINDS = ("none", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline schedules; see jaxpar.parallel.orders
-
-
-@dataclass
-class ModelConfig:
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
-    # Rows of the embedding. 0: the data's vocabulary. Larger leaves room, as GPT-2's 50257 does
-    # for any tokenizer with fewer tokens; smaller than the data's vocabulary is an error.
-    vocab_size: int = 0
-    dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
-    unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
-    # The MLP's GELU: "exact" (erf) as nanoGPT's nn.GELU(), or "tanh", the approximation that
-    # Hugging Face GPT-2 checkpoints were trained with (activation_function "gelu_new").
-    gelu: str = "exact"
-    # "full": keep only each layer's input and rerun the layer in the backward pass (jax.checkpoint):
-    # activation memory of one layer instead of all, for about a third more FLOPs.
-    remat: str = "none"
-    # Megatron sequence parallelism: with tp > 1, the residual stream between the matmuls (LayerNorm,
-    # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
-    # activations shrink by tp. No effect at tp = 1.
-    sequence_parallel: bool = False
 
 
 @dataclass
@@ -205,8 +180,12 @@ def load_config(path: str | None, overrides: dict[str, str]) -> Config:
                                 f"valid keys: {', '.join(valid_keys(cfg))}")
             for name, value in table.items():
                 set_value(cfg, f"{section}.{name}", value)
+    explicit = set(overrides)
     for key, value in overrides.items():
         set_value(cfg, key, value)
+    if path is not None:
+        explicit |= {f"{section}.{name}" for section, table in data.items() for name in table}
+    check_family_keys(cfg.model, explicit)
     validate(cfg)
     if cfg.train.decay_steps == 0:
         cfg.train.decay_steps = cfg.train.steps
@@ -231,16 +210,7 @@ def validate(cfg: Config) -> None:
         if get(key) < 0:
             raise UserError(f"{key} must be >= 0, got {get(key)}")
     m, t = cfg.model, cfg.train
-    if not 0 <= m.dropout < 1:
-        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    if m.n_embd % m.n_head:
-        raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
-    if m.gelu not in GELU_KINDS:
-        raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{m.gelu}'")
-    if m.remat not in REMAT_KINDS:
-        raise UserError(f"model.remat must be one of {', '.join(REMAT_KINDS)}, got '{m.remat}'")
-    if m.dtype not in ("float32", "bfloat16"):
-        raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
+    validate_model(m)
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size={t.batch_size} must be divisible by "
                         f"train.grad_accum={t.grad_accum}")

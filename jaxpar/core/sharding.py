@@ -20,12 +20,14 @@ RULES: dict[str, str | None] = {
     "tokens": "data",  # batch * seq, flattened for 2-D matmuls
     "vocab": "tensor",
     "heads": "tensor",
+    "kv_heads": "tensor",  # grouped-query attention's K/V heads: tp must divide them
     "mlp": "tensor",
     "layers": "pipe",
     "embed": None,
     "pos": None,
     "seq": None,
     "qkv": None,
+    "gate_up": None,  # SwiGLU's fused gate and up projections
     "head_dim": None,
     "microbatch": None,  # the pipeline's per-stage buffers of microbatches
     "stream_seq": None,  # the residual stream's sequence axis, between the blocks' matmuls

@@ -135,7 +135,12 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         # Special tokens are matched in the text; no BOS/EOS added around it.
         pieces = split_text(text, HF_PIECE_CHARS)
-        encodings = self.tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
+        try:
+            encodings = self.tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
+        except Exception as e:  # tokenizers raises a plain Exception, e.g. for an unknown word
+            first_line = (str(e).splitlines() or [""])[0]
+            raise UserError(f"the tokenizer '{self.spec}' cannot encode this text ({first_line}); "
+                            "pass text it covers, or a tokenizer that has an unknown token") from None
         return np.concatenate([np.array(e.ids, np.int32) for e in encodings])
 
     def decode(self, ids) -> str:

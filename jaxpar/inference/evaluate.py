@@ -16,12 +16,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jaxpar.core.config import DataConfig, load_config
+from jaxpar.core.config import DataConfig
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.data.loader import load_dataset
-from jaxpar.inference.sample import Model, load
-from jaxpar.models.gpt import abstract_model, cross_entropy
-from jaxpar.parallel.mesh import force_host_devices, parse_mesh_spec
+from jaxpar.inference.loading import Model, add_model_source, load_source
+from jaxpar.models.family import abstract_model
+from jaxpar.models.layers import cross_entropy
 
 
 def blocks_of(tokens: np.ndarray, block_size: int) -> int:
@@ -82,7 +82,12 @@ def data_for(model: Model, path: str | None):
     """The val split of --data (or of the run's own data), which must use the model's tokenizer."""
     cfg = DataConfig(**{**vars(model.cfg.data), **({"path": path} if path is not None else {})})
     dataset = load_dataset(cfg, model.cfg.model.block_size)
-    if dataset.tokenizer.to_meta() != model.tokenizer.to_meta():
+    if model.tokenizer is None:  # an HF directory without tokenizer.json: the data's ids must fit
+        if dataset.tokenizer.vocab_size > model.vocab_size:
+            raise UserError(f"the data '{cfg.path}' has {dataset.tokenizer.vocab_size} tokens, more than "
+                            f"the model's {model.vocab_size}; pass data prepared with the model's tokenizer")
+        return dataset.val
+    if without_spec(dataset.tokenizer.to_meta()) != without_spec(model.tokenizer.to_meta()):
         raise UserError(f"the data '{cfg.path or 'built-in'}' uses another tokenizer "
                         f"({dataset.tokenizer.spec}, {dataset.tokenizer.vocab_size} tokens) than "
                         f"the model ({model.tokenizer.spec}, {model.tokenizer.vocab_size}); pass "
@@ -90,22 +95,27 @@ def data_for(model: Model, path: str | None):
     return dataset.val
 
 
+def without_spec(meta: dict) -> dict:
+    """A tokenizer's meta less how it was named: the same tokenizer.json from two paths is one."""
+    return {k: v for k, v in meta.items() if k != "spec"}
+
+
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.eval"):
         parser = ArgumentParser(prog="jaxpar.eval", description="Loss over the whole val split.")
-        parser.add_argument("--ckpt", required=True, help="a training run's --out directory")
+        add_model_source(parser)
         parser.add_argument("--data", help="a jaxpar.prepare directory or text file (default: "
-                            "the run's own data)")
-        parser.add_argument("--mesh", default="dp=1", help="e.g. dp=2 (default: one device)")
+                            "the run's own data; needed with --hf)")
         parser.add_argument("--rows", type=int, default=16, help="blocks per forward pass")
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if args.rows < 1:
             raise UserError(f"--rows must be at least 1, got {args.rows}")
-        force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
-        model = load(args.ckpt, args.mesh)
+        if args.hf and args.data is None:
+            raise UserError("--hf needs --data: a jaxpar.prepare directory made with the model's tokenizer")
+        model = load_source(args)
         tokens = data_for(model, args.data)
         result = evaluate(model, tokens, args.rows, progress=True)
-    print(json.dumps({"step": model.step, **result}))
+    print(json.dumps({"step": model.step, **result} if args.ckpt else {"hf": args.hf, **result}))
 
 
 if __name__ == "__main__":

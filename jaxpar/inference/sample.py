@@ -1,35 +1,21 @@
-"""`python -m jaxpar.sample --ckpt DIR`: generate text from a checkpoint on any mesh, with a KV cache.
+"""`python -m jaxpar.sample --ckpt DIR` (or `--hf HF_DIR`): generate text on any mesh, with a KV cache.
 
-Usable as a library: `model = load(dir, "tp=2")`, then `generate(model, "ROMEO:")`.
+Usable as a library: `model = load(dir, "tp=2")` (jaxpar.inference.loading), then
+`generate(model, "ROMEO:")`.
 """
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error, out_of_memory_as_user_error
-from jaxpar.core.sharding import shardings_for
+from jaxpar.inference.loading import Model, add_model_source, load, load_source, source_name  # noqa: F401
 from jaxpar.models.decode import empty_cache, forward, pick
-from jaxpar.models.gpt import abstract_model
-from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
-from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints, saved_vocab
-
-
-@dataclass
-class Model:
-    cfg: Config  # the checkpoint's resolved config, with this mesh
-    tokenizer: object  # any kind of jaxpar.data.tokenizer, as the checkpoint names it
-    vocab_size: int  # the model's (model.vocab_size, or the tokenizer's)
-    params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
-    mesh: Mesh
-    step: int  # the training step the checkpoint holds
-    decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
 
 
 @dataclass
@@ -42,34 +28,6 @@ class Generation:
     @property
     def tokens_per_s(self) -> float:
         return len(self.texts) * self.new_tokens / self.seconds
-
-
-def load(path, mesh: str = "dp=1", devices=None) -> Model:
-    """The newest readable checkpoint's params in `path` (a run's --out or its checkpoints folder),
-    placed on a `mesh` over `devices` (default: the first devices the mesh needs)."""
-    ckpt = Checkpoints(find_checkpoints(path))
-    built = {}
-
-    def targets_for(meta: dict) -> dict:
-        cfg = Config.from_dict(meta["config"])
-        for key, value in parse_mesh_spec(mesh).items():
-            setattr(cfg.mesh, key.split(".")[1], int(value))
-        cfg.train.zero = 0  # no optimizer here, and the whole params on every data replica
-        wanted = requested_devices(cfg.mesh)
-        chosen = devices if devices is not None else jax.devices()[:wanted or len(jax.devices())]
-        # Sampling replicates its batch over 'data': the training batch does not bind the mesh.
-        cfg.train.batch_size, cfg.train.grad_accum = len(chosen), 1
-        built["mesh"] = build_mesh(cfg, chosen)
-        built["cfg"] = cfg
-        built["tokenizer"], built["vocab"] = saved_vocab(meta)
-        _, shapes, axes = abstract_model(cfg, built["vocab"])
-        return {"params": abstract_tree(shapes, shardings_for(axes, shapes, built["mesh"]))}
-
-    found = ckpt.restore_latest(targets_for)
-    if found is None:
-        raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
-    step, _, items, _ = found
-    return Model(built["cfg"], built["tokenizer"], built["vocab"], items.params, built["mesh"], step)
 
 
 def prompt_ids(tokenizer, prompt: str) -> np.ndarray:
@@ -89,19 +47,17 @@ def make_decoders(model: Model, temperature: float, top_k: int):
         return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)
 
     def prefill(params, tokens, seed, i):
-        logits, cache = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype,
-                                m.gelu)
+        logits, cache = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m)
         return next_token(logits[:, -1], seed, i), cache
 
     def step(params, cache, token, pos, seed, i):
-        logits, cache = forward(params, token[:, None], cache, pos, vocab, m.dtype, m.gelu)
+        logits, cache = forward(params, token[:, None], cache, pos, vocab, m)
         return next_token(logits[:, 0], seed, i), cache
 
     def recompute(params, tokens, length, seed, i):
         """The whole window again; tokens are padded to block_size, and causal attention keeps
         the padding from reaching position length - 1."""
-        logits, _ = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m.dtype,
-                            m.gelu)
+        logits, _ = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m)
         return next_token(jax.lax.dynamic_index_in_dim(logits, length - 1, 1, False), seed, i)
 
     return jax.jit(prefill), jax.jit(step, donate_argnums=1), jax.jit(recompute)
@@ -232,9 +188,7 @@ class Streamer:
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxpar.sample", description="Generate text from a checkpoint.")
-    parser.add_argument("--ckpt", required=True,
-                        help="a training run's --out directory, or its checkpoints folder")
-    parser.add_argument("--mesh", default="dp=1", help="e.g. tp=2 (default: one device)")
+    add_model_source(parser)
     parser.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     parser.add_argument("--max-new-tokens", type=int, default=500)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy decoding")
@@ -256,8 +210,10 @@ def main(argv: list[str] | None = None) -> None:
             if getattr(args, name) < least:
                 raise UserError(f"--{name.replace('_', '-')} must be at least {least}, "
                                 f"got {getattr(args, name)}")
-        force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
-        model = load(args.ckpt, args.mesh)
+        model = load_source(args)
+        if model.tokenizer is None:
+            raise UserError(f"'{args.hf}' has no tokenizer.json, which jaxpar.sample needs to read the "
+                            "prompt and write text; copy the model's tokenizer.json into it")
         prompt_ids(model.tokenizer, args.prompt)  # before anything is printed
         eot = end_of_text(model.tokenizer) if args.stop_at_eot else None
         single = args.num_samples == 1
@@ -271,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         if streamer is not None:
             streamer.finish()
     print("" if single else "\n---------------\n".join(result.texts))
-    print(f"jaxpar.sample: step {model.step} of {args.ckpt}, {args.num_samples} x "
+    print(f"jaxpar.sample: {source_name(args, model)}, {args.num_samples} x "
           f"{result.new_tokens} tokens in {result.seconds:.2f} s: {result.tokens_per_s:,.0f} "
           f"tokens/s ({'full recomputation, no cache' if args.no_cache else 'KV cache'}; "
           f"compile {result.compile_seconds:.1f} s not counted)", file=sys.stderr)

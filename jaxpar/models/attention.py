@@ -2,7 +2,11 @@
 masked keys: the shape of the work that XLA:CPU runs fastest (docs/benchmarks.md, "What the
 single-device speed comes from").
 
-q, k and v are (batch, heads, seq, head_dim). Dropout masks the attention probabilities.
+q is (batch, heads, seq, head_dim); k and v are (batch, kv_heads, seq, head_dim), with kv_heads
+dividing heads (grouped-query attention; GPT-2 has as many as heads). Query head h attends with KV
+head h // (heads / kv_heads), as Hugging Face's `repeat_kv` pairs them, but K and V are never
+repeated: a group's queries are rows of one matrix against its KV head. Dropout masks the
+attention probabilities.
 """
 
 import functools
@@ -27,12 +31,28 @@ def apply_dropout(x: jax.Array, keep, rate: float) -> jax.Array:
 
 
 def causal_attention(q, k, v, rate: float, key) -> jax.Array:
-    """softmax(q k^T / sqrt(d) + causal mask) v, with q, k, v as (batch, heads, seq, head_dim);
-    returns (batch, seq, heads, head_dim)."""
+    """softmax(q k^T / sqrt(d) + causal mask) v for q (batch, heads, seq, head_dim) and k, v
+    (batch, kv_heads, seq, head_dim); returns (batch, seq, heads, head_dim)."""
+    B, H, T, D = q.shape
+    K = k.shape[1]
     keep = None
     if key is not None and rate > 0.0:
         keep = jax.random.bernoulli(key, 1.0 - rate, q.shape[:3] + k.shape[2:3])
-    return attention_core(q, k, v, keep, rate).transpose(0, 2, 1, 3)
+        keep = keep.reshape(B, K, H // K, T, -1)
+    out = attention_core(q.reshape(B, K, H // K, T, D), k, v, keep, rate)
+    return out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
+
+
+def group_rows(a: jax.Array, start: int, stop: int) -> jax.Array:
+    """Queries [start, stop) of every head in a group, as the rows of one matrix:
+    (batch, kv_heads, group, seq, ...) -> (batch, kv_heads, group * (stop - start), ...)."""
+    block = a[:, :, :, start:stop]
+    return block.reshape(block.shape[:2] + (-1,) + block.shape[4:])
+
+
+def ungroup_rows(a: jax.Array, group: int) -> jax.Array:
+    """The inverse of group_rows: (batch, kv_heads, group * n, d) -> (batch, kv_heads, group, n, d)."""
+    return a.reshape(a.shape[:2] + (group, -1) + a.shape[3:])
 
 
 def physical_transpose(x: jax.Array) -> jax.Array:
@@ -66,17 +86,19 @@ def query_blocks(seq_len: int) -> list[tuple[int, int]]:
     return [(i * step, (i + 1) * step) for i in range(n)]
 
 
-def attention_scores(q, k, start: int) -> jax.Array:
-    """Masked, scaled scores of queries [start, start + len(q)) against keys [0, len(k))."""
-    T, S, D = q.shape[2], k.shape[2], q.shape[3]
+def attention_scores(q, k, start: int, group: int) -> jax.Array:
+    """Masked, scaled scores of `group` heads' queries [start, start + n) (their rows stacked)
+    against keys [0, len(k))."""
+    T, S, D = q.shape[2] // group, k.shape[2], q.shape[3]
     scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=F32)
-    causal = jnp.tril(jnp.ones((T, S), dtype=bool), k=start)
+    causal = jnp.tile(jnp.tril(jnp.ones((T, S), dtype=bool), k=start), (group, 1))
     return jnp.where(causal, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attention_core(q, k, v, keep, rate: float) -> jax.Array:
-    """Attention as (batch, heads, seq, head_dim); `keep` is the dropout mask of the probs or None.
+    """Attention of q (batch, kv_heads, group, seq, head_dim) with k, v (batch, kv_heads, seq,
+    head_dim); `keep` is the dropout mask of the probs or None.
 
     The backward pass is autodiff's, written out so that every dot is in XLA:CPU's fast form.
     """
@@ -84,17 +106,18 @@ def attention_core(q, k, v, keep, rate: float) -> jax.Array:
 
 
 def block_mask(keep, start: int, stop: int):
-    return None if keep is None else keep[:, :, start:stop, :stop]
+    return None if keep is None else group_rows(keep[..., :stop], start, stop)
 
 
 def attention_forward(q, k, v, keep, rate: float):
-    outs, probs = [], []
-    for start, stop in query_blocks(q.shape[2]):
-        p = jax.nn.softmax(attention_scores(q[:, :, start:stop], k[:, :, :stop], start), axis=-1)
+    outs, probs, group = [], [], q.shape[2]
+    for start, stop in query_blocks(q.shape[3]):
+        p = jax.nn.softmax(attention_scores(group_rows(q, start, stop), k[:, :, :stop], start, group), axis=-1)
         dropped = apply_dropout(p, block_mask(keep, start, stop), rate).astype(v.dtype)
-        outs.append(jnp.einsum("bhts,bhsd->bhtd", dropped, v[:, :, :stop], preferred_element_type=F32).astype(v.dtype))
+        out = jnp.einsum("bhts,bhsd->bhtd", dropped, v[:, :, :stop], preferred_element_type=F32)
+        outs.append(ungroup_rows(out.astype(v.dtype), group))
         probs.append(p)
-    return jnp.concatenate(outs, axis=2), (q, k, v, keep, probs)
+    return jnp.concatenate(outs, axis=3), (q, k, v, keep, probs)
 
 
 def sum_by_key_block(parts: list, blocks: list[tuple[int, int]]) -> jax.Array:
@@ -106,10 +129,10 @@ def sum_by_key_block(parts: list, blocks: list[tuple[int, int]]) -> jax.Array:
 
 def attention_backward(rate: float, saved, d_out):
     q, k, v, keep, probs = saved
-    blocks = query_blocks(q.shape[2])
+    group, blocks = q.shape[2], query_blocks(q.shape[3])
     d_q, d_k, d_v = [], [], []
     for (start, stop), p in zip(blocks, probs):
-        mask, d_o = block_mask(keep, start, stop), d_out[:, :, start:stop]
+        mask, d_o, q_rows = block_mask(keep, start, stop), group_rows(d_out, start, stop), group_rows(q, start, stop)
         dropped = apply_dropout(p, mask, rate).astype(v.dtype)
         d_v.append(key_gradient(dropped, d_o))
         d_dropped = jnp.einsum("bhtd,bhsd->bhts", d_o, v[:, :, :stop], preferred_element_type=F32)
@@ -117,10 +140,11 @@ def attention_backward(rate: float, saved, d_out):
         # softmax's backward, then the 1/sqrt(d) scale; masked scores have probs 0, so gradient 0
         d_scores = p * (d_probs - jnp.sum(d_probs * p, -1, keepdims=True))
         d_scores = (d_scores / math.sqrt(q.shape[-1])).astype(q.dtype)
-        d_q.append(jnp.einsum("bhts,bhsd->bhtd", d_scores, k[:, :, :stop], preferred_element_type=F32))
-        d_k.append(key_gradient(d_scores, q[:, :, start:stop]))
+        d_q_rows = jnp.einsum("bhts,bhsd->bhtd", d_scores, k[:, :, :stop], preferred_element_type=F32)
+        d_q.append(ungroup_rows(d_q_rows, group))
+        d_k.append(key_gradient(d_scores, q_rows))
     # float32 sums over the key blocks, then the inputs' dtype
-    return (jnp.concatenate(d_q, axis=2).astype(q.dtype), sum_by_key_block(d_k, blocks).astype(k.dtype),
+    return (jnp.concatenate(d_q, axis=3).astype(q.dtype), sum_by_key_block(d_k, blocks).astype(k.dtype),
             sum_by_key_block(d_v, blocks).astype(v.dtype), None)
 
 

@@ -2,9 +2,10 @@
 
 Model FLOPs per token (training, forward + backward) follow PaLM / nanoGPT:
     6 * N  +  12 * n_layer * n_embd * block_size
-where N counts the parameters that take part in matmuls: the blocks and the (tied) lm_head over
-the real vocabulary. Position embeddings, LayerNorms and biases are excluded, as is the vocabulary
-padding (an implementation detail, not model work). The second term is attention's QK^T and AV.
+where N counts the parameters that take part in matmuls (the family's `matmul_params`: the blocks'
+projections, e.g. SwiGLU's three and grouped-query attention's smaller K/V, and the lm_head over
+the real vocabulary). Embeddings, norms and biases are excluded, as is the vocabulary padding (an
+implementation detail, not model work). The second term is attention's QK^T and AV.
 """
 
 import functools
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
+from jaxpar.models.family import family_of
 
 # Dense peak FLOP/s per device from vendor data sheets, by compute dtype. On GPUs, float32 matmuls
 # run as TF32 by default in XLA, so their peak is the TF32 tensor-core figure.
@@ -32,9 +34,7 @@ PEAK_FLOPS = {
 
 def matmul_params(cfg: ModelConfig, vocab_size: int) -> int:
     """N in 6N: the weights of every matmul, lm_head over the real vocab, no biases or norms."""
-    C = cfg.n_embd
-    per_layer = 3 * C * C + C * C + 2 * 4 * C * C  # qkv, attention out, MLP in and out
-    return cfg.n_layer * per_layer + vocab_size * C
+    return family_of(cfg).matmul_params(vocab_size)
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int) -> int:

@@ -1,4 +1,5 @@
-"""GPT-2 as in nanoGPT, in Flax NNX, with its blocks stacked on a leading 'layers' axis and run by scan.
+"""GPT-2 as in nanoGPT: learned positions, pre-LayerNorm blocks with biases, a GELU MLP, and the
+lm_head tied to the token embedding. One model family behind jaxpar.models.family's interface.
 
 The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.core.sharding maps them to
 the mesh. The `kernel`s, `wte` and `wpe` get weight decay; `scale` and `bias` do not.
@@ -9,25 +10,24 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.core.config import Config, ModelConfig
-from jaxpar.core.sharding import constrain, param_axes
-from jaxpar.models.attention import apply_dropout, causal_attention
+from jaxpar.core.config import ModelConfig
+from jaxpar.core.sharding import constrain
+from jaxpar.models.attention import causal_attention
+from jaxpar.models.layers import (
+    STREAM,
+    StackedDense,
+    dropout,
+    gather_stream,
+    head_logits,
+    normal_param,
+    padded_vocab,
+    to_stream,
+    weights_for_compute,
+)
 from jaxpar.models.matmul import project
 
-VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 LN_EPS = 1e-5
-GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
-STREAM = ("batch", "stream_seq", "embed")  # the residual stream's logical axes between blocks
-
-
-def padded_vocab(vocab_size: int) -> int:
-    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def normal_param(rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
 
 
 class LayerNorm(nnx.Module):
@@ -35,25 +35,6 @@ class LayerNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
         if bias:
             self.bias = nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
-
-
-class StackedDense(nnx.Module):
-    """A linear layer per block: kernel (layers, *in, *out), bias (layers, *out).
-
-    With `out_first` (one in and one out axis) the kernel is stored as (layers, out, in), as
-    torch's nn.Linear stores it; it is drawn as (in, out) all the same, so a seed gives the same
-    weights in either layout.
-    """
-
-    def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int,
-                 bias: bool, out_first: bool = False):
-        kernel = normal_param(rngs, std, shape, axes)
-        if out_first:
-            kernel = nnx.Param(jnp.swapaxes(kernel[...], 1, 2), axes=(axes[0], axes[2], axes[1]))
-        self.kernel = kernel
-        if bias:
-            self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
-                                  axes=axes[:1] + axes[-n_out_dims:])
 
 
 class Blocks(nnx.Module):
@@ -94,13 +75,6 @@ def mlp_output(h: jax.Array, p: dict) -> jax.Array:
     return add_bias(jnp.einsum("nf,cf->nc", h, p["kernel"]), p)
 
 
-def dropout(x: jax.Array, rate: float, key) -> jax.Array:
-    if key is None or rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return apply_dropout(x, keep, rate).astype(x.dtype)
-
-
 def gelu(x: jax.Array, kind: str = "exact") -> jax.Array:
     """GELU of model.gelu's `kind`: "exact" (erf) as nanoGPT's nn.GELU(), where erf compiles to
     faster CPU code than erfc; "tanh", GPT-2's own approximation (Hugging Face's gelu_new)."""
@@ -120,28 +94,6 @@ def exact_qkv_bias(bias: jax.Array) -> jax.Array:
     return jnp.where(is_key, jax.lax.stop_gradient(bias), bias)
 
 
-def weights_for_compute(p: dict, axes: dict) -> dict:
-    """Pin weights to their rule-table layout where they are used.
-
-    Under ZeRO-3 they are stored split over 'data' as well, so this is where each layer gathers
-    its own weights; otherwise it changes nothing. The name lets a remat policy drop them.
-    """
-    return jax.tree.map(lambda a, names: checkpoint_name(constrain(a, names), GATHERED), p, axes)
-
-
-@jax.custom_vjp
-def gather_stream(h: jax.Array) -> jax.Array:
-    """(batch, seq, embed) from the stream's layout to the matmuls' (batch*seq, embed): an
-    all-gather under sequence parallelism. Its gradient, a partial sum over 'tensor', goes
-    straight to the stream's layout, where XLA:TPU sums it as a reduce-scatter."""
-    B, T, C = h.shape
-    return constrain(h.reshape(B * T, C), ("tokens", "embed"))
-
-
-gather_stream.defvjp(lambda h: (gather_stream(h), h.shape),
-                     lambda shape, g: (constrain(g.reshape(shape), STREAM),))
-
-
 def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
           gelu_kind: str = "exact") -> jax.Array:
     """One block on one layer's params. The residual stream stays float32; matmuls run in dtype.
@@ -158,7 +110,7 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
         return gather_stream(layer_norm(x, ln).astype(dtype))
 
     def add_to_stream(x, y, p_out, key):  # a row-parallel output: summed into the stream's layout
-        return x + dropout(add_bias(constrain(y.reshape(B, T, C), STREAM), p_out), rate, key)
+        return x + dropout(add_bias(to_stream(y, (B, T, C)), p_out), rate, key)
 
     qkv = project("nc,cshd->nshd", matmul_input(x, p["ln_1"]), p["qkv"]["kernel"], dtype)
     if "bias" in p["qkv"]:
@@ -177,99 +129,66 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
     return constrain(x, STREAM)
 
 
-def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
-    """(top params, top axes, stacked layer params, per-layer axes without the 'layers' axis)."""
-    top, top_axes = dict(params), dict(axes)
-    layer_params, stacked_axes = top.pop("blocks"), top_axes.pop("blocks")
-    layer_axes = jax.tree.map(lambda names: names[1:], stacked_axes,
-                              is_leaf=lambda n: isinstance(n, tuple))
-    return top, top_axes, layer_params, layer_axes
+def decode_block(x, p: dict, k_cache, v_cache, pos, dtype, gelu_kind: str, attend):
+    """One block on tokens at positions pos..pos+T-1, x (B, T, C), with the layer's KV cache;
+    `attend(q, k_cache, v_cache)` is the cached attention. Returns x and both caches."""
+    B, T, C = x.shape
+    p = jax.tree.map(lambda a: a.astype(dtype), p)
+    h = layer_norm(x.reshape(B * T, C), p["ln_1"]).astype(dtype)
+    qkv = add_bias(jnp.einsum("nc,cshd->nshd", h, p["qkv"]["kernel"]), p["qkv"])
+    q, k, v = (qkv.reshape(B, T, *qkv.shape[1:])[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, 0, pos, 0))
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, 0, pos, 0))
+    y = attend(q, k_cache, v_cache).reshape(B * T, *q.shape[1:2], q.shape[3])
+    x = x.reshape(B * T, C) + add_bias(jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]),
+                                       p["attn_out"])
+    h = layer_norm(x, p["ln_2"]).astype(dtype)
+    h = gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"]), gelu_kind)
+    x = x + mlp_output(h, p["mlp_out"])
+    return x.reshape(B, T, C), k_cache, v_cache
 
 
-def embed(top: dict, tokens: jax.Array, rate: float, key) -> jax.Array:
-    """Token + position embeddings of (batch, seq) tokens, with dropout."""
-    x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
-    return dropout(constrain(x, STREAM), rate, key)
+class GPT2:
+    """The GPT-2 family: jaxpar.models.family.Family for model.family = "gpt2"."""
 
+    head_names = ("wte", "ln_f")  # the tied lm_head and the final LayerNorm
 
-def apply_blocks(layer_params: dict, layer_axes: dict, x: jax.Array, cfg: ModelConfig,
-                 layer_keys=None, regather_weights: bool = False) -> jax.Array:
-    """Run x through the stacked layers in `layer_params` (all of them, or one pipeline stage's)."""
-    dtype = jnp.dtype(cfg.dtype)
+    def __init__(self, cfg: ModelConfig):
+        self.cfg, self.dtype = cfg, jnp.dtype(cfg.dtype)
+        self.kv_heads, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
 
-    def step(x, layer):
-        p, key = layer
-        return block(x, p, layer_axes, cfg.dropout, dtype, key, cfg.gelu), None
+    def build(self, model: nnx.Module, vocab_size: int, rngs: nnx.Rngs) -> None:
+        cfg = self.cfg
+        model.wte = normal_param(rngs, 0.02, (padded_vocab(vocab_size), cfg.n_embd), ("vocab", "embed"))
+        model.wpe = normal_param(rngs, 0.02, (cfg.block_size, cfg.n_embd), ("pos", "embed"))
+        model.blocks = Blocks(cfg, rngs)
+        model.ln_f = LayerNorm((cfg.n_embd,), ("embed",), cfg.bias)
 
-    # Recomputation needs a rolled scan: unrolled, XLA:CPU schedules the reruns early and keeps
-    # every layer's activations all the same (the tiny model at block 128: 34 MB of temporaries
-    # with remat or without; rolled, 10 MB with remat).
-    unroll = cfg.unroll_layers and not regather_weights and cfg.remat == "none"
-    if cfg.remat == "full":  # save each layer's input alone; the backward reruns the layer
-        step = jax.checkpoint(step, prevent_cse=False)
-    elif regather_weights:
-        # A rolled scan gathers one layer at a time, in the forward and again in the backward.
-        step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(
-            GATHERED))
-    x, _ = jax.lax.scan(step, x, (layer_params, layer_keys), unroll=unroll)
-    return x
+    def embed(self, top: dict, tokens: jax.Array, rate: float, key) -> jax.Array:
+        """Token + position embeddings of (batch, seq) tokens, with dropout."""
+        x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
+        return dropout(constrain(x, STREAM), rate, key)
 
+    def block(self, x: jax.Array, p: dict, axes: dict, key) -> jax.Array:
+        return block(x, p, axes, self.cfg.dropout, self.dtype, key, self.cfg.gelu)
 
-def logits_of(top: dict, x: jax.Array, vocab_size: int, dtype) -> jax.Array:
-    """Final LayerNorm and the tied lm_head: (batch, seq, embed) -> float32 logits over the padded vocab."""
-    x = constrain(layer_norm(x, top["ln_f"]), ("batch", "seq", "embed"))  # the whole sequence
-    logits = project("btc,vc->btv", x.astype(dtype), top["wte"].astype(dtype), dtype)
-    logits = constrain(logits, ("batch", "seq", "vocab"))
-    # Padding rows of the vocabulary can never be predicted.
-    is_real = jnp.arange(logits.shape[-1]) < vocab_size
-    return jnp.where(is_real, logits, -1e9)
+    def logits(self, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
+        """Final LayerNorm and the tied lm_head: float32 logits over the padded vocab."""
+        return head_logits(layer_norm(x, head["ln_f"]), head["wte"], vocab_size, self.dtype)
 
+    def decode_embed(self, params: dict, tokens, pos) -> jax.Array:
+        return params["wte"][tokens] + jax.lax.dynamic_slice_in_dim(params["wpe"], pos, tokens.shape[1])
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy; logits are float32."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    # A one-hot sum, not a gather: exact all the same, it splits over a vocab-parallel axis, and
-    # XLA's partitioner crashes on this gather inside a pipeline stage with data and tensor axes.
-    picked = jnp.sum(jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=bool), logits, 0.0), -1)
-    return jnp.mean(log_z - picked)
+    def decode_block(self, x, p: dict, k_cache, v_cache, pos, attend):
+        return decode_block(x, p, k_cache, v_cache, pos, self.dtype, self.cfg.gelu, attend)
 
+    def matmul_params(self, vocab_size: int) -> int:
+        """N in 6N: qkv, attention out, MLP in and out per layer, and the lm_head over the real vocab."""
+        C = self.cfg.n_embd
+        return self.cfg.n_layer * (3 * C * C + C * C + 2 * 4 * C * C) + vocab_size * C
 
-class GPT(nnx.Module):
-    """Token + position embeddings, stacked blocks, final LayerNorm, lm_head tied to wte."""
-
-    def __init__(self, cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs,
-                 regather_weights: bool = False):
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        # Recompute each layer's gathered weights in the backward pass instead of saving them.
-        self.regather_weights = regather_weights
-        self.wte = normal_param(rngs, 0.02, (padded_vocab(vocab_size), cfg.n_embd), ("vocab", "embed"))
-        self.wpe = normal_param(rngs, 0.02, (cfg.block_size, cfg.n_embd), ("pos", "embed"))
-        self.blocks = Blocks(cfg, rngs)
-        self.ln_f = LayerNorm((cfg.n_embd,), ("embed",), cfg.bias)
-
-    def __call__(self, tokens: jax.Array, dropout_key=None) -> jax.Array:
-        """tokens (batch, seq) int -> logits (batch, seq, padded vocab) float32."""
-        state = nnx.state(self)
-        top, top_axes, layer_params, layer_axes = split_layers(nnx.to_pure_dict(state),
-                                                               param_axes(state))
-        top = weights_for_compute(top, top_axes)
-        keys = layer_keys = None
-        if dropout_key is not None:
-            keys = jax.random.split(dropout_key, self.cfg.n_layer + 1)
-            layer_keys = keys[1:]
-        x = embed(top, tokens, self.cfg.dropout, None if keys is None else keys[0])
-        x = apply_blocks(layer_params, layer_axes, x, self.cfg, layer_keys, self.regather_weights)
-        return logits_of(top, x, self.vocab_size, jnp.dtype(self.cfg.dtype))
-
-
-def build_model(cfg: Config, vocab_size: int) -> GPT:
-    # ZeRO-3 gathers each layer's weights when it runs; recomputing the gather in the backward
-    # pass (rather than saving the gathered weights) is what keeps them from piling up.
-    return GPT(cfg.model, vocab_size, nnx.Rngs(cfg.train.seed), regather_weights=cfg.train.zero == 3)
-
-
-def abstract_model(cfg: Config, vocab_size: int):
-    """(graphdef, pure dict of ShapeDtypeStructs, pure dict of logical axes), with no allocation."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(cfg, vocab_size)))
-    return graphdef, nnx.to_pure_dict(state), param_axes(state)
+    def activation_units(self, tp: int, split: int) -> float:
+        """Saved activations of a layer per token, in 2-byte units: Korthikanti et al. (2022), eq. 2
+        (eq. 4 with sequence parallelism): h*(10/split + 24/tp + 5*a*s/(h*tp))."""
+        s, h, a = self.cfg.block_size, self.cfg.n_embd, self.cfg.n_head
+        return h * (10 / split + 24 / tp + 5 * a * s / (h * tp))

@@ -83,6 +83,10 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if cfg.model.n_head % tp:
         raise UserError(f"tp={tp} does not divide model.n_head={cfg.model.n_head}; "
                         f"choose tp from the divisors of n_head")
+    if cfg.model.kv_heads % tp:
+        raise UserError(f"tp={tp} does not divide model.n_kv_head={cfg.model.kv_heads}: tensor parallelism "
+                        f"splits the KV heads; use tp from the divisors of {cfg.model.kv_heads} and put "
+                        f"the other devices on dp (with --zero 3 to split the weights too)")
     if cfg.model.sequence_parallel and cfg.model.block_size % tp:
         raise UserError(f"tp={tp} does not divide model.block_size={cfg.model.block_size}, which "
                         f"sequence parallelism splits over it; choose a block size divisible by tp "

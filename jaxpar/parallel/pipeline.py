@@ -12,13 +12,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import Config
 from jaxpar.core.sharding import constrain
+from jaxpar.models.family import apply_blocks, family_of, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
-from jaxpar.models.gpt import STREAM, apply_blocks, cross_entropy, embed, logits_of, split_layers
+from jaxpar.models.layers import STREAM, cross_entropy
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule, resolve_microbatches
 
 PIPE = "pipe"
-HEAD = ("wte", "ln_f")  # the params the loss needs after the last block: the tied lm_head and ln_f
 
 
 def schedule_for(cfg: Config, mesh, forward_only: bool = False) -> Schedule:
@@ -63,6 +63,7 @@ class StageOps:
     def __init__(self, cfg: Config, vocab_size: int, layer_axes: dict, schedule: Schedule, table: dict,
                  layer_params, head, x0, targets, layer_keys):
         self.cfg, self.vocab_size, self.layer_axes, self.schedule = cfg, vocab_size, layer_axes, schedule
+        self.family = family_of(cfg.model)
         self.head, self.x0, self.targets = head, x0, targets
         self.V, self.train = schedule.virtual, schedule.name != "forward"
         self.split_backward = schedule.name == "zb-h1"  # B the input gradient only; W the weights
@@ -86,8 +87,7 @@ class StageOps:
         return apply_blocks(params, self.layer_axes, x, self.cfg.model, keys)
 
     def loss_of(self, head, y, k):
-        logits = logits_of(head, y, self.vocab_size, jnp.dtype(self.cfg.model.dtype))
-        return cross_entropy(logits, self.targets[k])
+        return cross_entropy(self.family.logits(head, y, self.vocab_size), self.targets[k])
 
     def op_input(self, c, t):
         """(microbatch, chunk, its input, its output gradient) for the op at tick t."""
@@ -222,18 +222,18 @@ def make_round_fn(cfg: Config, vocab_size: int, axes: dict, mesh, forward_only: 
     round_key is (step key, round index) when dropout is on, else None. forward_only: loss only.
     """
     schedule = schedule_for(cfg, mesh, forward_only)
-    rate = cfg.model.dropout
+    rate, family = cfg.model.dropout, family_of(cfg.model)
 
     def round_fn(params, inputs, targets, round_key=None):
         top, _, layer_params, layer_axes = split_layers(params, axes)
         run = make_executor(cfg, vocab_size, layer_axes, schedule, mesh)
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
-        head = {name: top[name] for name in HEAD}
+        head = {name: top[name] for name in family.head_names}
 
         def embed_all(top):
             if embed_keys is None:
-                return jax.vmap(lambda tokens: embed(top, tokens, rate, None))(inputs)
-            return jax.vmap(lambda tokens, key: embed(top, tokens, rate, key))(inputs, embed_keys)
+                return jax.vmap(lambda tokens: family.embed(top, tokens, rate, None))(inputs)
+            return jax.vmap(lambda tokens, key: family.embed(top, tokens, rate, key))(inputs, embed_keys)
 
         if forward_only:
             return run(layer_params, head, embed_all(top), targets, layer_keys).mean()
@@ -243,7 +243,7 @@ def make_round_fn(cfg: Config, vocab_size: int, axes: dict, mesh, forward_only: 
             chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1))
         layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
         (top_grads,) = embed_vjp(dx0)
-        grads = {**top_grads, **{name: tree_add(top_grads[name], head_grads[name]) for name in HEAD},
+        grads = {**top_grads, **{name: tree_add(top_grads[name], head_grads[name]) for name in family.head_names},
                  "blocks": layer_grads}
         return losses.mean(), jax.tree.map(lambda g: g / schedule.microbatches, grads)
 

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import Config
 from jaxpar.data.loader import load_dataset, model_vocab
-from jaxpar.models.gpt import abstract_model, padded_vocab
+from jaxpar.models.family import abstract_model, family_of
+from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import build_mesh, mesh_shape
 from jaxpar.parallel.pipeline import schedule_for
@@ -26,18 +27,18 @@ def mib(n: float) -> str:
 
 def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
                      layers: int | None = None) -> int:
-    """Saved activations of one forward pass on one device: Korthikanti et al. (2022), eq. 2 with
-    tensor parallelism, s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations
-    (eq. 4, 10/t for the first term, with sequence parallelism),
-    scaled to the compute dtype, plus the float32 logits. Under model.remat=full a layer keeps its
-    float32 input alone, and one layer's activations live while it reruns. `layers`: those this
-    device runs (default: all)."""
+    """Saved activations of one forward pass on one device: the family's `activation_units` per
+    token and layer (for GPT-2, Korthikanti et al. (2022), eq. 2 with tensor parallelism,
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations; eq. 4, 10/t for the
+    first term, with sequence parallelism), scaled to the compute dtype, plus the float32 logits.
+    Under model.remat=full a layer keeps its float32 input alone, and one layer's activations live
+    while it reruns. `layers`: those this device runs (default: all)."""
     m = cfg.model
-    s, h, a = m.block_size, m.n_embd, m.n_head
+    s, h = m.block_size, m.n_embd
     layers = m.n_layer if layers is None else layers
     scale = 4 / 2 if m.dtype == "float32" else 1
     split = tp if m.sequence_parallel else 1  # eq. 4: LayerNorm, dropout and residual split too
-    per_layer = s * rows_per_pass * h * (10 / split + 24 / tp + 5 * a * s / (h * tp)) * scale
+    per_layer = s * rows_per_pass * family_of(m).activation_units(tp, split) * scale
     saved = layers * per_layer if m.remat == "none" else layers * 4 * s * rows_per_pass * h + per_layer
     logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
     return int(saved + logits)

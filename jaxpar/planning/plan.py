@@ -244,7 +244,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     from tqdm import tqdm
 
     from jaxpar.data.loader import load_dataset, model_vocab
-    from jaxpar.models.gpt import abstract_model
+    from jaxpar.models.family import abstract_model
     from jaxpar.planning.hardware import chip_for, target_devices
     from jaxpar.planning.plan_report import write_report
     devices = target_devices(target)

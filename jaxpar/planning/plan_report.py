@@ -61,7 +61,8 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
     m = cfg.model
     out = [f"# Plan for {target.name}" + (f" ({target.topology})" if target.topology else ""),
            "",
-           f"Model: {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads, block {m.block_size}, "
+           f"Model: {m.family}, {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads "
+           f"({m.kv_heads} KV), MLP {m.mlp_width}, block {m.block_size}, "
            f"{m.dtype}; batch {cfg.train.batch_size} sequences. Chip: {chip.kind}, "
            f"{chip.hbm_bytes / GiB:,.1f} GiB, {chip.peak_flops / 1e12:,.0f} TFLOP/s, "
            f"{chip.link_bytes_per_s / 1e9:,.0f} GB/s per link and direction ({chip.source}).", "",

@@ -18,13 +18,14 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 
-from jaxpar.core.config import Config
+from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import model_vocab
 from jaxpar.data.tokenizer import from_meta
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # the params' shapes follow these
+# The params' shapes follow these (a checkpoint from before a field has its default).
+MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "n_kv_head", "mlp_dim", "tie_embeddings")
 # Bumped whenever a param's shape or axis order changes, so that an older checkpoint is named as
 # such rather than reported as damaged. 2: mlp_out's kernel is (layers, embed, mlp).
 PARAM_LAYOUT = 2
@@ -163,7 +164,8 @@ class Checkpoints:
 
 
 def model_shape(model: dict, vocab_size: int) -> str:
-    return ", ".join(f"{k}={model[k]}" for k in MODEL_FIELDS) + f", vocab_size={vocab_size}"
+    defaults = dataclasses.asdict(ModelConfig())
+    return ", ".join(f"{k}={model.get(k, defaults[k])}" for k in MODEL_FIELDS) + f", vocab_size={vocab_size}"
 
 
 def saved_vocab(meta: dict) -> tuple[object, int]:
@@ -182,6 +184,11 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
                         f"({saved_tokenizer.spec}, {saved_tokenizer.vocab_size} tokens) than this "
                         f"data's ({tokenizer.spec}, {tokenizer.vocab_size} tokens); use the same "
                         f"data, {fresh}")
+    family = saved["model"].get("family", "gpt2")  # checkpoints from before the field: GPT-2
+    if family != cfg.model.family:
+        raise UserError(f"the checkpoint in '{directory}' holds a model.family={family} model, and this "
+                        f"run asks for {cfg.model.family}; resume with the checkpoint's config "
+                        f"(--model.family={family}), {fresh}")
     have = model_shape(saved["model"], vocab)
     want = model_shape(dataclasses.asdict(cfg.model), model_vocab(cfg, tokenizer))
     if have != want:
@@ -200,7 +207,7 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
 
 def restore_train_state(ckpt: Checkpoints, cfg: Config, tokenizer, tx, shardings):
     """(TrainState on the mesh and ZeRO stage of `shardings`, meta, skipped steps), or None."""
-    from jaxpar.models.gpt import abstract_model
+    from jaxpar.models.family import abstract_model
     from jaxpar.training import step as steps
     _, shapes, _ = abstract_model(cfg, model_vocab(cfg, tokenizer))
     targets = {"params": abstract_tree(shapes, shardings.params),

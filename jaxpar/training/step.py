@@ -18,13 +18,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import Config, TrainConfig
 from jaxpar.core.sharding import param_axes, rules_for, shardings_for, traced_with_rules
-from jaxpar.models.gpt import abstract_model, build_model, cross_entropy
+from jaxpar.models.family import abstract_model, build_model
+from jaxpar.models.layers import cross_entropy
 from jaxpar.parallel import pipeline, zero
 from jaxpar.parallel.schedule import resolve_microbatches
 
-# nanoGPT decays every weight of 2 or more dims: the matmul kernels and both embeddings (wte is
-# also the tied lm_head). LayerNorm scales and biases are not decayed.
-DECAYED = ("kernel", "wte", "wpe")
+# nanoGPT decays every weight of 2 or more dims: the matmul kernels, the embeddings (wte is also
+# a tied lm_head) and an untied lm_head. Norm scales and biases are not decayed.
+DECAYED = ("kernel", "wte", "wpe", "lm_head")
 
 
 class TrainState(NamedTuple):

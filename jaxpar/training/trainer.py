@@ -21,7 +21,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, model_vocab
 from jaxpar.models import flops
-from jaxpar.models.gpt import abstract_model
+from jaxpar.models.family import abstract_model
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import build_mesh, mesh_shape

@@ -1,0 +1,117 @@
+"""The model's configuration: the [model] section's keys of every family, and their checks.
+
+A key that only one family reads is declared `only_for(family, default)`; setting it on a model
+of another family is an error (`check_family_keys`).
+"""
+
+from dataclasses import dataclass, field, fields
+
+from jaxpar.core.errors import UserError
+
+GELU_KINDS = ("exact", "tanh")
+REMAT_KINDS = ("none", "full")
+FAMILIES = ("gpt2", "llama")  # model.family: a module each in jaxpar/models (jaxpar.models.family)
+ROPE_TYPES = ("default", "llama3")
+
+
+def only_for(family: str, default):
+    """A model field that only `family` reads: setting it on another family is an error."""
+    return field(default=default, metadata={"family": family})
+
+
+@dataclass
+class ModelConfig:
+    family: str = "gpt2"  # gpt2 (learned positions, LayerNorm, GELU) or llama (RoPE, RMSNorm, SwiGLU, GQA)
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = only_for("gpt2", True)  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
+    # Rows of the embedding. 0: the data's vocabulary. Larger leaves room, as GPT-2's 50257 does
+    # for any tokenizer with fewer tokens; smaller than the data's vocabulary is an error.
+    vocab_size: int = 0
+    dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
+    unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
+    # The MLP's GELU: "exact" (erf) as nanoGPT's nn.GELU(), or "tanh", the approximation that
+    # Hugging Face GPT-2 checkpoints were trained with (activation_function "gelu_new").
+    gelu: str = only_for("gpt2", "exact")
+    # "full": keep only each layer's input and rerun the layer in the backward pass (jax.checkpoint):
+    # activation memory of one layer instead of all, for about a third more FLOPs.
+    remat: str = "none"
+    # Megatron sequence parallelism: with tp > 1, the residual stream between the matmuls (LayerNorm,
+    # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
+    # activations shrink by tp. No effect at tp = 1.
+    sequence_parallel: bool = False
+    # The llama family: grouped-query attention with n_kv_head K/V heads (0: n_head; it divides
+    # n_head), a SwiGLU MLP mlp_dim wide (0: 8/3 n_embd rounded up to a multiple of 64), RMSNorm,
+    # rotary positions (rope_type "llama3" adds Llama 3's frequency scaling), an untied lm_head
+    # unless tie_embeddings. Hugging Face's names: num_key_value_heads, intermediate_size,
+    # rms_norm_eps, rope_theta, rope_scaling / rope_parameters, tie_word_embeddings.
+    n_kv_head: int = only_for("llama", 0)
+    mlp_dim: int = only_for("llama", 0)
+    norm_eps: float = only_for("llama", 1e-5)
+    rope_theta: float = only_for("llama", 10000.0)
+    rope_type: str = only_for("llama", "default")
+    rope_factor: float = only_for("llama", 8.0)
+    rope_low_freq_factor: float = only_for("llama", 1.0)
+    rope_high_freq_factor: float = only_for("llama", 4.0)
+    rope_original_max_position: int = only_for("llama", 8192)
+    tie_embeddings: bool = only_for("llama", True)
+    # Positions the model is made for (HF's max_position_embeddings), kept through fine-tuning at a
+    # shorter block_size so an export says what the model was; 0: block_size.
+    max_positions: int = only_for("llama", 0)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: llama's mlp_dim (or its rule), GPT-2's 4 n_embd."""
+        if self.family != "llama":
+            return 4 * self.n_embd
+        return self.mlp_dim or -(-8 * self.n_embd // 3 // 64) * 64
+
+
+def check_family_keys(m: ModelConfig, explicit: set[str]) -> None:
+    """Refuse a model key set (in the file or on the command line) that the family never reads."""
+    if m.family not in FAMILIES:
+        raise UserError(f"model.family must be one of {', '.join(FAMILIES)}, got '{m.family}'")
+    for f in fields(ModelConfig):
+        family = f.metadata.get("family")
+        if family and family != m.family and f"model.{f.name}" in explicit:
+            raise UserError(f"model.{f.name} is a {family}-only setting, and this model is "
+                            f"model.family={m.family}; drop it, or set --model.family={family}")
+
+
+def validate_model(m: ModelConfig) -> None:
+    if m.family not in FAMILIES:
+        raise UserError(f"model.family must be one of {', '.join(FAMILIES)}, got '{m.family}'")
+    if m.n_embd % m.n_head:
+        raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
+    if m.gelu not in GELU_KINDS:
+        raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{m.gelu}'")
+    if m.remat not in REMAT_KINDS:
+        raise UserError(f"model.remat must be one of {', '.join(REMAT_KINDS)}, got '{m.remat}'")
+    if m.dtype not in ("float32", "bfloat16"):
+        raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
+    if not 0 <= m.dropout < 1:
+        raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.family != "llama":
+        return
+    if m.n_kv_head < 0 or m.n_head % m.kv_heads:
+        raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each KV "
+                        f"head serves n_head/n_kv_head query heads); choose a divisor of {m.n_head}")
+    if (m.n_embd // m.n_head) % 2:
+        raise UserError(f"the head dim n_embd/n_head = {m.n_embd // m.n_head} is odd, and rotary "
+                        "positions rotate pairs of dims; choose n_embd and n_head with an even quotient")
+    if m.mlp_dim < 0 or m.norm_eps <= 0 or m.rope_theta <= 0:
+        raise UserError(f"model.mlp_dim must be >= 0 and model.norm_eps, model.rope_theta > 0; got "
+                        f"{m.mlp_dim}, {m.norm_eps}, {m.rope_theta}")
+    if m.rope_type not in ROPE_TYPES:
+        raise UserError(f"model.rope_type must be one of {', '.join(ROPE_TYPES)}, got '{m.rope_type}'")
+    if m.rope_type == "llama3" and not (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
+                                        and m.rope_original_max_position > 0):
+        raise UserError("llama3 rope scaling needs model.rope_factor > 0, model.rope_high_freq_factor > "
+                        "model.rope_low_freq_factor > 0 and model.rope_original_max_position > 0")

@@ -1,0 +1,112 @@
+"""Where an inference command's model comes from: a training run's newest checkpoint (`load`), or a
+Hugging Face directory used as it is, without training a step (`load_hf`), placed on any mesh.
+
+For an HF directory the tokenizer is its tokenizer.json; without one, `tokenizer` is None and the
+command says what it needs.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+from jax.sharding import Mesh
+
+from jaxpar.core.config import Config, load_config
+from jaxpar.core.errors import ArgumentParser, UserError
+from jaxpar.core.sharding import shardings_for
+from jaxpar.data.tokenizer import load_tokenizer
+from jaxpar.interop.hf import apply_hf_config, load_hf_params
+from jaxpar.models.family import abstract_model
+from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
+from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints, saved_vocab
+
+
+@dataclass
+class Model:
+    cfg: Config  # the checkpoint's resolved config, with this mesh
+    tokenizer: object  # any kind of jaxpar.data.tokenizer, as the checkpoint names it
+    vocab_size: int  # the model's (model.vocab_size, or the tokenizer's)
+    params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
+    mesh: Mesh
+    step: int  # the training step the checkpoint holds
+    decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
+
+
+def load(path, mesh: str = "dp=1", devices=None) -> Model:
+    """The newest readable checkpoint's params in `path` (a run's --out or its checkpoints folder),
+    placed on a `mesh` over `devices` (default: the first devices the mesh needs)."""
+    ckpt = Checkpoints(find_checkpoints(path))
+    built = {}
+
+    def targets_for(meta: dict) -> dict:
+        cfg = Config.from_dict(meta["config"])
+        built["mesh"] = inference_mesh(cfg, mesh, devices)
+        built["cfg"] = cfg
+        built["tokenizer"], built["vocab"] = saved_vocab(meta)
+        _, shapes, axes = abstract_model(cfg, built["vocab"])
+        return {"params": abstract_tree(shapes, shardings_for(axes, shapes, built["mesh"]))}
+
+    found = ckpt.restore_latest(targets_for)
+    if found is None:
+        raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
+    step, _, items, _ = found
+    return Model(built["cfg"], built["tokenizer"], built["vocab"], items.params, built["mesh"], step)
+
+
+def inference_mesh(cfg: Config, mesh: str, devices=None) -> Mesh:
+    """The mesh `mesh` (e.g. "tp=2") over `devices` (default: the first ones it needs), set in
+    cfg with ZeRO off: no optimizer here, and the whole params on every data replica."""
+    for key, value in parse_mesh_spec(mesh).items():
+        setattr(cfg.mesh, key.split(".")[1], int(value))
+    cfg.train.zero = 0
+    wanted = requested_devices(cfg.mesh)
+    chosen = devices if devices is not None else jax.devices()[:wanted or len(jax.devices())]
+    # Sampling replicates its batch over 'data': the training batch does not bind the mesh.
+    cfg.train.batch_size, cfg.train.grad_accum = len(chosen), 1
+    return build_mesh(cfg, chosen)
+
+
+DEFAULT_BLOCK = 1024  # the window when neither --block-size nor a smaller max_position_embeddings says
+
+
+def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = None) -> Model:
+    """The model in hf_dir, each device reading its own slices, with a window of block_size
+    tokens (default: max_position_embeddings, at most DEFAULT_BLOCK)."""
+    cfg = Config()
+    cfg.model.block_size = block_size or DEFAULT_BLOCK
+    for key, value in parse_mesh_spec(mesh).items():  # the heads are checked against tp
+        setattr(cfg.mesh, key.split(".")[1], int(value))
+    vocab = apply_hf_config(cfg, hf_dir, {"model.block_size": str(block_size)} if block_size else {})
+    mesh_obj = inference_mesh(cfg, mesh, devices)
+    _, shapes, axes = abstract_model(cfg, vocab)
+    params = load_hf_params(hf_dir, cfg, vocab, shardings_for(axes, shapes, mesh_obj))
+    tokenizer_file = Path(hf_dir) / "tokenizer.json"
+    tokenizer = load_tokenizer(str(tokenizer_file)) if tokenizer_file.is_file() else None
+    return Model(cfg, tokenizer, vocab, params, mesh_obj, step=0)
+
+
+def add_model_source(parser: ArgumentParser) -> None:
+    """--ckpt RUN_DIR or --hf HF_DIR, and the mesh to run on."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="a training run's --out directory, or its checkpoints folder")
+    source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face directory (GPT-2 or Llama), "
+                        "as save_pretrained writes it: used as it is, without training")
+    parser.add_argument("--block-size", type=int, help="with --hf: the window in tokens (default: "
+                        "max_position_embeddings, at most 1024)")
+    parser.add_argument("--mesh", default="dp=1", help="e.g. tp=2 (default: one device)")
+
+
+def load_source(args) -> Model:
+    """The model --ckpt or --hf names, on --mesh."""
+    force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
+    if args.ckpt is not None:
+        if args.block_size is not None:
+            raise UserError("--block-size is for --hf; a checkpoint keeps the block size it was trained with")
+        return load(args.ckpt, args.mesh)
+    if args.block_size is not None and args.block_size < 1:
+        raise UserError(f"--block-size must be at least 1, got {args.block_size}")
+    return load_hf(args.hf, args.mesh, block_size=args.block_size)
+
+
+def source_name(args, model: Model) -> str:
+    return f"step {model.step} of {args.ckpt}" if args.ckpt else args.hf

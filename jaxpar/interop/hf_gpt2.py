@@ -1,0 +1,185 @@
+"""Hugging Face's GPT2LMHeadModel and jaxpar's GPT-2 family: config.json's fields, the weights'
+names and layouts, and what save_pretrained writes. Used through jaxpar.interop.hf.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+from jaxpar.interop.hf_files import find_tensor, slice_reader
+from jaxpar.models.gpt import LN_EPS
+
+FAMILY = "gpt2"
+HF_PREFIX = "transformer."  # GPT2LMHeadModel's names; a bare GPT2Model's lack it
+# HF's activation names whose math is jaxpar's model.gelu of that kind.
+ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
+               "gelu": "exact", "gelu_python": "exact"}
+TO_HF_ACTIVATION = {"tanh": "gelu_new", "exact": "gelu"}
+
+
+@dataclass(frozen=True)
+class Weight:
+    """Where a jaxpar param comes from: the HF tensor `hf` (per layer: under h.{i}.), whose dims
+    are `groups` of jaxpar's per-layer dims in order (e.g. c_attn's 3C is (3, heads, head_dim)),
+    swapped first if `transposed`."""
+    hf: str
+    groups: tuple | None = None  # None: one jaxpar dim per HF dim
+    transposed: bool = False
+
+
+LAYER_WEIGHTS = {
+    ("ln_1", "scale"): Weight("ln_1.weight"), ("ln_1", "bias"): Weight("ln_1.bias"),
+    # Conv1D stores (in, out), as jaxpar's kernels are; the 3C outputs are q, k, v by head.
+    ("qkv", "kernel"): Weight("attn.c_attn.weight", (1, 3)),
+    ("qkv", "bias"): Weight("attn.c_attn.bias", (3,)),
+    ("attn_out", "kernel"): Weight("attn.c_proj.weight", (2, 1)),
+    ("attn_out", "bias"): Weight("attn.c_proj.bias"),
+    ("ln_2", "scale"): Weight("ln_2.weight"), ("ln_2", "bias"): Weight("ln_2.bias"),
+    ("mlp_in", "kernel"): Weight("mlp.c_fc.weight"), ("mlp_in", "bias"): Weight("mlp.c_fc.bias"),
+    # jaxpar stores the MLP output (embed, mlp), out first; HF's Conv1D has it (mlp, embed).
+    ("mlp_out", "kernel"): Weight("mlp.c_proj.weight", transposed=True),
+    ("mlp_out", "bias"): Weight("mlp.c_proj.bias"),
+}
+TOP_WEIGHTS = {("wte",): Weight("wte.weight"), ("wpe",): Weight("wpe.weight"),
+               ("ln_f", "scale"): Weight("ln_f.weight"), ("ln_f", "bias"): Weight("ln_f.bias")}
+
+
+def hf_shape(weight: Weight, jaxpar_shape: tuple) -> tuple:
+    """The HF tensor's shape for a jaxpar param of `jaxpar_shape` (one layer's)."""
+    dims = list(jaxpar_shape[::-1] if weight.transposed else jaxpar_shape)
+    shape = []
+    for size in weight.groups or (1,) * len(dims):
+        shape.append(int(np.prod(dims[:size])))
+        dims = dims[size:]
+    return tuple(shape)
+
+
+def to_jaxpar_layout(weight: Weight, array: np.ndarray, jaxpar_shape: tuple) -> np.ndarray:
+    """An HF tensor as jaxpar's param (a view: nothing is read until it is indexed)."""
+    split = jaxpar_shape[::-1] if weight.transposed else jaxpar_shape
+    array = array.reshape(split)
+    return array.T if weight.transposed else array
+
+
+def to_hf_layout(weight: Weight, array: np.ndarray, dtype) -> np.ndarray:
+    """One layer's jaxpar param as its HF tensor (C-ordered, as safetensors stores it)."""
+    hf = (array.T if weight.transposed else array).reshape(hf_shape(weight, array.shape))
+    return np.ascontiguousarray(hf, dtype)
+
+
+def check_supported(config: dict, path: Path) -> None:
+    """Refuse a GPT-2 config.json whose options change math jaxpar lacks."""
+    C = config.get("n_embd", 768)
+    unsupported = [
+        ("scale_attn_by_inverse_layer_idx", config.get("scale_attn_by_inverse_layer_idx", False),
+         False),
+        ("scale_attn_weights", config.get("scale_attn_weights", True), True),
+        ("add_cross_attention", config.get("add_cross_attention", False), False),
+        ("tie_word_embeddings", config.get("tie_word_embeddings", True), True),
+        ("n_inner", config.get("n_inner"), None if config.get("n_inner") is None else 4 * C),
+        ("layer_norm_epsilon", config.get("layer_norm_epsilon", 1e-5), LN_EPS),
+    ]
+    for key, found, needed in unsupported:
+        if found != needed:
+            raise UserError(f"'{path}' has {key}={json.dumps(found)}, which jaxpar's GPT does not "
+                            f"compute (it needs {json.dumps(needed)}); use a standard GPT-2 checkpoint")
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in ACTIVATIONS:
+        raise UserError(f"'{path}' has activation_function '{activation}', which jaxpar's GPT does "
+                        f"not compute; it knows {', '.join(ACTIVATIONS)}")
+
+
+def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]], int, int]:
+    """([(model field, value, where config.json says so)], vocab_size, positions it can see)."""
+    check_supported(config, path)
+    try:
+        fields = [(field, int(config[key]), f"{key}={config[key]}") for field, key in
+                  [("n_layer", "n_layer"), ("n_head", "n_head"), ("n_embd", "n_embd"),
+                   ("block_size", "n_positions")]]
+        vocab_size = int(config["vocab_size"])
+    except KeyError as e:
+        raise UserError(f"'{path}' has no {e.args[0]}; pass a complete GPT-2 config.json") from None
+    activation = config.get("activation_function", "gelu_new")
+    fields += [("family", FAMILY, "model_type=gpt2"), ("bias", True, "biases (every GPT-2 has them)"),
+               ("gelu", ACTIVATIONS[activation], f"activation_function={activation}")]
+    return fields, vocab_size, int(config["n_positions"])
+
+
+def check_tied_head(tensors: dict, wte: np.ndarray, path: Path) -> None:
+    """GPT-2's lm_head is wte; a file that stores a different one is a model jaxpar cannot hold."""
+    head = tensors.get("lm_head.weight")
+    if head is not None and not np.array_equal(head, wte):
+        raise UserError(f"'{path}': lm_head.weight differs from wte.weight, and jaxpar's lm_head "
+                        "is tied to wte; use a checkpoint with tied embeddings")
+
+
+def readers(tensors: dict, cfg: Config, vocab_size: int, shapes: dict, path: Path) -> dict:
+    """{param path: make_array_from_callback's reader} for every param in `shapes`, all checked."""
+    if not cfg.model.bias:
+        raise UserError("model.bias=false cannot hold a GPT-2 checkpoint, which has biases; "
+                        "drop the override")
+    prefix = HF_PREFIX if HF_PREFIX + "wte.weight" in tensors else ""
+
+    def source(key: tuple, shape: tuple):
+        if key[0] == "blocks":
+            weight = LAYER_WEIGHTS[key[1:]]
+            names = [f"h.{i}.{weight.hf}" for i in range(cfg.model.n_layer)]
+            shape = shape[1:]
+        else:
+            weight, names = TOP_WEIGHTS[key], [TOP_WEIGHTS[key].hf]
+        real = (vocab_size,) + shape[1:] if key == ("wte",) else shape
+        arrays = [find_tensor(tensors, prefix + n, hf_shape(weight, real), path) for n in names]
+        if key == ("wte",):
+            check_tied_head(tensors, arrays[0], path)
+        views = [to_jaxpar_layout(weight, a, real) for a in arrays]
+        return slice_reader(views, key[0] == "blocks", vocab_size if key == ("wte",) else None)
+
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    return {keys(p): source(keys(p), s.shape) for p, s in flat}
+
+
+def keys(path) -> tuple[str, ...]:
+    return tuple(k.key for k in path)
+
+
+def state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """jaxpar's params as GPT2LMHeadModel.save_pretrained writes them: its names and shapes, with
+    wte's padding rows removed (the tied lm_head is not stored)."""
+    if not cfg.model.bias:
+        raise UserError("this model was trained with model.bias=false, and a Hugging Face GPT-2 "
+                        "always has biases; only a model.bias=true run can be exported")
+    out = {}
+    for path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path, array = keys(path), np.asarray(jax.device_get(array), np.float32)
+        if path[0] == "blocks":
+            weight = LAYER_WEIGHTS[path[1:]]
+            for i in range(cfg.model.n_layer):
+                out[f"{HF_PREFIX}h.{i}.{weight.hf}"] = to_hf_layout(weight, array[i], dtype)
+        else:
+            weight = TOP_WEIGHTS[path]
+            out[HF_PREFIX + weight.hf] = to_hf_layout(weight, array[:vocab_size] if path == ("wte",)
+                                                      else array, dtype)
+    return out
+
+
+def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+    """config.json for GPT2LMHeadModel, as save_pretrained writes it for this model."""
+    m = cfg.model
+    return {
+        "activation_function": TO_HF_ACTIVATION[m.gelu], "add_cross_attention": False,
+        "architectures": ["GPT2LMHeadModel"], "attn_pdrop": m.dropout,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype,
+        "embd_pdrop": m.dropout, "initializer_range": 0.02, "layer_norm_epsilon": LN_EPS,
+        "model_type": "gpt2", "n_ctx": m.block_size, "n_embd": m.n_embd, "n_head": m.n_head,
+        "n_inner": None, "n_layer": m.n_layer, "n_positions": m.block_size, "pad_token_id": None,
+        "reorder_and_upcast_attn": False, "resid_pdrop": m.dropout,
+        "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
+        "summary_activation": None, "summary_first_dropout": m.dropout,
+        "summary_proj_to_labels": True, "summary_type": "cls_index", "summary_use_proj": True,
+        "tie_word_embeddings": True, "use_cache": True, "vocab_size": vocab_size,
+    }

@@ -1,0 +1,183 @@
+"""Hugging Face's LlamaForCausalLM and jaxpar's Llama family: config.json's fields (transformers 4's
+rope_theta and rope_scaling, or 5's rope_parameters), the weights' names and layouts, and what
+save_pretrained writes. Used through jaxpar.interop.hf.
+
+HF's Linear weights are (out, in); jaxpar's kernels are (in, *out) with the heads split out, so each
+maps with a transpose and a reshape, and k/v and gate/up are stacked into one kernel each.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+from jaxpar.interop.hf_files import Stacked, find_tensor, slice_reader
+
+FAMILY = "llama"
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+               "rope_high_freq_factor": "high_freq_factor",
+               "rope_original_max_position": "original_max_position_embeddings"}
+LAYER = "model.layers.{i}."
+# jaxpar param -> the HF tensors it is made of (several: stacked on the kernel's axis 1)
+LAYER_WEIGHTS = {
+    ("attn_norm", "scale"): ["input_layernorm.weight"],
+    ("q", "kernel"): ["self_attn.q_proj.weight"],
+    ("kv", "kernel"): ["self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+    ("attn_out", "kernel"): ["self_attn.o_proj.weight"],
+    ("mlp_norm", "scale"): ["post_attention_layernorm.weight"],
+    ("gate_up", "kernel"): ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    ("mlp_out", "kernel"): ["mlp.down_proj.weight"],  # (embed, mlp) in both
+}
+TOP_WEIGHTS = {("wte",): "model.embed_tokens.weight", ("norm", "scale"): "model.norm.weight",
+               ("lm_head",): "lm_head.weight"}
+
+
+def refuse(path: Path, what: str, fix: str = "jaxpar's Llama computes plain LlamaForCausalLM math"):
+    raise UserError(f"'{path}' has {what}, which jaxpar does not compute; {fix}")
+
+
+def rope_fields(config: dict, path: Path) -> list[tuple[str, object, str]]:
+    """RoPE's settings from transformers 5's rope_parameters or 4's rope_theta + rope_scaling."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        refuse(path, f"rope type '{kind}'", f"it knows rope types {', '.join(ROPE_TYPES)}")
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    fields = [("rope_theta", theta, f"rope_theta={theta}"), ("rope_type", kind, f"rope type {kind}")]
+    if kind == "llama3":
+        try:
+            fields += [(name, type(Config().model.__dict__[name])(rope[key]), f"{key}={rope[key]}")
+                       for name, key in LLAMA3_KEYS.items()]
+        except KeyError as e:
+            raise UserError(f"'{path}': llama3 rope scaling without {e.args[0]}; pass a complete "
+                            "config.json") from None
+    return fields
+
+
+def check_supported(config: dict, path: Path) -> None:
+    if config.get("model_type") == "qwen2":
+        refuse(path, "Qwen2's biases on q, k and v (model_type qwen2)")
+    if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
+        refuse(path, f"sliding_window={config['sliding_window']}", "it attends to the whole block")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            refuse(path, f"{key}=true")
+    if config.get("hidden_act", "silu") != "silu":
+        refuse(path, f"hidden_act '{config['hidden_act']}'", "its SwiGLU uses silu")
+    heads, width = config.get("num_attention_heads", 1), config.get("hidden_size", 0)
+    if config.get("head_dim") not in (None, width // heads):
+        refuse(path, f"head_dim={config['head_dim']} (not hidden_size / num_attention_heads)")
+
+
+def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]], int, int]:
+    """([(model field, value, where config.json says so)], vocab_size, positions it can see)."""
+    check_supported(config, path)
+    try:
+        fields = [(field, int(config[key]), f"{key}={config[key]}") for field, key in
+                  [("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
+                   ("n_embd", "hidden_size"), ("mlp_dim", "intermediate_size")]]
+        kv = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+        vocab_size, positions = int(config["vocab_size"]), int(config.get("max_position_embeddings", 2048))
+    except KeyError as e:
+        raise UserError(f"'{path}' has no {e.args[0]}; pass a complete Llama config.json") from None
+    eps, tied = float(config.get("rms_norm_eps", 1e-6)), bool(config.get("tie_word_embeddings", False))
+    fields += [("family", FAMILY, f"model_type={config.get('model_type')}"),
+               ("n_kv_head", kv, f"num_key_value_heads={kv}"), ("norm_eps", eps, f"rms_norm_eps={eps}"),
+               ("tie_embeddings", tied, f"tie_word_embeddings={json.dumps(tied)}"),
+               ("max_positions", positions, f"max_position_embeddings={positions}")]
+    return fields + rope_fields(config, path), vocab_size, positions
+
+
+def layer_view(key: tuple, arrays: list, shape: tuple):
+    """One layer's jaxpar param (of `shape`) as a lazy view of its HF tensors."""
+    if key[1] == "scale" or key[0] == "mlp_out":
+        return arrays[0]
+    if len(arrays) == 1:  # (out, in) -> (in, *out), or for attn_out (embed, heads*hd) -> (heads, hd, embed)
+        return arrays[0].T.reshape(shape)
+    part = shape[:1] + shape[2:]
+    return Stacked([a.T.reshape(part) for a in arrays], axis=1)
+
+
+def hf_layer_shape(key: tuple, shape: tuple, parts: int) -> tuple:
+    if key[1] == "scale" or key[0] == "mlp_out":
+        return shape
+    if key[0] == "attn_out":
+        return (shape[-1], int(np.prod(shape[:-1])))
+    inner = shape[2:] if parts > 1 else shape[1:]
+    return (int(np.prod(inner)), shape[0])
+
+
+def readers(tensors: dict, cfg: Config, vocab_size: int, shapes: dict, path: Path) -> dict:
+    """{param path: make_array_from_callback's reader} for every param in `shapes`, all checked."""
+    out = {}
+    for p, s in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        key = tuple(k.key for k in p)
+        if key[0] == "blocks":
+            names = LAYER_WEIGHTS[key[1:]]
+            views = [layer_view(key[1:], [find_tensor(tensors, LAYER.format(i=i) + n,
+                                                      hf_layer_shape(key[1:], s.shape[1:], len(names)), path)
+                                          for n in names], s.shape[1:])
+                     for i in range(cfg.model.n_layer)]
+            out[key] = slice_reader(views, True)
+        elif key == ("norm", "scale"):
+            out[key] = slice_reader([find_tensor(tensors, TOP_WEIGHTS[key], s.shape, path)], False)
+        else:
+            array = find_tensor(tensors, TOP_WEIGHTS[key], (vocab_size, s.shape[1]), path)
+            out[key] = slice_reader([array], False, vocab_size)
+    if cfg.model.tie_embeddings and "lm_head.weight" in tensors and not np.array_equal(
+            tensors["lm_head.weight"], tensors[TOP_WEIGHTS[("wte",)]]):
+        raise UserError(f"'{path}': lm_head.weight differs from the embedding, but config.json says "
+                        "tie_word_embeddings=true; pass a consistent checkpoint")
+    return out
+
+
+def hf_tensors(key: tuple, array: np.ndarray) -> list[np.ndarray]:
+    """One layer's jaxpar param as its HF tensors, in LAYER_WEIGHTS's order."""
+    if key[1] == "scale" or key[0] == "mlp_out":
+        return [array]
+    if key[0] == "attn_out":
+        return [array.reshape(-1, array.shape[-1]).T]
+    parts = [array] if len(LAYER_WEIGHTS[key]) == 1 else [array[:, j] for j in range(array.shape[1])]
+    return [part.reshape(part.shape[0], -1).T for part in parts]
+
+
+def state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """jaxpar's params as LlamaForCausalLM.save_pretrained writes them: its names and shapes, the
+    vocabulary's padding rows removed, lm_head.weight only when untied."""
+    out = {}
+    for p, array in jax.tree_util.tree_flatten_with_path(params)[0]:
+        key, array = tuple(k.key for k in p), np.asarray(jax.device_get(array), np.float32)
+        if key[0] == "blocks":
+            for i in range(cfg.model.n_layer):
+                for name, tensor in zip(LAYER_WEIGHTS[key[1:]], hf_tensors(key[1:], array[i])):
+                    out[LAYER.format(i=i) + name] = np.ascontiguousarray(tensor, dtype)
+        else:
+            out[TOP_WEIGHTS[key]] = np.ascontiguousarray(array[:vocab_size] if key != ("norm", "scale")
+                                                         else array, dtype)
+    return out
+
+
+def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+    """config.json for LlamaForCausalLM, as transformers 5's save_pretrained writes it, with
+    transformers 4's rope_theta and rope_scaling beside rope_parameters."""
+    m = cfg.model
+    rope = {"rope_theta": m.rope_theta, "rope_type": m.rope_type}
+    if m.rope_type == "llama3":
+        rope |= {key: getattr(m, name) for name, key in LLAMA3_KEYS.items()}
+    scaling = None if m.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": m.dropout,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype, "head_dim": m.n_embd // m.n_head,
+        "hidden_act": "silu", "hidden_size": m.n_embd, "initializer_range": 0.02,
+        "intermediate_size": m.mlp_width, "max_position_embeddings": max(m.block_size, m.max_positions),
+        "mlp_bias": False,
+        "model_type": "llama", "num_attention_heads": m.n_head, "num_hidden_layers": m.n_layer,
+        "num_key_value_heads": m.kv_heads, "pad_token_id": None, "pretraining_tp": 1,
+        "rms_norm_eps": m.norm_eps, "rope_parameters": rope, "rope_theta": m.rope_theta,
+        "rope_scaling": scaling, "tie_word_embeddings": m.tie_embeddings, "use_cache": True,
+        "vocab_size": vocab_size,
+    }

@@ -1,0 +1,99 @@
+"""What every model family is made of: stacked parameters, dropout, the weights' compute layout,
+the residual stream's layout, the masked lm_head logits and the loss.
+
+Layers are stacked on a leading 'layers' axis; the code names logical axes only.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.core.sharding import constrain
+from jaxpar.models.attention import apply_dropout
+from jaxpar.models.matmul import project
+
+VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
+GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
+STREAM = ("batch", "stream_seq", "embed")  # the residual stream's logical axes between blocks
+
+
+def padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def normal_param(rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class StackedDense(nnx.Module):
+    """A linear layer per block: kernel (layers, *in, *out), bias (layers, *out).
+
+    With `out_first` (one in and one out axis) the kernel is stored as (layers, out, in), as
+    torch's nn.Linear stores it; it is drawn as (in, out) all the same, so a seed gives the same
+    weights in either layout.
+    """
+
+    def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int,
+                 bias: bool, out_first: bool = False):
+        kernel = normal_param(rngs, std, shape, axes)
+        if out_first:
+            kernel = nnx.Param(jnp.swapaxes(kernel[...], 1, 2), axes=(axes[0], axes[2], axes[1]))
+        self.kernel = kernel
+        if bias:
+            self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
+                                  axes=axes[:1] + axes[-n_out_dims:])
+
+
+def dropout(x: jax.Array, rate: float, key) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return apply_dropout(x, keep, rate).astype(x.dtype)
+
+
+def weights_for_compute(p: dict, axes: dict) -> dict:
+    """Pin weights to their rule-table layout where they are used.
+
+    Under ZeRO-3 they are stored split over 'data' as well, so this is where each layer gathers
+    its own weights; otherwise it changes nothing. The name lets a remat policy drop them.
+    """
+    return jax.tree.map(lambda a, names: checkpoint_name(constrain(a, names), GATHERED), p, axes)
+
+
+@jax.custom_vjp
+def gather_stream(h: jax.Array) -> jax.Array:
+    """(batch, seq, embed) from the stream's layout to the matmuls' (batch*seq, embed): an
+    all-gather under sequence parallelism. Its gradient, a partial sum over 'tensor', goes
+    straight to the stream's layout, where XLA:TPU sums it as a reduce-scatter."""
+    B, T, C = h.shape
+    return constrain(h.reshape(B * T, C), ("tokens", "embed"))
+
+
+gather_stream.defvjp(lambda h: (gather_stream(h), h.shape),
+                     lambda shape, g: (constrain(g.reshape(shape), STREAM),))
+
+
+def to_stream(y: jax.Array, shape: tuple) -> jax.Array:
+    """A row-parallel output (tokens, embed) back in the stream's layout: under tensor parallelism
+    a sum over 'tensor' (an all-reduce, or with sequence parallelism a reduce-scatter)."""
+    return constrain(y.reshape(shape), STREAM)
+
+
+def head_logits(x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Array:
+    """The lm_head (padded vocab, embed) on the normed (batch, seq, embed) stream: float32
+    logits, the vocabulary's padding rows masked so they can never be predicted."""
+    x = constrain(x, ("batch", "seq", "embed"))  # the whole sequence
+    logits = project("btc,vc->btv", x.astype(dtype), head.astype(dtype), dtype)
+    logits = constrain(logits, ("batch", "seq", "vocab"))
+    is_real = jnp.arange(logits.shape[-1]) < vocab_size
+    return jnp.where(is_real, logits, -1e9)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy; logits are float32."""
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    # A one-hot sum, not a gather: exact all the same, it splits over a vocab-parallel axis, and
+    # XLA's partitioner crashes on this gather inside a pipeline stage with data and tensor axes.
+    picked = jnp.sum(jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=bool), logits, 0.0), -1)
+    return jnp.mean(log_z - picked)

@@ -1,0 +1,47 @@
+"""Rotary position embeddings in Hugging Face's convention: each head's dims split in halves
+(`rotate_half`), not interleaved pairs, so HF's q/k weights load with a transpose alone; cos and sin
+in float32; Llama 3's frequency scaling (rope_type "llama3")."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.core.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig, head_dim: int) -> np.ndarray:
+    """theta^(-2i/d) for i < d/2, with Llama 3's scaling: wavelengths longer than the original
+    context / low_freq_factor are divided by `factor`, those shorter than original / high_freq_factor
+    kept, and those between interpolated smoothly (transformers' _compute_llama3_parameters)."""
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if cfg.rope_type != "llama3":
+        return inv.astype(np.float32)
+    original, factor = cfg.rope_original_max_position, cfg.rope_factor
+    low_wavelen = original / cfg.rope_low_freq_factor
+    high_wavelen = original / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(between, smoothed, scaled).astype(np.float32)
+
+
+def angles(cfg: ModelConfig, head_dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin), each (len(positions), head_dim) float32, the halves repeated as HF's are."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inverse_frequencies(cfg, head_dim))[None, :]
+    both = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(both), jnp.sin(both)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x (..., seq, head_dim) rotated by position, in float32, returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * cos + rotate_half(x32) * sin).astype(x.dtype)

@@ -1,0 +1,55 @@
+"""The Llama family under every layout trains as one device does: configs/tiny_llama.toml (GQA 4/2,
+SwiGLU, RMSNorm, llama3 RoPE scaling, an untied lm_head) on data, tensor (with 2 KV heads split over
+tp=2) and sequence parallelism, ZeRO-3, gradient accumulation, the 1F1B and interleaved pipelines,
+and two processes.
+
+Tolerances, as tests/test_equivalence.py's: losses within rtol 1e-5; each final param within 1e-5
+of that tensor's largest magnitude. A 1%-lr control shows the comparison can fail.
+"""
+
+import numpy as np
+import pytest
+from test_equivalence import STEPS, assert_same_training, losses, train
+from test_multiprocess import launch, logged_losses
+
+LLAMA = "tiny_llama"
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return train(config=LLAMA, evaluate=True)
+
+
+@pytest.mark.parametrize("spec, overrides", [
+    ("dp=2,tp=2", {"train.zero": 0}),
+    ("tp=2", {"train.zero": 0}),  # 2 KV heads, one per tensor rank
+    ("tp=2", {"model.sequence_parallel": "true"}),
+    ("dp=2", {"train.zero": 3}),
+    ("dp=2", {"train.grad_accum": 2}),
+    ("pp=2", {"pipeline.schedule": "1f1b"}),
+])
+def test_llama_layout_matches_one_device(one_device, spec, overrides):
+    assert_same_training(train(spec, evaluate=True, config=LLAMA, **overrides), one_device)
+
+
+def test_llama_interleaved_pipeline_on_four_stages_matches_one_device():
+    """pp=4 with 2 layer chunks per stage: 8 layers, a reference of its own."""
+    deep = {"model.n_layer": 8}
+    assert_same_training(train("pp=4", config=LLAMA, **deep, **{"pipeline.schedule": "interleaved",
+                                                                "pipeline.virtual": 2}),
+                         train(config=LLAMA, **deep))
+
+
+def test_llama_comparison_detects_a_different_run(one_device):
+    other = train(config=LLAMA, evaluate=True, **{"train.lr": 0.003 * 1.01})
+    with pytest.raises(AssertionError):
+        assert_same_training(other, one_device)
+
+
+def test_llama_in_two_processes_matches_one(one_device, tmp_path):
+    out = tmp_path / "run"
+    launch(out, "--config", LLAMA, "--mesh", "dp=2,tp=2", "--steps", str(STEPS))
+    reference = dict(enumerate(losses(one_device)))
+    got = logged_losses(out)
+    assert sorted(got) == list(range(STEPS))
+    np.testing.assert_allclose([got[s] for s in range(STEPS)], [reference[s] for s in range(STEPS)], rtol=1e-5)
