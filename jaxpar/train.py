@@ -32,8 +32,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--fresh", action="store_true",
                         help="start over: delete the checkpoints in --out instead of resuming")
     parser.add_argument("--init-from", metavar="HF_DIR",
-                        help="start from a Hugging Face GPT-2 checkpoint directory (config.json and "
-                        "model.safetensors); the model's shape comes from it (train.init_from)")
+                        help="start from a Hugging Face GPT-2 or Llama directory (config.json and "
+                        "safetensors); the model's shape comes from it (train.init_from)")
     parser.add_argument("--profile", metavar="START:END",
                         help="jax.profiler trace of steps START..END-1 into <out>/tensorboard")
     return parser

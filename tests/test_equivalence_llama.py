@@ -1,7 +1,7 @@
 """The Llama family under every layout trains as one device does: configs/tiny_llama.toml (GQA 4/2,
 SwiGLU, RMSNorm, llama3 RoPE scaling, an untied lm_head) on data, tensor (with 2 KV heads split over
-tp=2) and sequence parallelism, ZeRO-3, gradient accumulation, the 1F1B and interleaved pipelines,
-and two processes.
+tp=2) and sequence parallelism, ZeRO-3, gradient accumulation, full remat, all four pipeline
+schedules (GPipe, 1F1B and ZB-H1 on pp=2, interleaved on pp=4), and two processes.
 
 Tolerances, as tests/test_equivalence.py's: losses within rtol 1e-5; each final param within 1e-5
 of that tensor's largest magnitude. A 1%-lr control shows the comparison can fail.
@@ -27,6 +27,9 @@ def one_device():
     ("dp=2", {"train.zero": 3}),
     ("dp=2", {"train.grad_accum": 2}),
     ("pp=2", {"pipeline.schedule": "1f1b"}),
+    ("pp=2", {"pipeline.schedule": "gpipe"}),
+    ("pp=2", {"pipeline.schedule": "zb-h1"}),
+    ("dp=2,tp=2", {"model.remat": "full"}),
 ])
 def test_llama_layout_matches_one_device(one_device, spec, overrides):
     assert_same_training(train(spec, evaluate=True, config=LLAMA, **overrides), one_device)

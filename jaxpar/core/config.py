@@ -47,7 +47,7 @@ class TrainConfig:
     eval_batches: int = 20
     log_every: int = 1
     seed: int = 1337
-    # A Hugging Face GPT-2 directory (config.json + model.safetensors) to start from instead of a
+    # A Hugging Face GPT-2 or Llama directory (config.json + safetensors) to start from instead of a
     # random init: the model shape comes from its config.json (see jaxpar.interop.hf). Empty: random init.
     init_from: str = ""
 

@@ -94,7 +94,7 @@ def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bo
 
 
 def initial_state(cfg: Config, vocab: int, tx, shardings: steps.TrainState) -> steps.TrainState:
-    """A new state: random params, or train.init_from's Hugging Face GPT-2 weights, each placed
+    """A new state: random params, or train.init_from's Hugging Face weights, each placed
     straight into its shards."""
     if not cfg.train.init_from:
         return steps.init_state(cfg, vocab, tx, shardings)
