@@ -30,7 +30,7 @@ def test_enumeration_keeps_valid_layouts_and_gives_the_trainers_reasons():
                       if 8 % (dp * tp) == 0}
     for c in found:
         if c.status == "pending":
-            assert resolve_mesh_shape(c.cfg, 8) == (c.layout["dp"], c.layout["tp"], c.layout["pp"])
+            assert resolve_mesh_shape(c.cfg, 8) == (c.layout["dp"], c.layout["tp"], c.layout["pp"], 1)
     reasons = {(c.mesh_spec(), c.layout["zero"]): c.reason for c in found if c.status == "skipped"}
     with pytest.raises(UserError) as trainer:
         resolve_mesh_shape(tiny_config(**{"mesh.tp": 8}), 8)

@@ -63,6 +63,7 @@ class MeshConfig:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallelism: the sequence split over a ring of cp devices
 
 
 @dataclass
@@ -225,7 +226,7 @@ def validate(cfg: Config) -> None:
                         f"--pipeline.virtual >= 2 layer chunks per stage, every other schedule 1")
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
-    for axis in ("dp", "tp", "pp"):
+    for axis in ("dp", "tp", "pp", "cp"):
         size = getattr(cfg.mesh, axis)
         if size != -1 and size < 1:
             raise UserError(f"mesh.{axis} must be a positive integer or -1 (inferred), got {size}")
@@ -237,7 +238,7 @@ def validate(cfg: Config) -> None:
     if d.num_processes > 1 and not (host and port.isdigit()):
         raise UserError(f"dist.coordinator must be HOST:PORT when dist.num_processes > 1, "
                         f"got '{d.coordinator}'")
-    if [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp].count(-1) > 1:
+    if [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp].count(-1) > 1:
         raise UserError("at most one mesh axis may be -1 (inferred)")
 
 

@@ -5,6 +5,7 @@ Model code names logical axes only; changing a parallel layout means changing th
 
 import contextvars
 import functools
+import math
 
 import jax
 from jax.sharding import NamedSharding
@@ -15,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 # the tied embedding / lm_head is split over the vocabulary. Activations between blocks (the
 # residual stream) are split over 'data' by batch and whole on every tensor rank, unless
 # SEQUENCE_PARALLEL applies.
-RULES: dict[str, str | None] = {
+RULES: dict[str, str | tuple | None] = {
     "batch": "data",
     "tokens": "data",  # batch * seq, flattened for 2-D matmuls
     "vocab": "tensor",
@@ -39,11 +40,27 @@ RULES: dict[str, str | None] = {
 # the split layout (a reduce-scatter) instead of being all-reduced.
 SEQUENCE_PARALLEL = {**RULES, "stream_seq": "tensor"}
 
+# Context parallelism (mesh.cp > 1): every activation's sequence axis is split over 'context'; the
+# flattened (batch*seq) tokens over data, then context. Attention runs as a ring over 'context'
+# (jaxpar.models.ring_attention). Weights are not split over it: ZeRO-3 shards them over 'data' only.
+CONTEXT_PARALLEL = {**RULES, "seq": "context", "stream_seq": "context", "tokens": ("data", "context")}
+
 _active_rules = contextvars.ContextVar("jaxpar_rules", default=RULES)
 
 
-def rules_for(model_cfg) -> dict:
+def rules_for(model_cfg, context: int = 1) -> dict:
+    if context > 1:
+        return CONTEXT_PARALLEL
     return SEQUENCE_PARALLEL if model_cfg.sequence_parallel else RULES
+
+
+def sequence_ring() -> tuple[str | None, int]:
+    """(the mesh axis the sequence is split over while tracing, its size): (None, 1) without one."""
+    axis = _active_rules.get()["seq"]
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty:
+        return None, 1
+    return axis, mesh.shape[axis]
 
 
 def traced_with_rules(fn, rules: dict):
@@ -67,7 +84,7 @@ def logical_to_spec(axes: tuple[str, ...], rules: dict | None = None) -> P:
         if name not in rules:
             raise ValueError(f"unknown logical axis '{name}' in {axes}; known: {sorted(rules)}")
         mesh_axes.append(rules[name])
-    used = [a for a in mesh_axes if a is not None]
+    used = [a for m in mesh_axes for a in (m if isinstance(m, tuple) else (m,)) if a is not None]
     if len(used) != len(set(used)):
         raise ValueError(f"logical axes {axes} map to the same mesh axis twice: {mesh_axes}")
     return P(*mesh_axes)
@@ -76,7 +93,8 @@ def logical_to_spec(axes: tuple[str, ...], rules: dict | None = None) -> P:
 def check_divisible(name: str, shape: tuple[int, ...], spec: P, mesh) -> None:
     """Refuse a sharding that would need padding: every split dim must divide evenly."""
     for size, mesh_axis in zip(shape, spec):
-        ways = mesh.shape[mesh_axis] if mesh_axis is not None else 1
+        names = () if mesh_axis is None else mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
+        ways = math.prod(mesh.shape[name] for name in names)
         if size % ways:
             raise ValueError(f"{name}: dim of size {size} does not divide over mesh axis "
                              f"'{mesh_axis}' of size {ways}")

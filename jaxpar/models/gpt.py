@@ -13,15 +13,16 @@ from flax import nnx
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sharding import constrain
-from jaxpar.models.attention import causal_attention
 from jaxpar.models.layers import (
     STREAM,
     StackedDense,
+    attend,
     dropout,
     gather_stream,
     head_logits,
     normal_param,
     padded_vocab,
+    sequence_positions,
     to_stream,
     weights_for_compute,
 )
@@ -120,7 +121,7 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
     # three zero-padded copies of the whole qkv.
     q, k, v = (constrain(part[:, :, 0].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
                for part in jnp.split(qkv, 3, axis=2))
-    y = causal_attention(q, k, v, rate, keys[0]).reshape(B * T, *q.shape[1:2], q.shape[3])
+    y = attend(q, k, v, rate, keys[0]).reshape(B * T, *q.shape[1:2], q.shape[3])
     y = constrain(y, ("tokens", "heads", "head_dim"))
     x = add_to_stream(x, project("nhd,hdc->nc", y, p["attn_out"]["kernel"], dtype), p["attn_out"], keys[1])
     h = project("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"], dtype)
@@ -166,7 +167,8 @@ class GPT2:
 
     def embed(self, top: dict, tokens: jax.Array, rate: float, key) -> jax.Array:
         """Token + position embeddings of (batch, seq) tokens, with dropout."""
-        x = top["wte"][tokens] + top["wpe"][: tokens.shape[1]]
+        positions = sequence_positions(tokens.shape[1])  # None: in order
+        x = top["wte"][tokens] + (top["wpe"][: tokens.shape[1]] if positions is None else top["wpe"][positions])
         return dropout(constrain(x, STREAM), rate, key)
 
     def block(self, x: jax.Array, p: dict, axes: dict, key) -> jax.Array:

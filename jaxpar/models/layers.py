@@ -4,14 +4,18 @@ the residual stream's layout, the masked lm_head logits and the loss.
 Layers are stacked on a leading 'layers' axis; the code names logical axes only.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.sharding import constrain
-from jaxpar.models.attention import apply_dropout
+from jaxpar.core.sharding import constrain, sequence_ring
+from jaxpar.models.attention import apply_dropout, causal_attention
 from jaxpar.models.matmul import project
+from jaxpar.models.ring_attention import ring_attention, zigzag_permutation
 
 VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
@@ -78,6 +82,29 @@ def to_stream(y: jax.Array, shape: tuple) -> jax.Array:
     """A row-parallel output (tokens, embed) back in the stream's layout: under tensor parallelism
     a sum over 'tensor' (an all-reduce, or with sequence parallelism a reduce-scatter)."""
     return constrain(y.reshape(shape), STREAM)
+
+
+def sequence_positions(seq_len: int) -> jax.Array | None:
+    """Each token's true position while the sequence is laid out for a context ring (zigzag: see
+    jaxpar.models.ring_attention), or None when it is in order."""
+    _, ring = sequence_ring()
+    return None if ring == 1 else jnp.asarray(zigzag_permutation(seq_len, ring))
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key) -> jax.Array:
+    """Causal attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq,
+    head_dim) -> (batch, seq, heads, head_dim): on one device's whole sequence, or as a ring over
+    the mesh axis the sequence is split over (context parallelism; no dropout there)."""
+    axis, ring = sequence_ring()
+    if ring == 1:
+        return causal_attention(q, k, v, rate, key)
+    B, H, T, D = q.shape
+    K = k.shape[1]
+    q_spec, kv_spec = P(None, None, None, axis, None), P(None, None, axis, None)
+    out = jax.shard_map(functools.partial(ring_attention, axis_name=axis), mesh=jax.sharding.get_abstract_mesh(),
+                        in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=frozenset({axis}),
+                        check_vma=False)(q.reshape(B, K, H // K, T, D), k, v)
+    return out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
 
 
 def head_logits(x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Array:

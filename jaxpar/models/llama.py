@@ -16,15 +16,16 @@ from flax import nnx
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sharding import constrain
 from jaxpar.models import rope
-from jaxpar.models.attention import causal_attention
 from jaxpar.models.layers import (
     STREAM,
     StackedDense,
+    attend,
     dropout,
     gather_stream,
     head_logits,
     normal_param,
     padded_vocab,
+    sequence_positions,
     to_stream,
     weights_for_compute,
 )
@@ -88,10 +89,11 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key) -> ja
     h = matmul_input(x, p["attn_norm"])
     q = project("nc,chd->nhd", h, p["q"]["kernel"], dtype).astype(dtype)
     kv = project("nc,cskd->nskd", h, p["kv"]["kernel"], dtype).astype(dtype)
-    cos, sin = rope.angles(cfg, q.shape[-1], jnp.arange(T))
+    positions = sequence_positions(T)  # a token's true position, in a context ring's layout too
+    cos, sin = rope.angles(cfg, q.shape[-1], jnp.arange(T) if positions is None else positions)
     q = rope.apply(heads_first(q, B, T, ("batch", "heads", "seq", "head_dim")), cos, sin)
     k, v = (heads_first(part[:, 0], B, T, ("batch", "kv_heads", "seq", "head_dim")) for part in jnp.split(kv, 2, 1))
-    y = causal_attention(q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0]).reshape(B * T, *q.shape[1:2], -1)
+    y = attend(q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0]).reshape(B * T, *q.shape[1:2], -1)
     y = project("nhd,hdc->nc", constrain(y, ("tokens", "heads", "head_dim")), p["attn_out"]["kernel"], dtype)
     x = x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[1])
     h = project("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"], dtype)

@@ -1,6 +1,6 @@
 """The device mesh: parse `dp=2,tp=2`, force CPU host devices when needed, build an Auto-typed Mesh.
 
-Mesh axes are ('data', 'tensor', 'pipe'); the CLI names them dp, tp and pp.
+Mesh axes are ('data', 'tensor', 'pipe', 'context'); the CLI names them dp, tp, pp and cp.
 """
 
 import math
@@ -13,8 +13,8 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.core.config import Config, MeshConfig
 from jaxpar.core.errors import UserError
 
-MESH_AXES = ("data", "tensor", "pipe")
-CLI_AXES = ("dp", "tp", "pp")  # same order as MESH_AXES
+MESH_AXES = ("data", "tensor", "pipe", "context")
+CLI_AXES = ("dp", "tp", "pp", "cp")  # same order as MESH_AXES
 
 
 def parse_mesh_spec(spec: str) -> dict[str, str]:
@@ -39,7 +39,7 @@ def parse_mesh_spec(spec: str) -> dict[str, str]:
 
 def requested_devices(mesh: MeshConfig) -> int | None:
     """Devices the mesh needs, or None when one axis is inferred (-1) from the device count."""
-    sizes = (mesh.dp, mesh.tp, mesh.pp)
+    sizes = (mesh.dp, mesh.tp, mesh.pp, mesh.cp)
     return None if -1 in sizes else math.prod(sizes)
 
 
@@ -61,7 +61,7 @@ def force_host_devices(mesh: MeshConfig, per_process: int | None = None) -> None
 
 
 def infer_axis(sizes: list[int], num_devices: int) -> list[int]:
-    """(dp, tp, pp) with a -1 axis set to what the other axes leave of num_devices."""
+    """(dp, tp, pp, cp) with a -1 axis set to what the other axes leave of num_devices."""
     sizes = list(sizes)
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
@@ -72,14 +72,16 @@ def infer_axis(sizes: list[int], num_devices: int) -> list[int]:
     return sizes
 
 
-def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
-    """Check the mesh against the device count and the model; return (dp, tp, pp)."""
-    sizes = infer_axis([cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp], num_devices)
-    dp, tp, pp = sizes
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int, int]:
+    """Check the mesh against the device count and the model; return (dp, tp, pp, cp)."""
+    sizes = infer_axis([cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp], num_devices)
+    dp, tp, pp, cp = sizes
     spec = ",".join(f"{a}={s}" for a, s in zip(CLI_AXES, sizes))
-    if dp * tp * pp != num_devices:
-        raise UserError(f"mesh {spec} uses {dp * tp * pp} devices but {num_devices} are available; "
+    if math.prod(sizes) != num_devices:
+        raise UserError(f"mesh {spec} uses {math.prod(sizes)} devices but {num_devices} are available; "
                         f"make the product {num_devices}, or use -1 for one axis")
+    if cp > 1:
+        check_context(cfg, cp, pp, tp)
     if cfg.model.n_head % tp:
         raise UserError(f"tp={tp} does not divide model.n_head={cfg.model.n_head}; "
                         f"choose tp from the divisors of n_head")
@@ -98,23 +100,40 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> tuple[int, int, int]:
     if pp > 1:
         from jaxpar.parallel.schedule import resolve_microbatches
         resolve_microbatches(cfg, dp, pp)
-    return dp, tp, pp
+    return dp, tp, pp, cp
+
+
+def check_context(cfg: Config, cp: int, pp: int, tp: int) -> None:
+    """What context parallelism needs, and the combinations it does not support yet."""
+    m = cfg.model
+    if m.block_size % (2 * cp):
+        raise UserError(f"cp={cp} needs model.block_size divisible by 2*cp={2 * cp} (the sequence is cut into "
+                        f"2*cp chunks, two per device); got {m.block_size}")
+    if m.dropout > 0:
+        raise UserError(f"model.dropout={m.dropout} with cp={cp}: ring attention has no attention dropout; "
+                        "pass --model.dropout=0 or drop cp")
+    if pp > 1:
+        raise UserError(f"cp={cp} with pp={pp} is not supported yet; use cp with dp and tp")
+    if m.sequence_parallel and tp > 1:
+        raise UserError(f"cp={cp} with sequence parallelism is not supported yet; pass "
+                        "--model.sequence_parallel=false")
 
 
 def build_mesh(cfg: Config, devices=None) -> Mesh:
     """An Auto-typed Mesh over `devices` (default: all), validated against cfg."""
     devices = list(jax.devices() if devices is None else devices)
-    dp, tp, pp = resolve_mesh_shape(cfg, len(devices))
+    dp, tp, pp, cp = resolve_mesh_shape(cfg, len(devices))
     # jax.make_mesh lays devices out by topology and process, the last axis the most local.
     # Tensor goes last, so a tensor group stays on one host where it can: its all-reduces run in
     # every layer. The axes are then put back in MESH_AXES order.
+    # Context goes next to it: the ring's K/V blocks move every layer too.
     try:
-        grid = jax.make_mesh((dp, pp, tp), ("data", "pipe", "tensor"), devices=devices).devices
+        grid = jax.make_mesh((dp, pp, cp, tp), ("data", "pipe", "context", "tensor"), devices=devices).devices
     except (ValueError, NotImplementedError):
         # A TPU torus whose physical axes do not factor into these sizes (v5p's 4x4x4 as 16x2x2):
         # let an axis of the mesh span part of a physical axis.
-        grid = mesh_utils.create_device_mesh((dp, pp, tp), devices, allow_split_physical_axes=True)
-    return Mesh(grid.transpose(0, 2, 1), MESH_AXES,
+        grid = mesh_utils.create_device_mesh((dp, pp, cp, tp), devices, allow_split_physical_axes=True)
+    return Mesh(grid.transpose(0, 3, 1, 2), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

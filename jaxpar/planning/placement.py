@@ -26,13 +26,14 @@ def mib(n: float) -> str:
 
 
 def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
-                     layers: int | None = None) -> int:
+                     layers: int | None = None, cp: int = 1) -> int:
     """Saved activations of one forward pass on one device: the family's `activation_units` per
     token and layer (for GPT-2, Korthikanti et al. (2022), eq. 2 with tensor parallelism,
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations; eq. 4, 10/t for the
     first term, with sequence parallelism), scaled to the compute dtype, plus the float32 logits.
     Under model.remat=full a layer keeps its float32 input alone, and one layer's activations live
-    while it reruns. `layers`: those this device runs (default: all)."""
+    while it reruns. `layers`: those this device runs (default: all). Context parallelism splits
+    every activation along the sequence: 1/cp of it (the ring's K/V blocks in flight aside)."""
     m = cfg.model
     s, h = m.block_size, m.n_embd
     layers = m.n_layer if layers is None else layers
@@ -41,7 +42,7 @@ def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
     per_layer = s * rows_per_pass * family_of(m).activation_units(tp, split) * scale
     saved = layers * per_layer if m.remat == "none" else layers * 4 * s * rows_per_pass * h + per_layer
     logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
-    return int(saved + logits)
+    return int((saved + logits) / cp)
 
 
 def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> dict[str, int]:
@@ -50,7 +51,7 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
     backward reruns it; without a pipeline, one pass's saved activations."""
     tp, pp = mesh.shape["tensor"], mesh.shape["pipe"]
     if pp == 1:
-        return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp)}
+        return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp, cp=mesh.shape["context"])}
     schedule = schedule_for(cfg, mesh)
     held = schedule.input_slots + schedule.grad_slots
     split = tp if cfg.model.sequence_parallel else 1  # the buffers hold the stream's layout

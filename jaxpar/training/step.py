@@ -20,6 +20,7 @@ from jaxpar.core.config import Config, TrainConfig
 from jaxpar.core.sharding import param_axes, rules_for, shardings_for, traced_with_rules
 from jaxpar.models.family import abstract_model, build_model
 from jaxpar.models.layers import cross_entropy
+from jaxpar.models.ring_attention import zigzag_permutation
 from jaxpar.parallel import pipeline, zero
 from jaxpar.parallel.schedule import resolve_microbatches
 
@@ -149,7 +150,22 @@ def make_grad_fn(cfg: Config, graphdef, grad_shardings: dict):
         grads, losses = jax.lax.scan(accumulate, zeros, (jnp.arange(passes), inputs, targets))
         return losses.mean(), jax.tree.map(lambda g: g / passes, grads)
 
-    return traced_with_rules(grads_of, rules_for(cfg.model))
+    return traced_for_mesh(grads_of, cfg)
+
+
+def traced_for_mesh(fn, cfg: Config):
+    """fn(params, inputs, targets, ...), traced under the rule table of the mesh it runs on. Under
+    context parallelism the batch is laid out in the ring's zigzag order first: once per batch,
+    tokens and targets alike (the targets were shifted before), never per layer."""
+    @functools.wraps(fn)
+    def wrapped(params, inputs, targets, *rest):
+        mesh = jax.sharding.get_abstract_mesh()
+        context = 1 if mesh.empty else mesh.shape["context"]
+        if context > 1:
+            order = zigzag_permutation(inputs.shape[-1], context)
+            inputs, targets = inputs[..., order], targets[..., order]
+        return traced_with_rules(fn, rules_for(cfg.model, context))(params, inputs, targets, *rest)
+    return wrapped
 
 
 def make_train_step(cfg: Config, graphdef, tx, shardings: TrainState, plan: zero.ZeroPlan,
@@ -176,8 +192,7 @@ def make_eval_step(cfg: Config, graphdef, param_shardings, batch_sharding):
     """jit(eval)(params, (inputs, targets)) -> mean loss over every row of the batch."""
     loss_fn = make_loss_fn(graphdef)
 
-    def evaluate(params, batch):
-        inputs, targets = batch
+    def evaluate(params, inputs, targets):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.shape["pipe"] > 1:  # a forward-only pipeline: each stage runs its own layers
             axes, vocab = model_axes(graphdef, params)
@@ -187,7 +202,8 @@ def make_eval_step(cfg: Config, graphdef, param_shardings, batch_sharding):
             return jnp.mean(jax.lax.map(lambda xy: forward(params, *xy), (inputs, targets)))
         return jnp.mean(jax.lax.map(lambda xy: loss_fn(params, *xy), (inputs, targets)))
 
-    return jax.jit(traced_with_rules(evaluate, rules_for(cfg.model)),
+    evaluate_on_mesh = traced_for_mesh(evaluate, cfg)
+    return jax.jit(lambda params, batch: evaluate_on_mesh(params, *batch),
                    in_shardings=(param_shardings, (batch_sharding, batch_sharding)))
 
 
