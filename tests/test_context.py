@@ -24,7 +24,7 @@ CONFIGS = ("tiny", "tiny_llama")
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("spec, overrides", [
     ("cp=2", {}), ("cp=4", {}), ("dp=2,cp=2", {}), ("cp=2,tp=2", {}), ("dp=2,cp=2", {"train.zero": 3}),
-    ("dp=2,cp=2", {"train.grad_accum": 2}),
+    ("dp=2,cp=2", {"train.grad_accum": 2}), ("cp=2,tp=2", {"model.sequence_parallel": "true"}),
 ])
 def test_context_parallel_matches_one_device(config, spec, overrides):
     assert_same_training(train(spec, evaluate=True, config=config, **overrides), train(config=config, evaluate=True))
@@ -63,8 +63,8 @@ def test_the_compiled_step_passes_kv_blocks_around_the_ring():
     (["--mesh", "cp=8", "--model.block_size=24"], ["cp=8 needs model.block_size divisible by 2*cp=16", "got 24"]),
     (["--mesh", "dp=4,cp=2", "--model.dropout=0.1"], ["model.dropout=0.1 with cp=2", "--model.dropout=0"]),
     (["--mesh", "dp=2,cp=2,pp=2"], ["cp=2 with pp=2 is not supported yet"]),
-    (["--mesh", "dp=2,cp=2,tp=2", "--model.sequence_parallel=true"],
-     ["cp=2 with sequence parallelism is not supported"]),
+    (["--mesh", "cp=2,tp=4", "--model.sequence_parallel=true", "--model.block_size=36"],
+     ["sequence parallelism with cp=2 splits the stream over cp*tp=8", "block_size=36"]),
 ])
 def test_what_the_ring_cannot_do_is_one_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)

@@ -48,9 +48,13 @@ CONTEXT_PARALLEL = {**RULES, "seq": "context", "stream_seq": "context", "tokens"
 _active_rules = contextvars.ContextVar("jaxpar_rules", default=RULES)
 
 
+# Both: the stream's sequence split over context, then each context shard over tensor.
+CONTEXT_AND_SEQUENCE_PARALLEL = {**CONTEXT_PARALLEL, "stream_seq": ("context", "tensor")}
+
+
 def rules_for(model_cfg, context: int = 1) -> dict:
     if context > 1:
-        return CONTEXT_PARALLEL
+        return CONTEXT_AND_SEQUENCE_PARALLEL if model_cfg.sequence_parallel else CONTEXT_PARALLEL
     return SEQUENCE_PARALLEL if model_cfg.sequence_parallel else RULES
 
 

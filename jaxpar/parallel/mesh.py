@@ -114,9 +114,9 @@ def check_context(cfg: Config, cp: int, pp: int, tp: int) -> None:
                         "pass --model.dropout=0 or drop cp")
     if pp > 1:
         raise UserError(f"cp={cp} with pp={pp} is not supported yet; use cp with dp and tp")
-    if m.sequence_parallel and tp > 1:
-        raise UserError(f"cp={cp} with sequence parallelism is not supported yet; pass "
-                        "--model.sequence_parallel=false")
+    if m.sequence_parallel and m.block_size % (cp * tp):
+        raise UserError(f"sequence parallelism with cp={cp} splits the stream over cp*tp={cp * tp}; "
+                        f"model.block_size={m.block_size} does not divide by it")
 
 
 def build_mesh(cfg: Config, devices=None) -> Mesh:
