@@ -28,8 +28,9 @@ LOSS_RTOL = 1e-5
 STEPS = 10
 
 
-def launch(out: Path, *train_args: str, background: bool = False):
-    command = ["bash", str(LAUNCH), "2", "2", "--", "--config", "tiny", "--out", str(out), *train_args]
+def launch(out: Path, *train_args: str, background: bool = False, devices_per_process: int = 2):
+    command = ["bash", str(LAUNCH), "2", str(devices_per_process), "--", "--config", "tiny", "--out", str(out),
+               *train_args]
     env = {**os.environ, "PYTHON": sys.executable}
     if background:
         return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -88,6 +89,14 @@ def test_two_processes_with_a_pipeline_match_one(reference, tmp_path):
     launch(out, "--mesh", "dp=2,pp=2", "--steps", str(STEPS))
     assert_close(logged_losses(out), reference.losses, range(STEPS))
     assert_close(logged_values(out, "val_loss"), reference.val_losses, [0, 5, 10])
+
+
+def test_tensor_groups_stay_inside_a_process(tmp_path):
+    """2 processes x 4 devices, dp=2,tp=4: each tp=4 group is one process's devices, dp crosses."""
+    out = tmp_path / "run"
+    launch(out, "--mesh", "dp=2,tp=4", "--steps", "2", "--train.eval_every=0", devices_per_process=4)
+    info = json.loads((out / "run.json").read_text())
+    assert info["devices"]["processes"] == 2 and info["mesh_axes_crossing_processes"] == ["dp"]
 
 
 def test_a_two_process_checkpoint_resumes_in_one_process(resumed_in_two, reference, tmp_path):

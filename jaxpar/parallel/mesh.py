@@ -7,6 +7,7 @@ import math
 import os
 
 import jax
+import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
@@ -135,6 +136,18 @@ def build_mesh(cfg: Config, devices=None) -> Mesh:
         grid = mesh_utils.create_device_mesh((dp, pp, cp, tp), devices, allow_split_physical_axes=True)
     return Mesh(grid.transpose(0, 3, 1, 2), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def axes_crossing_processes(mesh: Mesh) -> list[str]:
+    """The CLI names of the mesh axes whose device groups span more than one process: their
+    collectives cross the links between hosts."""
+    process = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    crossing = []
+    for i, name in enumerate(MESH_AXES):
+        groups = np.moveaxis(process, i, -1).reshape(-1, process.shape[i])
+        if (groups != groups[:, :1]).any():
+            crossing.append(CLI_AXES[i])
+    return crossing
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

@@ -15,7 +15,7 @@ from jaxpar.data.loader import load_dataset, model_vocab
 from jaxpar.models.family import abstract_model, family_of
 from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel import hlo
-from jaxpar.parallel.mesh import build_mesh, mesh_shape
+from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.parallel.pipeline import schedule_for
 from jaxpar.parallel.zero import expected_bytes_per_device
 from jaxpar.training import step as steps
@@ -87,7 +87,8 @@ def dry_run(cfg: Config, devices=None) -> str:
         tx = steps.make_optimizer(cfg.train)
         shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
         graphdef, shapes, _ = abstract_model(cfg, vocab)
-        rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}", "",
+        crossing = ", ".join(axes_crossing_processes(mesh)) or "none"
+        rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}", "",
                 f"{'tensor':28s} {'shape':>18s}  {'param spec':40s} {'moment spec':40s} {'bytes/device':>12s}"]
         flat = jax.tree_util.tree_leaves_with_path(shapes)
         for (path, shape), p_sh, m_sh in zip(flat, jax.tree.leaves(plan.params),

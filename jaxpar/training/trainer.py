@@ -24,7 +24,7 @@ from jaxpar.models import flops
 from jaxpar.models.family import abstract_model
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
-from jaxpar.parallel.mesh import build_mesh, mesh_shape
+from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.training import step as steps
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
 from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, strict_json
@@ -128,6 +128,7 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
     info = {
         "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
+        "mesh_axes_crossing_processes": axes_crossing_processes(mesh),
         "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
                     "kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count()},
         "versions": versions(), "vocab_size": vocab, "zero_stage": p.plan.stage,
