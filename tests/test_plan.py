@@ -235,7 +235,9 @@ def test_compile_order_puts_guessed_fits_first_and_lets_meshes_take_turns():
 
 def test_explicit_layouts_infer_a_minus_one_axis_from_the_target():
     from jaxpar.planning.plan import parse_layouts
-    assert parse_layouts("dp=-1,tp=2;dp=3;pp=2,dp=-1", 8) == [(4, 2, 1), (3, 1, 1), (4, 1, 2)]
+    assert parse_layouts("dp=-1,tp=2;dp=3;pp=2,dp=-1", 8) == [(4, 2, 1, 1), (3, 1, 1, 1), (4, 1, 2, 1)]
+    assert parse_layouts("dp=2,cp=4", 8) == [(2, 1, 1, 4)]
+    assert (2, 1, 1, 4) in parse_layouts("auto", 8, cps=(1, 4)) and (2, 1, 1, 4) not in parse_layouts("auto", 8)
     found = enumerate_candidates(tiny_config(), 8, layouts="dp=3", zeros=(0,), remats=("none",))
     assert {c.status for c in found} == {"skipped"}
     assert "uses 3 devices but 8 are available" in found[0].reason

@@ -40,7 +40,7 @@ def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
 
 def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float) -> dict:
     """The estimate for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
-    devices = layout["dp"] * layout["tp"] * layout["pp"]
+    devices = layout["dp"] * layout["tp"] * layout["pp"] * layout.get("cp", 1)
     tokens = cfg.train.batch_size * cfg.model.block_size
     flops_per_chip = (hardware_flops_per_token(cfg.model, vocab, layout["pp"], cfg.pipeline.schedule)
                       * tokens / devices)
@@ -55,19 +55,20 @@ def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_
                  in_flight: int) -> float:
     """Bytes per chip, roughly: float32 params, grads and two AdamW moments split as the layout
     splits them, plus the saved activations of `in_flight` passes (placement.activation_bytes)."""
-    dp, tp, pp, zero = layout["dp"], layout["tp"], layout["pp"], layout["zero"]
+    dp, tp, pp, zero = layout["dp"], layout["tp"], layout["pp"], layout["zero"]  # weights: not split by cp
     share = n_params / (tp * pp)
     state = 4 * share * ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1)
                          + 2 * (1 / dp if zero >= 1 else 1))
-    saved = activation_bytes(cfg, vocab, rows_per_pass, tp, layers=cfg.model.n_layer // pp)
+    saved = activation_bytes(cfg, vocab, rows_per_pass, tp, layers=cfg.model.n_layer // pp, cp=layout.get("cp", 1))
     return state + saved * in_flight
 
 
 def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int) -> list[dict]:
     """The collectives a layout needs, counted from the model rather than from HLO."""
     m, dp, tp, pp, zero = cfg.model, layout["dp"], layout["tp"], layout["pp"], layout["zero"]
+    cp = layout.get("cp", 1)
     share = 4 * n_params / (tp * pp)
-    activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4)
+    activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4) / cp
     ops = [{"kind": "all-reduce", "bytes": share, "group": dp, "count": 1}]
     if zero >= 3:  # each pass gathers the weights for the forward and again for the backward
         ops.append({"kind": "all-gather", "bytes": share, "group": dp, "count": 2 * passes})
@@ -78,4 +79,7 @@ def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, row
         ops.append({"kind": "collective-permute", "bytes": activation, "group": pp, "count": 2 * V * passes})
         if V > 1:  # interleaved: the layers move into chunk order and their gradients back, each round
             ops.append({"kind": "all-to-all", "bytes": share, "group": pp, "count": 2 * cfg.train.grad_accum})
+    if cp > 1:  # each layer's ring: K and V blocks cp-1 times forward, and with dK/dV in the backward
+        kv = 2 * m.kv_heads * (m.n_embd // m.n_head) / m.n_embd / tp * activation
+        ops.append({"kind": "collective-permute", "bytes": kv, "group": cp, "count": 3 * (cp - 1) * layers * passes})
     return ops

@@ -36,7 +36,8 @@ class Candidate:
     fits: bool | None = None
 
     def mesh_spec(self) -> str:
-        return ",".join(f"{a}={self.layout.get(a, 1)}" for a in CLI_AXES if a in self.layout)
+        """dp, tp and pp always; cp where the layout uses it."""
+        return ",".join(f"{a}={self.layout[a]}" for a in CLI_AXES if a != "cp" or self.layout.get(a, 1) > 1)
 
 
 def mesh_triples(devices: int) -> list[tuple[int, int, int]]:
@@ -44,20 +45,20 @@ def mesh_triples(devices: int) -> list[tuple[int, int, int]]:
             for tp in range(1, devices // dp + 1) if (devices // dp) % tp == 0]
 
 
-def parse_layouts(spec: str, devices: int) -> list[tuple[int, int, int]]:
+def parse_layouts(spec: str, devices: int, cps=(1,)) -> list[tuple[int, int, int, int]]:
+    """(dp, tp, pp, cp) of every layout asked for: "auto" is every dp x tp x pp of the devices
+    left by each cp in `cps`."""
     if spec == "auto":
-        return mesh_triples(devices)
-    triples = []
+        return [(*triple, cp) for cp in cps if devices % cp == 0 for triple in mesh_triples(devices // cp)]
+    layouts = []
     for part in filter(None, (p.strip() for p in spec.split(";"))):
-        *sizes, cp = [int(v) for v in parse_mesh_spec(part).values()]  # dp, tp, pp, cp
-        if cp != 1:
-            raise UserError(f"--layouts '{part}': jaxpar.plan does not search cp yet; leave it out")
+        sizes = [int(v) for v in parse_mesh_spec(part).values()]  # dp, tp, pp, cp
         try:  # a -1 axis is inferred from the target's device count, as --mesh infers it
             sizes = infer_axis(sizes, devices)
         except UserError:
             pass  # left at -1: the trainer's own check lists the layout as skipped, saying why
-        triples.append(tuple(sizes))
-    return triples
+        layouts.append(tuple(sizes))
+    return layouts
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -84,20 +85,20 @@ def micro_batch_options(cfg: Config, dp: int, pp: int, asked: str) -> list[int]:
 
 def layout_config(cfg: Config, layout: dict) -> Config:
     c = copy.deepcopy(cfg)
-    c.mesh.dp, c.mesh.tp, c.mesh.pp = layout["dp"], layout["tp"], layout["pp"]
+    c.mesh.dp, c.mesh.tp, c.mesh.pp, c.mesh.cp = layout["dp"], layout["tp"], layout["pp"], layout.get("cp", 1)
     c.train.zero, c.train.micro_batch, c.model.remat = layout["zero"], layout["micro_batch"], layout["remat"]
     return c
 
 
 def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros=(0, 1, 2, 3),
-                         micro: str = "auto", remats=REMAT_KINDS) -> list[Candidate]:
+                         micro: str = "auto", remats=REMAT_KINDS, cps=(1,)) -> list[Candidate]:
     """Every layout asked for; those the trainer would refuse are 'skipped' with its reason."""
     found = []
-    for dp, tp, pp in parse_layouts(layouts, devices):
+    for dp, tp, pp, cp in parse_layouts(layouts, devices, cps):
         for zero in zeros:
             for micro_batch in micro_batch_options(cfg, dp, pp, micro):
                 for remat in remats:
-                    layout = {"dp": dp, "tp": tp, "pp": pp, "zero": zero,
+                    layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
                               "micro_batch": micro_batch, "remat": remat}
                     c = Candidate(layout, layout_config(cfg, layout))
                     try:
@@ -124,7 +125,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
         passes, in_flight, bubble = steps.num_microbatches(cfg.train, lay["dp"]), 1, 0.0
     rows = cfg.train.batch_size // passes // lay["dp"]
     ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows)
-    devices = lay["dp"] * lay["tp"] * lay["pp"]
+    devices = lay["dp"] * lay["tp"] * lay["pp"] * lay.get("cp", 1)
     time = estimate.step_time(cfg, vocab, lay, chip, estimate.collective_seconds(ops, chip, devices), bubble)
     return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight),
             "rows_per_pass": rows, **time}
@@ -181,7 +182,7 @@ def take_turns(ordered: list[Candidate]) -> list[Candidate]:
 
 def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
     """The `jaxpar.train` command line that runs layout c."""
-    set_here = {"mesh.dp", "mesh.tp", "mesh.pp", "train.zero", "train.micro_batch", "model.remat"}
+    set_here = {"mesh.dp", "mesh.tp", "mesh.pp", "mesh.cp", "train.zero", "train.micro_batch", "model.remat"}
     parts = ["python -m jaxpar.train"] + ([f"--config {config}"] if config else [])
     parts += [f"--{k}={v}" for k, v in overrides.items() if k not in set_here]
     lay = c.layout
@@ -201,8 +202,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--target", required=True, help="tpu:v5e-256, tpu:v5p-128, tpu:v4-64, "
                         "tpu:v6e-64 (Cloud TPU accelerator types), gpu:h100-8 (one node of 1, 2, 4 "
                         "or 8 H100s), or cpu:N (N host devices)")
-    parser.add_argument("--layouts", default="auto", help='"auto" (every dp x tp x pp of the target), '
-                        'or meshes separated by ";", e.g. "dp=8,tp=4;dp=16,tp=2"')
+    parser.add_argument("--layouts", default="auto", help='"auto" (every dp x tp x pp of the target, '
+                        'for each --cp), or meshes separated by ";", e.g. "dp=8,tp=4;dp=16,tp=2;dp=4,cp=4"')
+    parser.add_argument("--cp", default="1", help="context-parallel sizes to try with --layouts auto "
+                        "(default 1), e.g. 1,2,4,8 for a long block")
     parser.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
     parser.add_argument("--micro-batch", default="auto", help="train.micro_batch values to try; "
                         "auto: powers of two up to the rows each device holds")
@@ -234,10 +237,13 @@ def parse_args(argv: list[str]):
         raise UserError("--max-compiles must be at least 1")
     if args.micro_batch != "auto" and min(int_list(args.micro_batch, "--micro-batch")) < 1:
         raise UserError("--micro-batch values must be positive")
-    parse_layouts(args.layouts, target.chips)  # a bad --layouts fails before any work
+    cps = int_list(args.cp, "--cp")
+    if not cps or min(cps) < 1:
+        raise UserError(f"--cp takes positive sizes, got {args.cp!r}")
+    parse_layouts(args.layouts, target.chips, cps)  # a bad --layouts fails before any work
     out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
     check_output_dir(out)
-    args.zero, args.remat, args.out = zeros, remats, out
+    args.zero, args.remat, args.out, args.cp = zeros, remats, out, cps
     return cfg, target, args, overrides
 
 
@@ -255,7 +261,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     _, shapes, _ = abstract_model(cfg, vocab)
     n_params = sum(int(s.size) for s in jax.tree.leaves(shapes))
     candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
-                                      args.remat)
+                                      args.remat, args.cp)
     for c in candidates:
         if c.status == "pending":
             c.guess = guess(c, vocab, n_params, chip)
