@@ -59,6 +59,23 @@ def test_the_compiled_step_passes_kv_blocks_around_the_ring():
     assert "collective-permute" not in texts["dp=4"] and "collective-permute" in texts["cp=4"]
 
 
+def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsys):
+    import json
+
+    import jax
+
+    from jaxpar.inference import evaluate
+    from jaxpar.train import run
+    run(tiny_config(**{"train.steps": 2, "train.eval_every": 0}), tmp_path, jax.devices()[:1], progress=False)
+    losses = []
+    for mesh in ("dp=1", "dp=2,cp=2"):
+        evaluate.main(["--ckpt", str(tmp_path), "--mesh", mesh])
+        out = capsys.readouterr()
+        losses.append(json.loads(out.out)["loss"])
+    assert "cp=2: sequences are not split here" in out.err
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--mesh", "cp=8", "--model.block_size=24"], ["cp=8 needs model.block_size divisible by 2*cp=16", "got 24"]),
     (["--mesh", "dp=4,cp=2", "--model.dropout=0.1"], ["model.dropout=0.1 with cp=2", "--model.dropout=0"]),

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(f"--rows must be at least 1, got {args.rows}")
         if args.hf and args.data is None:
             raise UserError("--hf needs --data: a jaxpar.prepare directory made with the model's tokenizer")
-        model = load_source(args)
+        model = load_source(args, "jaxpar.eval")
         tokens = data_for(model, args.data)
         result = evaluate(model, tokens, args.rows, progress=True)
     print(json.dumps({"step": model.step, **result} if args.ckpt else {"hf": args.hf, **result}))

@@ -5,6 +5,7 @@ For an HF directory the tokenizer is its tokenizer.json; without one, `tokenizer
 command says what it needs.
 """
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,9 +97,13 @@ def add_model_source(parser: ArgumentParser) -> None:
     parser.add_argument("--mesh", default="dp=1", help="e.g. tp=2 (default: one device)")
 
 
-def load_source(args) -> Model:
+def load_source(args, command: str) -> Model:
     """The model --ckpt or --hf names, on --mesh."""
-    force_host_devices(load_config(None, parse_mesh_spec(args.mesh)).mesh)
+    mesh = load_config(None, parse_mesh_spec(args.mesh)).mesh
+    force_host_devices(mesh)
+    if mesh.cp > 1:
+        print(f"{command}: note: cp={mesh.cp}: sequences are not split here; each device of a ring "
+              "computes them whole (no ring attention in this command)", file=sys.stderr)
     if args.ckpt is not None:
         if args.block_size is not None:
             raise UserError("--block-size is for --hf; a checkpoint keeps the block size it was trained with")

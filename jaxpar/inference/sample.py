@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             if getattr(args, name) < least:
                 raise UserError(f"--{name.replace('_', '-')} must be at least {least}, "
                                 f"got {getattr(args, name)}")
-        model = load_source(args)
+        model = load_source(args, "jaxpar.sample")
         if model.tokenizer is None:
             raise UserError(f"'{args.hf}' has no tokenizer.json, which jaxpar.sample needs to read the "
                             "prompt and write text; copy the model's tokenizer.json into it")
