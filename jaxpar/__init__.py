@@ -1,4 +1,4 @@
-"""jaxpar: pre-train GPT models in JAX under a named (data, tensor, pipe) device mesh."""
+"""jaxpar: pre-train GPT-2 and Llama models in JAX under a named (data, tensor, pipe, context) mesh."""
 
 from jaxpar.core.platform import skip_absent_tpu
 
