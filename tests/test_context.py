@@ -8,6 +8,8 @@ Tolerances, as tests/test_equivalence.py's: losses (and val losses) within rtol 
 param within 1e-5 of that tensor's largest magnitude.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
@@ -85,3 +87,25 @@ def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsy
 ])
 def test_what_the_ring_cannot_do_is_one_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)
+
+
+OLD_CHECKPOINT = Path(__file__).parent / "fixtures" / "ckpt_before_context_axis"
+
+
+def test_a_checkpoint_from_before_the_context_axis_resumes_on_it(tmp_path):
+    """The fixture: 3 steps of the tiny config on dp=2,tp=2 by jaxpar at fab89a1, whose mesh had
+    three axes (`python -m jaxpar.train --config tiny --steps 3 --train.decay_steps=5
+    --train.eval_every=0 --mesh dp=2,tp=2`). Resumed to step 5 on dp=2,cp=2, its steps 3 and 4
+    train as one device's 5 steps do (rtol 1e-5)."""
+    import shutil
+
+    import jax
+
+    from jaxpar.train import run
+    out = tmp_path / "run"
+    shutil.copytree(OLD_CHECKPOINT, out)
+    cfg = tiny_config(**mesh_overrides("dp=2,cp=2"), **{"train.steps": 5, "train.eval_every": 0})
+    resumed = run(cfg, out, jax.devices()[:4], progress=False)
+    assert sorted(resumed.losses) == [3, 4]  # restored at step 3, not started over
+    reference = train(**{"train.steps": 5})
+    np.testing.assert_allclose([resumed.losses[s] for s in (3, 4)], [reference.losses[s] for s in (3, 4)], rtol=1e-5)
