@@ -24,8 +24,9 @@ def one_device():
     ("dp=2,tp=2", {"train.zero": 0}),
     ("tp=2", {"train.zero": 0}),  # 2 KV heads, one per tensor rank
     ("tp=2", {"model.sequence_parallel": "true"}),
+    ("dp=2", {"train.zero": 2}),
     ("dp=2", {"train.zero": 3}),
-    ("dp=2", {"train.grad_accum": 2}),
+    ("dp=2", {"train.grad_accum": 2}),  # ZeRO 1, the default
     ("pp=2", {"pipeline.schedule": "1f1b"}),
     ("pp=2", {"pipeline.schedule": "gpipe"}),
     ("pp=2", {"pipeline.schedule": "zb-h1"}),
