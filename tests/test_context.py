@@ -1,7 +1,7 @@
 """Context parallelism (`--mesh cp=N`) trains as one device does: the sequence split over a ring of
 devices in the zigzag layout, attention as a ring (jaxpar.models.ring_attention), for GPT-2
 (configs/tiny.toml) and the Llama family (configs/tiny_llama.toml: GQA, llama3 RoPE), alone and
-with data and tensor parallelism, ZeRO-3, and two processes. The combinations not supported yet,
+with data, tensor, sequence and pipeline parallelism, ZeRO-3, and two processes. The combinations not supported yet,
 and what the ring needs, are one-line errors.
 
 Tolerances, as tests/test_equivalence.py's: losses (and val losses) within rtol 1e-5; each final
@@ -27,6 +27,7 @@ CONFIGS = ("tiny", "tiny_llama")
 @pytest.mark.parametrize("spec, overrides", [
     ("cp=2", {}), ("cp=4", {}), ("dp=2,cp=2", {}), ("cp=2,tp=2", {}), ("dp=2,cp=2", {"train.zero": 3}),
     ("dp=2,cp=2", {"train.grad_accum": 2}), ("cp=2,tp=2", {"model.sequence_parallel": "true"}),
+    ("cp=2,pp=2", {}),
 ])
 def test_context_parallel_matches_one_device(config, spec, overrides):
     assert_same_training(train(spec, evaluate=True, config=config, **overrides), train(config=config, evaluate=True))
@@ -81,7 +82,6 @@ def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsy
 @pytest.mark.parametrize("argv, expected", [
     (["--mesh", "cp=8", "--model.block_size=24"], ["cp=8 needs model.block_size divisible by 2*cp=16", "got 24"]),
     (["--mesh", "dp=4,cp=2", "--model.dropout=0.1"], ["model.dropout=0.1 with cp=2", "--model.dropout=0"]),
-    (["--mesh", "dp=2,cp=2,pp=2"], ["cp=2 with pp=2 is not supported yet"]),
     (["--mesh", "cp=2,tp=4", "--model.sequence_parallel=true", "--model.block_size=36"],
      ["sequence parallelism with cp=2 splits the stream over cp*tp=8", "block_size=36"]),
 ])

@@ -113,10 +113,6 @@ def check_context(cfg: Config, cp: int, pp: int, tp: int) -> None:
     if m.dropout > 0:
         raise UserError(f"model.dropout={m.dropout} with cp={cp}: ring attention has no attention dropout; "
                         "pass --model.dropout=0 or drop cp")
-    if pp > 1:  # the executor runs a stage's op in a switch whose branch differs between stages; a
-        # collective-permute is one op over every device, so the ring's sends do not line up there
-        # (XLA:CPU: a hang when one stage idles, wrong values when stages run F and B)
-        raise UserError(f"cp={cp} with pp={pp} is not supported yet; use cp with dp and tp")
     if m.sequence_parallel and m.block_size % (cp * tp):
         raise UserError(f"sequence parallelism with cp={cp} splits the stream over cp*tp={cp * tp}; "
                         f"model.block_size={m.block_size} does not divide by it")

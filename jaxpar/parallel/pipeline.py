@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import constrain
+from jaxpar.core.sharding import constrain, sequence_ring
 from jaxpar.models.family import apply_blocks, family_of, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.models.layers import STREAM, cross_entropy
@@ -142,8 +142,15 @@ class StageOps:
             branches[BACKWARD] = self.backward
         if self.split_backward:
             branches[WEIGHT] = self.weight
-        c, to_send_next, to_send_previous = jax.lax.switch(
-            self.at("kind", t), [branches[kind] for kind in sorted(branches)], c, t)
+        kind, ops = self.at("kind", t), [branches[kind] for kind in sorted(branches)]
+        if sequence_ring()[1] > 1:
+            # A context ring's collective-permutes are one op over every device: each stage runs
+            # every op and keeps its own, so all of them send in the same order (a switch whose
+            # branch differs between stages would leave the sends unmatched).
+            outs = [op(c, t) for op in ops]
+            c, to_send_next, to_send_previous = jax.tree.map(lambda *xs: jax.lax.select_n(kind, *xs), *outs)
+        else:
+            c, to_send_next, to_send_previous = jax.lax.switch(kind, ops, c, t)
         c["inputs"] = store(c["inputs"], self.at("store_input", t), jax.lax.ppermute(to_send_next, PIPE, to_next))
         if self.train:
             c["grads_in"] = store(c["grads_in"], self.at("store_grad", t),
