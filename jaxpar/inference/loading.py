@@ -54,11 +54,16 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
     return Model(built["cfg"], built["tokenizer"], built["vocab"], items.params, built["mesh"], step)
 
 
+def set_mesh_spec(cfg: Config, mesh: str) -> None:
+    """cfg.mesh set to a --mesh spec such as "tp=2" (axes it omits are 1)."""
+    for key, value in parse_mesh_spec(mesh).items():
+        setattr(cfg.mesh, key.split(".")[1], int(value))
+
+
 def inference_mesh(cfg: Config, mesh: str, devices=None) -> Mesh:
     """The mesh `mesh` (e.g. "tp=2") over `devices` (default: the first ones it needs), set in
     cfg with ZeRO off: no optimizer here, and the whole params on every data replica."""
-    for key, value in parse_mesh_spec(mesh).items():
-        setattr(cfg.mesh, key.split(".")[1], int(value))
+    set_mesh_spec(cfg, mesh)
     cfg.train.zero = 0
     wanted = requested_devices(cfg.mesh)
     chosen = devices if devices is not None else jax.devices()[:wanted or len(jax.devices())]
@@ -75,8 +80,7 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     tokens (default: max_position_embeddings, at most DEFAULT_BLOCK)."""
     cfg = Config()
     cfg.model.block_size = block_size or DEFAULT_BLOCK
-    for key, value in parse_mesh_spec(mesh).items():  # the heads are checked against tp
-        setattr(cfg.mesh, key.split(".")[1], int(value))
+    set_mesh_spec(cfg, mesh)  # the heads are checked against tp
     vocab = apply_hf_config(cfg, hf_dir, {"model.block_size": str(block_size)} if block_size else {})
     mesh_obj = inference_mesh(cfg, mesh, devices)
     _, shapes, axes = abstract_model(cfg, vocab)

@@ -50,8 +50,8 @@ def rope_fields(config: dict, path: Path) -> list[tuple[str, object, str]]:
     fields = [("rope_theta", theta, f"rope_theta={theta}"), ("rope_type", kind, f"rope type {kind}")]
     if kind == "llama3":
         try:
-            fields += [(name, type(Config().model.__dict__[name])(rope[key]), f"{key}={rope[key]}")
-                       for name, key in LLAMA3_KEYS.items()]
+            fields += [(name, (int if name == "rope_original_max_position" else float)(rope[key]),
+                        f"{key}={rope[key]}") for name, key in LLAMA3_KEYS.items()]
         except KeyError as e:
             raise UserError(f"'{path}': llama3 rope scaling without {e.args[0]}; pass a complete "
                             "config.json") from None

@@ -43,7 +43,7 @@ class Blocks(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         L, C, H = cfg.n_layer, cfg.n_embd, cfg.n_head
-        D, F = C // H, 4 * C
+        D, F = C // H, cfg.mlp_width
         std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2's scaled residual projections
         b = cfg.bias
         self.ln_1 = LayerNorm((L, C), ("layers", "embed"), b)
