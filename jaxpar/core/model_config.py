@@ -10,6 +10,8 @@ from jaxpar.core.errors import UserError
 
 GELU_KINDS = ("exact", "tanh")
 REMAT_KINDS = ("none", "full")
+ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn")  # jaxpar.models.kernels
+SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
 FAMILIES = ("gpt2", "llama")  # model.family: a module each in jaxpar/models (jaxpar.models.family)
 ROPE_TYPES = ("default", "llama3")
 
@@ -27,6 +29,9 @@ class ModelConfig:
     n_embd: int = 128
     block_size: int = 64
     dropout: float = 0.0
+    # The attention kernel (jaxpar.models.kernels): auto (splash on TPU, cuDNN on NVIDIA GPUs in
+    # bfloat16, xla elsewhere and with dropout), xla, splash or cudnn.
+    attention: str = "auto"
     bias: bool = only_for("gpt2", True)  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
     # Rows of the embedding. 0: the data's vocabulary. Larger leaves room, as GPT-2's 50257 does
     # for any tokenizer with fewer tokens; smaller than the data's vocabulary is an error.
@@ -85,6 +90,21 @@ def check_family_keys(m: ModelConfig, explicit: set[str]) -> None:
                             f"model.family={m.family}; drop it, or set --model.family={family}")
 
 
+def check_attention(m: ModelConfig) -> None:
+    """The attention kernel's own needs (jaxpar.models.kernels), in one line with the fix."""
+    if m.attention not in ATTENTION_KERNELS:
+        raise UserError(f"model.attention must be one of {', '.join(ATTENTION_KERNELS)}, got '{m.attention}'")
+    if m.attention in ("splash", "cudnn") and m.dropout > 0:
+        raise UserError(f"model.attention={m.attention} has no attention dropout, and model.dropout="
+                        f"{m.dropout}; set --model.dropout=0, or --model.attention=auto (xla)")
+    if m.attention == "splash" and m.block_size % SPLASH_TILE:
+        raise UserError(f"model.attention=splash runs tiles of {SPLASH_TILE} tokens, and model.block_size="
+                        f"{m.block_size} is not a multiple; choose one, or --model.attention=auto")
+    if m.attention == "cudnn" and m.dtype == "float32":
+        raise UserError("model.attention=cudnn takes bfloat16 only; set --model.dtype=bfloat16, "
+                        "or --model.attention=auto")
+
+
 def validate_model(m: ModelConfig) -> None:
     if m.family not in FAMILIES:
         raise UserError(f"model.family must be one of {', '.join(FAMILIES)}, got '{m.family}'")
@@ -98,6 +118,7 @@ def validate_model(m: ModelConfig) -> None:
         raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    check_attention(m)
     if m.family != "llama":
         return
     if m.n_kv_head < 0 or m.n_head % m.kv_heads:

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 # the tied embedding / lm_head is split over the vocabulary. Activations between blocks (the
 # residual stream) are split over 'data' by batch and whole on every tensor rank, unless
 # SEQUENCE_PARALLEL applies.
+DATA = "data"
 RULES: dict[str, str | tuple | None] = {
     "batch": "data",
     "tokens": "data",  # batch * seq, flattened for 2-D matmuls
@@ -56,6 +57,32 @@ def rules_for(model_cfg, context: int = 1) -> dict:
     if context > 1:
         return CONTEXT_AND_SEQUENCE_PARALLEL if model_cfg.sequence_parallel else CONTEXT_PARALLEL
     return SEQUENCE_PARALLEL if model_cfg.sequence_parallel else RULES
+
+
+def rules_without(axis: str) -> dict:
+    """The active table with `axis` taken out of every rule: for code vmapped over that axis with
+    `spmd_axis_name`, which puts it back on the vmapped dim."""
+    return {name: drop_axis(mesh_axes, axis) for name, mesh_axes in _active_rules.get().items()}
+
+
+def axes_outside_rules() -> frozenset:
+    """Mesh axes of the current mesh that the active table never names: inside
+    `jax.vmap(spmd_axis_name=...)` the vmapped axis. A shard_map nested there takes them as manual
+    too, so that vmap can split its inputs over them."""
+    mesh, rules = jax.sharding.get_abstract_mesh(), _active_rules.get()
+    named = {a for m in rules.values() for a in (m if isinstance(m, tuple) else (m,))}
+    return frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1) - named - set(mesh.manual_axes)
+
+
+def drop_axis(mesh_axes, axis: str):
+    """One rule's or one spec entry's mesh axes without `axis` (None if nothing is left)."""
+    kept = tuple(a for a in (mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)) if a not in (axis, None))
+    return kept if len(kept) > 1 else (kept[0] if kept else None)
+
+
+def without_axis(shardings, axis: str):
+    """NamedShardings (a tree) with `axis` dropped from their specs."""
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*(drop_axis(e, axis) for e in s.spec))), shardings)
 
 
 def sequence_ring() -> tuple[str | None, int]:

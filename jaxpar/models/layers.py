@@ -12,8 +12,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.sharding import constrain, sequence_ring
+from jaxpar.core.sharding import axes_outside_rules, constrain, sequence_ring
 from jaxpar.models.attention import apply_dropout, causal_attention
+from jaxpar.models.kernels import active_kernel, fused_attention
 from jaxpar.models.matmul import project
 from jaxpar.models.ring_attention import ring_attention, zigzag_permutation
 
@@ -97,12 +98,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key) -> jax.Ar
     the mesh axis the sequence is split over (context parallelism; no dropout there)."""
     axis, ring = sequence_ring()
     if ring == 1:
-        return causal_attention(q, k, v, rate, key)
+        kernel = active_kernel()
+        return causal_attention(q, k, v, rate, key) if kernel == "xla" else fused_attention(kernel, q, k, v)
     B, H, T, D = q.shape
     K = k.shape[1]
     q_spec, kv_spec = P(None, None, None, axis, None), P(None, None, axis, None)
     out = jax.shard_map(functools.partial(ring_attention, axis_name=axis), mesh=jax.sharding.get_abstract_mesh(),
-                        in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=frozenset({axis}),
+                        in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=frozenset({axis}) | axes_outside_rules(),
                         check_vma=False)(q.reshape(B, K, H // K, T, D), k, v)
     return out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
 

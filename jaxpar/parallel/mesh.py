@@ -13,6 +13,7 @@ from jax.sharding import AxisType, Mesh
 
 from jaxpar.core.config import Config, MeshConfig
 from jaxpar.core.errors import UserError
+from jaxpar.models.kernels import check_mesh
 
 MESH_AXES = ("data", "tensor", "pipe", "context")
 CLI_AXES = ("dp", "tp", "pp", "cp")  # same order as MESH_AXES
@@ -122,6 +123,7 @@ def build_mesh(cfg: Config, devices=None) -> Mesh:
     """An Auto-typed Mesh over `devices` (default: all), validated against cfg."""
     devices = list(jax.devices() if devices is None else devices)
     dp, tp, pp, cp = resolve_mesh_shape(cfg, len(devices))
+    check_mesh(cfg.model, devices[0].platform, cp)
     # jax.make_mesh lays devices out by topology and process, the last axis the most local.
     # Tensor goes last, so a tensor group stays on one host where it can: its all-reduces run in
     # every layer. The axes are then put back in MESH_AXES order.

@@ -1,7 +1,8 @@
 """Pipeline parallelism: each stage holds n_layer/pp of the stacked layers; one executor runs any table.
 
-The blocks run inside `jax.shard_map`, manual over 'pipe' only, so data and tensor parallelism and
-ZeRO still come from the shardings. Activations go to the next stage and gradients to the previous
+The blocks run inside `jax.shard_map`, manual over 'pipe' (and over 'data' while training, where
+each stage reduces its gradients once per round), so tensor parallelism, ZeRO, and data
+parallelism elsewhere come from the shardings. Activations go to the next stage and gradients to the previous
 one with `ppermute`. A backward is explicit: `jax.vjp` of the stage on its saved input, recomputing
 the forward, so a stage keeps one input per microbatch in flight (at most pp for 1F1B).
 """
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import constrain, sequence_ring
+from jaxpar.core.sharding import DATA, constrain, rules_without, sequence_ring, traced_with_rules
 from jaxpar.models.family import apply_blocks, family_of, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.models.layers import STREAM, cross_entropy
@@ -190,6 +191,13 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
     to_next = [(s, (s + 1) % pp) for s in range(pp if ring else pp - 1)]
     to_previous = [((s + 1) % pp, s) for s in range(pp if ring else pp - 1)]
 
+    # Each stage sums its microbatches' weight gradients over its own rows and reduces them over
+    # 'data' once per round: the rows are split over 'data' by hand. Dropout draws its masks over
+    # every row, as one device does, and ZeRO-3 gathers each layer's weights where it runs, so
+    # both leave 'data' to the shardings (a reduction per microbatch).
+    local = train and mesh.shape[DATA] > 1 and cfg.model.dropout == 0 and cfg.train.zero < 3
+    manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
+
     def per_stage(layer_params, head, x0, targets, layer_keys):
         ops = StageOps(cfg, vocab_size, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys)
         carry, _ = jax.lax.scan(lambda c, t: ops.tick(c, t, to_next, to_previous), ops.initial_carry(),
@@ -199,14 +207,20 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
         if not train:
             return losses
         layer_grads = jax.tree.map(lambda g, p: g.reshape(p.shape), carry["layer_grads"], layer_params)
-        return losses, layer_grads, jax.lax.psum(carry["head_grads"], PIPE), jax.lax.psum(carry["dx0"], PIPE)
+        head_grads = jax.lax.psum(carry["head_grads"], PIPE)
+        dx0 = jax.lax.psum(carry["dx0"], PIPE)
+        if local:  # a device's loss is the mean over its own rows: the batch's is the mean of those
+            losses, layer_grads, head_grads = jax.lax.pmean((losses, layer_grads, head_grads), DATA)
+            dx0 = dx0 / mesh.shape[DATA]
+        return losses, layer_grads, head_grads, dx0
 
     def run(layer_params, head, x0, targets, layer_keys=None):
-        out_specs = (P(), P(PIPE), P(), P()) if train else P()
-        in_specs = (P(PIPE), P(), P(), P(), None if layer_keys is None else P(None, PIPE))
+        out_specs = (P(), P(PIPE), P(), rows) if train else P()
+        in_specs = (P(PIPE), P(), rows, rows, None if layer_keys is None else P(None, PIPE))
+        body = traced_with_rules(per_stage, rules_without(DATA)) if local else per_stage
         # check_vma=False: nothing differentiates through this map (backwards are explicit vjps).
-        return jax.shard_map(per_stage, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names=frozenset({PIPE}), check_vma=False)(
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=manual, check_vma=False)(
             layer_params, head, x0, targets, layer_keys)
 
     return run

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import Config
 from jaxpar.data.loader import load_dataset, model_vocab
+from jaxpar.models import kernels
 from jaxpar.models.family import abstract_model, family_of
 from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel import hlo
@@ -88,7 +89,8 @@ def dry_run(cfg: Config, devices=None) -> str:
         shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
         graphdef, shapes, _ = abstract_model(cfg, vocab)
         crossing = ", ".join(axes_crossing_processes(mesh)) or "none"
-        rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}", "",
+        rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}",
+                f"attention kernel: {kernels.describe(cfg.model, mesh)}", "",
                 f"{'tensor':28s} {'shape':>18s}  {'param spec':40s} {'moment spec':40s} {'bytes/device':>12s}"]
         flat = jax.tree_util.tree_leaves_with_path(shapes)
         for (path, shape), p_sh, m_sh in zip(flat, jax.tree.leaves(plan.params),

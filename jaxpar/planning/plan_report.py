@@ -59,11 +59,12 @@ def skipped_lines(candidates: list) -> list[str]:
 def report_text(target, chip, cfg, candidates: list, command) -> str:
     best = ranked(candidates)
     m = cfg.model
+    attention = next((c.compiled["attention"] for c in candidates if "attention" in c.compiled), m.attention)
     out = [f"# Plan for {target.name}" + (f" ({target.topology})" if target.topology else ""),
            "",
            f"Model: {m.family}, {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads "
            f"({m.kv_heads} KV), MLP {m.mlp_width}, block {m.block_size}, "
-           f"{m.dtype}; batch {cfg.train.batch_size} sequences. Chip: {chip.kind}, "
+           f"{m.dtype}, attention kernel {attention}; batch {cfg.train.batch_size} sequences. Chip: {chip.kind}, "
            f"{chip.hbm_bytes / GiB:,.1f} GiB, {chip.peak_flops / 1e12:,.0f} TFLOP/s, "
            f"{chip.link_bytes_per_s / 1e9:,.0f} GB/s per link and direction ({chip.source}).", "",
            f"## Ranked: {len(best)} compiled layouts that fit", ""] + table(best)

@@ -17,8 +17,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import Config, TrainConfig
-from jaxpar.core.sharding import param_axes, rules_for, shardings_for, traced_with_rules
+from jaxpar.core.sharding import (
+    DATA,
+    param_axes,
+    rules_for,
+    rules_without,
+    shardings_for,
+    traced_with_rules,
+    without_axis,
+)
 from jaxpar.models.family import abstract_model, build_model
+from jaxpar.models.kernels import traced_with_attention
 from jaxpar.models.layers import cross_entropy
 from jaxpar.models.ring_attention import zigzag_permutation
 from jaxpar.parallel import pipeline, zero
@@ -113,13 +122,16 @@ def make_grad_fn(cfg: Config, graphdef, grad_shardings: dict):
     """(params, inputs, targets, step) -> (mean loss, mean grads) over all microbatches.
 
     Without a pipeline each microbatch is one pass; with one (pp > 1) a round of M microbatches
-    goes through the schedule at once. Gradients are pinned to `grad_shardings`: under ZeRO-2/3
-    that turns their all-reduce into a reduce-scatter, and they are added in that sharded form.
+    goes through the schedule at once. With several passes on data-parallel devices, each device
+    sums its own passes' gradients and the reduction over 'data' runs once per step
+    (accumulate_locally). Otherwise each pass's gradients are pinned to `grad_shardings`: under
+    ZeRO-2/3 that turns their all-reduce into a reduce-scatter.
     """
     loss_and_grad = jax.value_and_grad(make_loss_fn(graphdef))
     use_dropout, seed = cfg.model.dropout > 0, cfg.train.seed
 
-    def grads_of(params, inputs, targets, step):
+    def passes_of(params, inputs, targets, step):
+        """(one_pass(i, x, y) -> (loss, grads), inputs, targets), these with a leading passes axis."""
         step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.shape["pipe"] > 1:
@@ -128,29 +140,68 @@ def make_grad_fn(cfg: Config, graphdef, grad_shardings: dict):
             rounds = cfg.train.grad_accum
             inputs, targets = (a.reshape(rounds, -1, *a.shape[1:]) for a in (inputs, targets))
 
-            def one_pass(i, x, y):
+            def one_round(i, x, y):
                 return round_fn(params, x, y, None if step_key is None else (step_key, i))
+            return one_round, inputs, targets
+
+        def one_pass(i, x, y):
+            return loss_and_grad(params, x, y, None if step_key is None else jax.random.fold_in(step_key, i))
+        return one_pass, inputs, targets
+
+    def grads_of(params, inputs, targets, step):
+        one_pass, inputs, targets = passes_of(params, inputs, targets, step)
+        mesh = jax.sharding.get_abstract_mesh()
+        passes, dp = inputs.shape[0], mesh.shape["data"]
+        # Dropout draws each pass's masks over the whole batch, as one device does: a group of
+        # rows alone would draw other masks, so dropout keeps the reduction per pass. A pipeline
+        # reduces once per round itself (jaxpar.parallel.pipeline).
+        if passes == 1 or dp == 1 or use_dropout or mesh.shape["pipe"] > 1:
+            losses, grads = accumulate(one_pass, inputs, targets, params, grad_shardings)
         else:
-            def one_pass(i, x, y):
-                key = None if step_key is None else jax.random.fold_in(step_key, i)
-                return loss_and_grad(params, x, y, key)
-
-        def micro(i, x, y):
-            loss, grads = one_pass(i, x, y)
-            return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
-
-        passes = inputs.shape[0]
-        if passes == 1:
-            return micro(0, inputs[0], targets[0])
-
-        def accumulate(total, batch):
-            loss, grads = micro(*batch)
-            return jax.tree.map(jnp.add, total, grads), loss
-        zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_shardings)
-        grads, losses = jax.lax.scan(accumulate, zeros, (jnp.arange(passes), inputs, targets))
+            losses, grads = accumulate_locally(one_pass, inputs, targets, params, grad_shardings, dp)
         return losses.mean(), jax.tree.map(lambda g: g / passes, grads)
 
     return traced_for_mesh(grads_of, cfg)
+
+
+def accumulate(one_pass, inputs, targets, params, grad_shardings):
+    """(each pass's loss, the gradients summed over passes), each pass's pinned to grad_shardings."""
+    def one(i, x, y):
+        loss, grads = one_pass(i, x, y)
+        return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+    if inputs.shape[0] == 1:
+        loss, grads = one(0, inputs[0], targets[0])
+        return loss[None], grads
+
+    def add(total, batch):
+        loss, grads = one(*batch)
+        return jax.tree.map(jnp.add, total, grads), loss
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_shardings)
+    grads, losses = jax.lax.scan(add, zeros, (jnp.arange(inputs.shape[0]), inputs, targets))
+    return losses, grads
+
+
+def accumulate_locally(one_pass, inputs, targets, params, grad_shardings, dp: int):
+    """accumulate, with one reduction over 'data' per step instead of one per pass.
+
+    The rows of every pass are split into dp groups, one per data-parallel device as the batch is
+    laid out, and `jax.vmap(..., spmd_axis_name="data")` runs the passes of each group on its own
+    device: the groups' gradients stay apart (a leading axis over 'data'), so nothing is reduced
+    inside the loop. Averaging that axis is the one all-reduce, or reduce-scatter where
+    grad_shardings split over 'data' (ZeRO-2/3). Inside, the rule table has no 'data': vmap adds it.
+    """
+    def grouped(a):  # (..., rows, seq) -> (..., dp, rows / dp, seq): group g is device g's rows
+        return a.reshape(*a.shape[:-2], dp, a.shape[-2] // dp, a.shape[-1])
+
+    def one_group(x, y):
+        return accumulate(one_pass, x, y, params, without_axis(grad_shardings, DATA))
+
+    groups = jax.vmap(traced_with_rules(one_group, rules_without(DATA)), in_axes=inputs.ndim - 2,
+                      spmd_axis_name=DATA)
+    losses, grads = groups(grouped(inputs), grouped(targets))
+    grads = jax.tree.map(lambda g: g.mean(0), grads)  # each group's loss is the mean over its rows
+    return losses.mean(0), jax.lax.with_sharding_constraint(grads, grad_shardings)
 
 
 def traced_for_mesh(fn, cfg: Config):
@@ -164,7 +215,8 @@ def traced_for_mesh(fn, cfg: Config):
         if context > 1:
             order = zigzag_permutation(inputs.shape[-1], context)
             inputs, targets = inputs[..., order], targets[..., order]
-        return traced_with_rules(fn, rules_for(cfg.model, context))(params, inputs, targets, *rest)
+        traced = traced_with_attention(traced_with_rules(fn, rules_for(cfg.model, context)), cfg.model)
+        return traced(params, inputs, targets, *rest)
     return wrapped
 
 

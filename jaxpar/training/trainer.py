@@ -20,7 +20,7 @@ from tqdm import tqdm
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, model_vocab
-from jaxpar.models import flops
+from jaxpar.models import flops, kernels
 from jaxpar.models.family import abstract_model
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
@@ -127,7 +127,7 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     compiled_summary = hlo.compiled_summary(compiled)
     hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
     info = {
-        "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
+        "config": cfg.to_dict(), "mesh": mesh_shape(mesh), "attention": kernels.describe(cfg.model, mesh),
         "mesh_axes_crossing_processes": axes_crossing_processes(mesh),
         "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
                     "kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count()},
@@ -294,6 +294,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         writers = open_outputs(p, c.info, out_dir, fresh)
         if p.start and progress and is_main_process():
             print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
+        if "(" in c.info["attention"] and is_main_process():  # auto kept xla where a fused kernel exists
+            print(c.info["attention"].split("(", 1)[1].rstrip(")"), file=sys.stderr)
         try:
             state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at)
         except Diverged as diverged:

@@ -1,0 +1,142 @@
+"""Which attention kernel runs, and the fused ones behind attention's one signature.
+
+`model.attention` picks it: `xla` (jaxpar.models.attention: blocks of queries, XLA:CPU's fastest
+form), `splash` (the Pallas TPU kernel, jax.experimental.pallas.ops.tpu.splash_attention) or
+`cudnn` (cuDNN's fused attention through jax.nn.dot_product_attention); `auto` picks by the mesh's
+platform. A fused kernel runs per device under `shard_map`, split as the rule table splits q
+(batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim); grouped-query attention
+goes in as it is (splash's MQA form per KV head; cuDNN takes fewer KV heads). Neither has dropout
+of the attention probabilities, so `auto` keeps `xla` when model.dropout > 0.
+"""
+
+import contextvars
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core.errors import UserError
+from jaxpar.core.model_config import SPLASH_TILE
+from jaxpar.core.sharding import logical_to_spec
+
+FUSED_ON = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}  # auto's choice by platform
+NEEDS_PLATFORM = {"splash": ("tpu", "cpu"), "cudnn": ("gpu", "cuda")}  # splash on CPU: interpreted
+Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim"), \
+    ("batch", "seq", "heads", "head_dim")
+
+_requested = contextvars.ContextVar("jaxpar_attention", default=None)  # the traced model's ModelConfig
+
+
+def resolve(model_cfg, platform: str, context: int = 1) -> tuple[str, str | None]:
+    """(the kernel that runs, a one-line note when `auto` keeps xla where a fused kernel exists)."""
+    if model_cfg.attention != "auto":
+        return model_cfg.attention, None
+    fused = FUSED_ON.get(platform)
+    if fused is None:
+        return "xla", None
+    why = (f"{fused} has no attention dropout (model.dropout={model_cfg.dropout})" if model_cfg.dropout > 0
+           else "cuDNN's fused attention takes bfloat16 only (model.dtype=float32)"
+           if fused == "cudnn" and model_cfg.dtype == "float32"
+           else f"splash's tiles are {SPLASH_TILE} tokens (model.block_size={model_cfg.block_size})"
+           if fused == "splash" and model_cfg.block_size % SPLASH_TILE
+           else "the context ring runs its own blocks (mesh cp > 1)" if context > 1 else None)
+    return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
+
+
+def check_mesh(model_cfg, platform: str, context: int = 1) -> None:
+    """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix."""
+    kernel = model_cfg.attention
+    if kernel in ("auto", "xla"):
+        return
+    if context > 1:
+        raise UserError(f"model.attention={kernel} with a context ring (cp={context}): the ring runs "
+                        "the xla kernel per block pair; set --model.attention=auto or xla")
+    if platform not in NEEDS_PLATFORM[kernel]:
+        raise UserError(f"model.attention={kernel} needs {NEEDS_PLATFORM[kernel][0]} devices, and this "
+                        f"mesh is on {platform}; use --model.attention=auto")
+
+
+def describe(model_cfg, mesh) -> str:
+    """'splash', or 'xla (model.attention=auto runs xla: ...)': for run.json, --dry-run and plans."""
+    kernel, note = resolve(model_cfg, platform_of(mesh), mesh.shape.get("context", 1))
+    return f"{kernel} ({note})" if note else kernel
+
+
+def platform_of(mesh) -> str:
+    device = mesh.abstract_mesh.abstract_device if hasattr(mesh, "abstract_mesh") else mesh.abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
+def traced_with_attention(fn, model_cfg):
+    """fn, traced with model_cfg's `attention` setting for `attend` to resolve on the mesh."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        token = _requested.set(model_cfg)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _requested.reset(token)
+    return wrapped
+
+
+def active_kernel() -> str:
+    """The kernel for the model being traced, on the mesh it is traced for."""
+    model_cfg = _requested.get()
+    if model_cfg is None:
+        return "xla"
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend() if mesh.empty else platform_of(mesh)
+    return resolve(model_cfg, platform)[0]
+
+
+def fused_attention(kernel: str, q, k, v, residuals: bool = False):
+    """Causal attention by `kernel` ('splash' or 'cudnn'): q (batch, heads, seq, head_dim), k, v
+    (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), and with `residuals` its
+    log-sum-exp (batch, heads, seq) too, as a ring over block pairs would combine them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = jax.default_backend() if mesh.empty else platform_of(mesh)
+    local = functools.partial(SPLASH_OR_CUDNN[kernel], residuals=residuals, interpret=platform != "tpu")
+    if mesh.empty:
+        return local(q, k, v)
+    q_spec, kv_spec = logical_to_spec(Q_AXES), logical_to_spec(KV_AXES)
+    out_specs = (logical_to_spec(OUT_AXES), logical_to_spec(Q_AXES[:3])) if residuals else logical_to_spec(OUT_AXES)
+    manual = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=out_specs,
+                         axis_names=manual, check_vma=False)(q, k, v)
+
+
+def block_sizes(seq_len: int):
+    from jax.experimental.pallas.ops.tpu.splash_attention import BlockSizes
+    block = next(b for b in (512, 256, SPLASH_TILE) if seq_len % b == 0)
+    return BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                      block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+
+
+def splash(q, k, v, residuals: bool = False, interpret: bool = True):
+    """Splash attention on one device's heads: the MQA kernel per (row, KV head) with that head's
+    group of queries. q is pre-scaled by 1/sqrt(d),
+    as the kernel expects. `interpret`: off TPU (tests), the kernel in Pallas interpret mode."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    B, H, T, D = q.shape
+    K = k.shape[1]
+    mask = sa.MultiHeadMask([sa.CausalMask((T, T))] * (H // K))
+    kernel = sa.make_splash_mqa_single_device(mask, block_sizes=block_sizes(T), save_residuals=residuals,
+                                              interpret=interpret)
+    grouped = (q * (1.0 / math.sqrt(D))).astype(q.dtype).reshape(B, K, H // K, T, D)
+    result = jax.vmap(jax.vmap(kernel))(grouped, k, v)
+    out, lse = result if residuals else (result, None)
+    out = out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
+    return (out, lse[0].reshape(B, H, T)) if residuals else out
+
+
+def cudnn(q, k, v, residuals: bool = False, interpret: bool = False):
+    """cuDNN's fused attention (NVIDIA GPUs, bfloat16), in its (batch, seq, heads, head_dim) layout.
+    (`interpret` is splash's: cuDNN has no such mode.)"""
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    result = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                          return_residual=residuals)
+    return (result[0], result[1].astype(jnp.float32)) if residuals else result
+
+
+SPLASH_OR_CUDNN = {"splash": splash, "cudnn": cudnn}
