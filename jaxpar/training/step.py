@@ -155,7 +155,10 @@ def make_grad_fn(cfg: Config, graphdef, grad_shardings: dict):
         # Dropout draws each pass's masks over the whole batch, as one device does: a group of
         # rows alone would draw other masks, so dropout keeps the reduction per pass. A pipeline
         # reduces once per round itself (jaxpar.parallel.pipeline).
-        if passes == 1 or dp == 1 or use_dropout or mesh.shape["pipe"] > 1:
+        if passes == 1:  # one pass: its loss and gradients as they are
+            loss, grads = one_pass(0, inputs[0], targets[0])
+            return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+        if dp == 1 or use_dropout or mesh.shape["pipe"] > 1:
             losses, grads = accumulate(one_pass, inputs, targets, params, grad_shardings)
         else:
             losses, grads = accumulate_locally(one_pass, inputs, targets, params, grad_shardings, dp)
@@ -169,10 +172,6 @@ def accumulate(one_pass, inputs, targets, params, grad_shardings):
     def one(i, x, y):
         loss, grads = one_pass(i, x, y)
         return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
-
-    if inputs.shape[0] == 1:
-        loss, grads = one(0, inputs[0], targets[0])
-        return loss[None], grads
 
     def add(total, batch):
         loss, grads = one(*batch)
