@@ -13,6 +13,7 @@
 """
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -22,11 +23,11 @@ import jax.numpy as jnp
 def kernel_errors(kernel: str, dtype) -> list[float]:
     """Relative max errors of the fused kernel against xla: output, then dq, dk, dv."""
     from jaxpar.models.attention import causal_attention
-    from jaxpar.models.kernels import SPLASH_OR_CUDNN
+    from jaxpar.models.kernels import cudnn, splash
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v = (jax.random.normal(key, (4, 12, 1024, 64), dtype) for key in keys[:3])
     weights = jax.random.normal(keys[3], (4, 1024, 12, 64), jnp.float32)
-    fused = lambda q, k, v: SPLASH_OR_CUDNN[kernel](q, k, v, interpret=False)  # noqa: E731
+    fused = functools.partial(splash, interpret=False) if kernel == "splash" else cudnn
     xla = lambda q, k, v: causal_attention(q, k, v, 0.0, None)  # noqa: E731
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * weights)  # noqa: E731
     pairs = [(fused(q, k, v), xla(q, k, v))]
@@ -37,6 +38,8 @@ def kernel_errors(kernel: str, dtype) -> list[float]:
 
 def data_reductions(micro_batch: int, batch: int) -> str:
     """'count x, MiB' of one step's all-reduces and reduce-scatters, all devices on dp."""
+    from grad_reductions import data_collectives  # beside this script
+
     from jaxpar.core.config import load_config
     from jaxpar.data.loader import load_dataset, model_vocab
     from jaxpar.parallel import hlo
@@ -46,9 +49,9 @@ def data_reductions(micro_batch: int, batch: int) -> str:
                                "train.batch_size": str(batch), "train.zero": "1"})
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
     ops = hlo.collective_ops(compile_abstract_step(cfg, vocab, build_mesh(cfg)).as_text())
-    reductions = [op for op in ops if op["kind"] in ("all-reduce", "reduce-scatter")]
-    return (f"{sum(op['count'] for op in reductions)}x, "
-            f"{sum(op['count'] * op['bytes'] for op in reductions) / 2**20:,.1f} MiB")
+    found = data_collectives(ops, jax.device_count())
+    reductions = [found[kind] for kind in ("all-reduce", "reduce-scatter") if kind in found]
+    return f"{sum(n for n, _ in reductions)}x, {sum(mib for _, mib in reductions):,.1f} MiB"
 
 
 def bench(kernel: str, steps: int, batch: int) -> dict:

@@ -65,15 +65,6 @@ def rules_without(axis: str) -> dict:
     return {name: drop_axis(mesh_axes, axis) for name, mesh_axes in _active_rules.get().items()}
 
 
-def axes_outside_rules() -> frozenset:
-    """Mesh axes of the current mesh that the active table never names: inside
-    `jax.vmap(spmd_axis_name=...)` the vmapped axis. A shard_map nested there takes them as manual
-    too, so that vmap can split its inputs over them."""
-    mesh, rules = jax.sharding.get_abstract_mesh(), _active_rules.get()
-    named = {a for m in rules.values() for a in (m if isinstance(m, tuple) else (m,))}
-    return frozenset(a for a in mesh.axis_names if mesh.shape[a] > 1) - named - set(mesh.manual_axes)
-
-
 def drop_axis(mesh_axes, axis: str):
     """One rule's or one spec entry's mesh axes without `axis` (None if nothing is left)."""
     kept = tuple(a for a in (mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)) if a not in (axis, None))
@@ -94,16 +85,22 @@ def sequence_ring() -> tuple[str | None, int]:
     return axis, mesh.shape[axis]
 
 
-def traced_with_rules(fn, rules: dict):
-    """fn, traced under `rules`: the table `constrain` applies while jit traces the model."""
+def traced_with(fn, var: contextvars.ContextVar, value):
+    """fn, traced with the context variable `var` set to `value`: a setting that jit's trace of the
+    model reads (the rule table here, the attention kernel in jaxpar.models.kernels)."""
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        token = _active_rules.set(rules)
+        token = var.set(value)
         try:
             return fn(*args, **kwargs)
         finally:
-            _active_rules.reset(token)
+            var.reset(token)
     return wrapped
+
+
+def traced_with_rules(fn, rules: dict):
+    """fn, traced under `rules`: the table `constrain` applies while jit traces the model."""
+    return traced_with(fn, _active_rules, rules)
 
 
 def logical_to_spec(axes: tuple[str, ...], rules: dict | None = None) -> P:
@@ -151,6 +148,19 @@ def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict = RULES) -> d
         return NamedSharding(mesh, spec)
     return jax.tree_util.tree_map_with_path(one, axes_tree, shapes,
                                             is_leaf=lambda x: isinstance(x, tuple))
+
+
+def per_device(fn, in_axes: tuple, out_axes: tuple):
+    """fn on one device's shards: `jax.shard_map` manual over every mesh axis not already manual,
+    each input and output split as the rule table splits its logical axes (out_axes: one tuple of
+    names, or a tuple of them for several outputs). Under `jax.vmap(spmd_axis_name=...)` the
+    vmapped axis is in no spec, so vmap can split the inputs over it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    several = isinstance(out_axes[0], tuple)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(logical_to_spec(a) for a in in_axes),
+                         out_specs=tuple(map(logical_to_spec, out_axes)) if several else logical_to_spec(out_axes),
+                         axis_names=frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes),
+                         check_vma=False)
 
 
 def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import SPLASH_TILE
-from jaxpar.core.sharding import logical_to_spec
+from jaxpar.core.sharding import per_device, traced_with
 
 FUSED_ON = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}  # auto's choice by platform
 NEEDS_PLATFORM = {"splash": ("tpu", "cpu"), "cudnn": ("gpu", "cuda")}  # splash on CPU: interpreted
@@ -57,37 +57,32 @@ def check_mesh(model_cfg, platform: str, context: int = 1) -> None:
                         f"mesh is on {platform}; use --model.attention=auto")
 
 
+def resolve_on(model_cfg, mesh) -> tuple[str, str | None]:
+    """resolve, on a (concrete or abstract) mesh: its platform and its context ring."""
+    return resolve(model_cfg, platform_of(mesh), mesh.shape.get("context", 1))
+
+
 def describe(model_cfg, mesh) -> str:
     """'splash', or 'xla (model.attention=auto runs xla: ...)': for run.json, --dry-run and plans."""
-    kernel, note = resolve(model_cfg, platform_of(mesh), mesh.shape.get("context", 1))
+    kernel, note = resolve_on(model_cfg, mesh)
     return f"{kernel} ({note})" if note else kernel
 
 
 def platform_of(mesh) -> str:
-    device = mesh.abstract_mesh.abstract_device if hasattr(mesh, "abstract_mesh") else mesh.abstract_device
-    return device.platform if device is not None else jax.default_backend()
+    """The platform of a mesh's devices; the default backend's for an empty (abstract) mesh."""
+    mesh = getattr(mesh, "abstract_mesh", mesh)
+    return jax.default_backend() if mesh.empty or mesh.abstract_device is None else mesh.abstract_device.platform
 
 
 def traced_with_attention(fn, model_cfg):
     """fn, traced with model_cfg's `attention` setting for `attend` to resolve on the mesh."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        token = _requested.set(model_cfg)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _requested.reset(token)
-    return wrapped
+    return traced_with(fn, _requested, model_cfg)
 
 
 def active_kernel() -> str:
     """The kernel for the model being traced, on the mesh it is traced for."""
     model_cfg = _requested.get()
-    if model_cfg is None:
-        return "xla"
-    mesh = jax.sharding.get_abstract_mesh()
-    platform = jax.default_backend() if mesh.empty else platform_of(mesh)
-    return resolve(model_cfg, platform)[0]
+    return "xla" if model_cfg is None else resolve(model_cfg, platform_of(jax.sharding.get_abstract_mesh()))[0]
 
 
 def fused_attention(kernel: str, q, k, v, residuals: bool = False):
@@ -95,15 +90,11 @@ def fused_attention(kernel: str, q, k, v, residuals: bool = False):
     (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), and with `residuals` its
     log-sum-exp (batch, heads, seq) too, as a ring over block pairs would combine them."""
     mesh = jax.sharding.get_abstract_mesh()
-    platform = jax.default_backend() if mesh.empty else platform_of(mesh)
-    local = functools.partial(SPLASH_OR_CUDNN[kernel], residuals=residuals, interpret=platform != "tpu")
+    local = functools.partial(splash, interpret=platform_of(mesh) != "tpu") if kernel == "splash" else cudnn
+    local = functools.partial(local, residuals=residuals)
     if mesh.empty:
         return local(q, k, v)
-    q_spec, kv_spec = logical_to_spec(Q_AXES), logical_to_spec(KV_AXES)
-    out_specs = (logical_to_spec(OUT_AXES), logical_to_spec(Q_AXES[:3])) if residuals else logical_to_spec(OUT_AXES)
-    manual = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=out_specs,
-                         axis_names=manual, check_vma=False)(q, k, v)
+    return per_device(local, (Q_AXES, KV_AXES, KV_AXES), (OUT_AXES, Q_AXES[:3]) if residuals else OUT_AXES)(q, k, v)
 
 
 def block_sizes(seq_len: int):
@@ -115,8 +106,8 @@ def block_sizes(seq_len: int):
 
 def splash(q, k, v, residuals: bool = False, interpret: bool = True):
     """Splash attention on one device's heads: the MQA kernel per (row, KV head) with that head's
-    group of queries. q is pre-scaled by 1/sqrt(d),
-    as the kernel expects. `interpret`: off TPU (tests), the kernel in Pallas interpret mode."""
+    group of queries, q pre-scaled by 1/sqrt(d) as the kernel expects. `interpret`: off TPU
+    (tests), the kernel in Pallas interpret mode."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     B, H, T, D = q.shape
     K = k.shape[1]
@@ -130,13 +121,10 @@ def splash(q, k, v, residuals: bool = False, interpret: bool = True):
     return (out, lse[0].reshape(B, H, T)) if residuals else out
 
 
-def cudnn(q, k, v, residuals: bool = False, interpret: bool = False):
-    """cuDNN's fused attention (NVIDIA GPUs, bfloat16), in its (batch, seq, heads, head_dim) layout.
-    (`interpret` is splash's: cuDNN has no such mode.)"""
+def cudnn(q, k, v, residuals: bool = False):
+    """cuDNN's fused attention (NVIDIA GPUs, bfloat16), in its (batch, seq, heads, head_dim) layout."""
     q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
     result = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
                                           return_residual=residuals)
     return (result[0], result[1].astype(jnp.float32)) if residuals else result
 
-
-SPLASH_OR_CUDNN = {"splash": splash, "cudnn": cudnn}

@@ -4,17 +4,15 @@ the residual stream's layout, the masked lm_head logits and the loss.
 Layers are stacked on a leading 'layers' axis; the code names logical axes only.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.sharding import axes_outside_rules, constrain, sequence_ring
+from jaxpar.core.sharding import constrain, per_device, sequence_ring
 from jaxpar.models.attention import apply_dropout, causal_attention
-from jaxpar.models.kernels import active_kernel, fused_attention
+from jaxpar.models.kernels import KV_AXES, Q_AXES, active_kernel, fused_attention
 from jaxpar.models.matmul import project
 from jaxpar.models.ring_attention import ring_attention, zigzag_permutation
 
@@ -100,13 +98,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key) -> jax.Ar
     if ring == 1:
         kernel = active_kernel()
         return causal_attention(q, k, v, rate, key) if kernel == "xla" else fused_attention(kernel, q, k, v)
-    B, H, T, D = q.shape
-    K = k.shape[1]
-    q_spec, kv_spec = P(None, None, None, axis, None), P(None, None, axis, None)
-    out = jax.shard_map(functools.partial(ring_attention, axis_name=axis), mesh=jax.sharding.get_abstract_mesh(),
-                        in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, axis_names=frozenset({axis}) | axes_outside_rules(),
-                        check_vma=False)(q.reshape(B, K, H // K, T, D), k, v)
-    return out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
+
+    def ring_of_shards(q, k, v):
+        B, H, T, D = q.shape
+        K = k.shape[1]
+        return ring_attention(q.reshape(B, K, H // K, T, D), k, v, axis_name=axis).reshape(B, H, T, D)
+    return per_device(ring_of_shards, (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(q, k, v).transpose(0, 2, 1, 3)
 
 
 def head_logits(x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Array:

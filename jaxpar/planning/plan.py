@@ -154,7 +154,8 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else (cost or {})
     comm_s = estimate.collective_seconds(ops, chip, len(devices))
-    c.compiled = {**summary, "attention": kernels.describe(c.cfg.model, mesh), "collective_ops": ops, "xla_flops_loop_bodies_once": cost.get("flops"),
+    c.compiled = {**summary, "attention": kernels.describe(c.cfg.model, mesh), "collective_ops": ops,
+                  "xla_flops_loop_bodies_once": cost.get("flops"),
                   **estimate.step_time(c.cfg, vocab, c.layout, chip, comm_s, bubble)}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
     c.status = "compiled"

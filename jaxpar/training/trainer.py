@@ -294,8 +294,9 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         writers = open_outputs(p, c.info, out_dir, fresh)
         if p.start and progress and is_main_process():
             print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
-        if "(" in c.info["attention"] and is_main_process():  # auto kept xla where a fused kernel exists
-            print(c.info["attention"].split("(", 1)[1].rstrip(")"), file=sys.stderr)
+        note = kernels.resolve_on(cfg.model, mesh)[1]  # auto kept xla where a fused kernel exists
+        if note and is_main_process():
+            print(note, file=sys.stderr)
         try:
             state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at)
         except Diverged as diverged:
