@@ -123,22 +123,26 @@ def test_attention_backward_equals_autodiff(blocks, kv_heads, monkeypatch):
             np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)  # float32 rounding
 
 
+@pytest.mark.parametrize("for_cpu", [True, False], ids=["cpu form", "accelerator form"])
 @pytest.mark.parametrize("spec, x_shape, w_shape", [
     ("nc,cf->nf", (64, 12), (12, 20)), ("nf,cf->nc", (64, 20), (12, 20)),
     ("nc,cshd->nshd", (64, 12), (12, 3, 2, 4)), ("nhd,hdc->nc", (64, 2, 4), (2, 4, 12)),
     ("btc,vc->btv", (2, 32, 12), (16, 12))])
-def test_bf16_projections_have_float32s_gradients(spec, x_shape, w_shape):
-    """The bf16 projections' own backward (bf16 dots, float32 accumulation, the weight gradient's
-    operand laid out) gives autodiff's float32 gradients to bf16 rounding: within 1e-2 of each
-    gradient's largest magnitude (a wrong transpose is off by order 1)."""
-    from jaxpar.models.matmul import project
+def test_bf16_projections_have_float32s_gradients(spec, x_shape, w_shape, for_cpu):
+    """The bf16 projections' own backward (bf16 dots, float32 accumulation; on CPUs the weight
+    gradient's operand laid out) gives autodiff's float32 gradients to bf16 rounding: within 1e-2
+    of each gradient's largest magnitude (a wrong transpose is off by order 1). Every dot of the
+    backward takes bf16 operands (autodiff's would take the float32 output gradient)."""
+    from jaxpar.models.matmul import low_precision_project
     rng = np.random.default_rng(0)
     x, w = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in (x_shape, w_shape))
     out_shape = jax.eval_shape(lambda x, w: jnp.einsum(spec, x, w), x, w).shape
     g = jnp.asarray(rng.normal(size=out_shape), jnp.bfloat16).astype(jnp.float32)
-    _, low = jax.vjp(lambda x, w: project(spec, x, w, jnp.bfloat16), x, w)
+    _, low = jax.vjp(lambda x, w: low_precision_project(spec, x, w, for_cpu), x, w)
     _, exact = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x.astype(jnp.float32), w.astype(jnp.float32))
-    for got, want in zip(low(g), exact(g)):
+    for got, want in zip(jax.jit(low)(g), exact(g)):  # jit: XLA:CPU runs the accelerator form's dots
         assert got.dtype == jnp.bfloat16
         error = jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want))
         assert error < 1e-2, (spec, float(error))
+    dots = [e for e in jax.make_jaxpr(low)(g).eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)

@@ -19,7 +19,7 @@ from jaxpar.planning import estimate, hardware
 from jaxpar.planning.hardware import Chip, parse_target
 from jaxpar.planning.plan import Candidate, compile_candidate, enumerate_candidates, layout_config, main
 
-CHIP = Chip("test chip", 1e9, 100e12, 50e9, 1, 2, "made up for the test")
+CHIP = Chip("test chip", 1e9, 100e12, 1e12, 50e9, 1, 2, "made up for the test")
 
 
 def test_enumeration_keeps_valid_layouts_and_gives_the_trainers_reasons():
@@ -55,6 +55,9 @@ def test_fit_decision_follows_the_compiled_memory_and_the_capacity():
     assert big.status == small.status == "compiled"
     assert big.compiled["peak_memory_bytes"] == small.compiled["peak_memory_bytes"] > 1e3
     assert big.fits is True and small.fits is False
+    r = big.compiled  # the roofline: its ops at least their FLOPs at peak, so never an MFU of 100%
+    assert 0 < r["mfu"] < 1 and r["step_s"] >= r["hlo_flops_per_chip"] / CHIP.peak_flops > 0
+    assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"])
 
 
 def test_step_time_arithmetic_on_a_hand_made_case():

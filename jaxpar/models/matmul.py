@@ -1,14 +1,16 @@
-"""The model's projections, shaped so that the CPU's bfloat16 units run them.
+"""The model's projections, shaped so that the bfloat16 units run their backward too.
 
-XLA:CPU hands a bf16 x bf16 dot to its bf16 kernels only when the dot accumulates into and returns
-float32, and only when its left operand is row-major in the contracted dims. A dot that returns
-bf16 is converted to a float32 dot first, operands and all, which is slower than float32 from the
-start; so is autodiff's weight gradient x^T g, which contracts over the leading (token) dim. In a
-low-precision dtype `project` therefore returns float32, and its backward casts the output
-gradient to that dtype, returns float32-accumulated dots, and lays out the weight gradient's
-transposed operand explicitly (an optimization barrier keeps XLA from folding the transpose back
-into the dot). In float32, and on accelerators (which run bf16 dots in any layout), it is the plain
-einsum.
+In a low-precision dtype a projection accumulates into and returns float32, so its output
+gradient arrives in float32; autodiff's transposed dots would then run in float32 (TF32 on an
+H100, at half the bf16 rate; on a CPU, in XLA:CPU's float32 kernels). So `project` has its own
+backward: the output gradient is cast to the compute dtype and both gradients are
+float32-accumulated dots of bf16 operands, as PyTorch autocast's are.
+
+On CPUs it also shapes those dots for XLA:CPU, which hands a bf16 x bf16 dot to its bf16 kernels
+only when the dot returns float32 and its left operand is row-major in the contracted dims:
+autodiff's weight gradient x^T g contracts over the leading (token) dim, so its transposed operand
+is laid out explicitly (an optimization barrier keeps XLA from folding the transpose back into the
+dot), and a 2-D one is split in two. In float32 every projection is the plain einsum.
 """
 
 import functools
@@ -20,9 +22,9 @@ import jax.numpy as jnp
 def project(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """einsum(spec, x, w) of activations x and weights w: float32 in, float32 out; in a lower
     dtype, x and w in it and the result accumulated in and returned as float32."""
-    if jnp.dtype(dtype) == jnp.float32 or not traced_for_cpu():
+    if jnp.dtype(dtype) == jnp.float32:
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return low_precision_project(spec, x, w)
+    return low_precision_project(spec, x, w, traced_for_cpu())
 
 
 def traced_for_cpu() -> bool:
@@ -33,13 +35,13 @@ def traced_for_cpu() -> bool:
     return (device.platform if device is not None else jax.default_backend()) == "cpu"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def low_precision_project(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def low_precision_project(spec: str, x: jax.Array, w: jax.Array, for_cpu: bool) -> jax.Array:
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
-def _forward(spec, x, w):
-    return low_precision_project(spec, x, w), (x, w)
+def _forward(spec, x, w, for_cpu):
+    return low_precision_project(spec, x, w, for_cpu), (x, w)
 
 
 def laid_out(spec: str, a: jax.Array) -> jax.Array:
@@ -61,7 +63,7 @@ def weight_gradient(lhs_spec: str, lhs: jax.Array, rhs_spec: str, rhs: jax.Array
     return dw.reshape(w_shape)
 
 
-def _backward(spec, residuals, g):
+def _backward(spec, for_cpu, residuals, g):
     x, w = residuals
     (xs, ws), out = spec.split("->")[0].split(","), spec.split("->")[1]
     rows = "".join(c for c in xs if c in out)  # the tokens: contracted in the weight gradient
@@ -69,7 +71,9 @@ def _backward(spec, residuals, g):
     w_out = "".join(c for c in ws if c in out)
     g = g.astype(x.dtype)
     dx = jnp.einsum(f"{out},{ws}->{xs}", g, w, preferred_element_type=jnp.float32)
-    if ws.startswith(w_in):  # stored (in, out): dw = x^T g
+    if not for_cpu:  # accelerators run a bf16 dot in any layout
+        dw = jnp.einsum(f"{xs},{out}->{ws}", x, g, preferred_element_type=jnp.float32)
+    elif ws.startswith(w_in):  # stored (in, out): dw = x^T g
         dw = weight_gradient(f"{w_in}{rows}", laid_out(f"{xs}->{w_in}{rows}", x), out, g, w.shape)
     else:  # stored (out, in): dw = g^T x
         dw = weight_gradient(f"{w_out}{rows}", laid_out(f"{out}->{w_out}{rows}", g), xs, x, w.shape)

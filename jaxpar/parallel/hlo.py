@@ -39,7 +39,8 @@ GROUP_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-    """({computation name: its instruction lines}, the entry computation's name)."""
+    """({computation name: its instruction lines}, the entry computation's name). An attribute
+    that runs over several lines (a Pallas kernel's metadata) is joined to its instruction."""
     comps, entry, current = {}, "", None
     for line in hlo_text.splitlines():
         if current is None:
@@ -48,10 +49,12 @@ def computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
                 current = match.group(1)
                 comps[current] = []
                 entry = current if line.startswith("ENTRY") else entry
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":
             current = None
-        else:
+        elif line[:1].isspace() or not comps[current]:
             comps[current].append(line)
+        else:
+            comps[current][-1] += line
     return comps, entry
 
 
@@ -98,29 +101,35 @@ def group_size(line: str) -> int | None:
     return None
 
 
+def collective_of(line: str, computation: str = "") -> tuple[str, int, int | None] | None:
+    """(kind, result bytes, group size) of the collective an HLO line runs, or None. For an async
+    pair the `-start` op stands for both; bytes are one op's result size: for an all-gather the
+    gathered tensor, for a reduce-scatter one device's shard."""
+    match = OP.search(line)
+    if not match:
+        return None
+    shape, kind, is_async = match.groups()
+    if is_async:  # the start op's result tuple holds the operand, the result and, on TPU, a
+        # collective-permute's scalar contexts
+        parts = ARRAY.findall(shape)
+        parts = [part for part in parts if part[1]] or parts
+        shape = "{}[{}]".format(*parts[-1]) if parts else shape
+    size, group = shape_bytes(shape), group_size(line)
+    if kind == "all-reduce" and computation.startswith(FUSED_REDUCE_SCATTER) and group:
+        kind, size = "reduce-scatter", size // group  # TPU runs the fusion as one
+    return kind, size, group
+
+
 def collective_ops(hlo_text: str) -> list[dict]:
     """One entry per (kind, result bytes, group size): {'kind', 'bytes', 'group', 'count'}, where
-    count is the runs per step (a loop body's ops count once per iteration) and bytes are one op's
-    result size: for an all-gather the gathered tensor, for a reduce-scatter one device's shard.
-    An async pair (`-start` / `-done`) counts once."""
+    count is the runs per step (a loop body's ops count once per iteration); see `collective_of`."""
     comps, entry = computations(hlo_text)
     runs = multiplicities(comps, entry) if entry else defaultdict(lambda: 1)
     found: dict = defaultdict(int)
     for name, lines in (comps or {"": hlo_text.splitlines()}).items():
         for line in lines:
-            match = OP.search(line)
-            if not match:
-                continue
-            shape, kind, is_async = match.groups()
-            if is_async:  # the start op's result tuple holds the operand, the result and, on
-                # TPU, a collective-permute's scalar contexts
-                parts = ARRAY.findall(shape)
-                parts = [part for part in parts if part[1]] or parts
-                shape = "{}[{}]".format(*parts[-1]) if parts else shape
-            size, group = shape_bytes(shape), group_size(line)
-            if kind == "all-reduce" and name.startswith(FUSED_REDUCE_SCATTER) and group:
-                kind, size = "reduce-scatter", size // group  # TPU runs the fusion as one
-            found[(kind, size, group)] += runs[name]
+            if op := collective_of(line, name):
+                found[op] += runs[name]
     return [{"kind": kind, "bytes": size, "group": group, "count": count}
             for (kind, size, group), count in found.items() if count]
 

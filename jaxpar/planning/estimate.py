@@ -1,12 +1,17 @@
-"""`jaxpar.plan`'s step-time model, and the cheap memory and time guesses that order its compiles.
+"""`jaxpar.plan`'s step-time estimates: the roofline of a compiled step, and the cheap memory and
+time guesses that order its compiles.
 
-The model is simple on purpose:
+A compiled layout's step time is `jaxpar.planning.roofline`'s: every op at the longer of its FLOPs
+at peak and its bytes at HBM bandwidth, plus the collectives' time that XLA's schedule does not
+overlap. It is an upper bound on speed.
+
+The guess that orders compiles is simpler and has no HLO:
     compute  = FLOPs per chip / the chip's peak
     comms    = sum over collectives of the bytes each chip sends / the ring's bandwidth
     step     = max(compute, comms) / (1 - pipeline bubble)
-A collective over a group of n chips runs as one bidirectional ring (two links' bandwidth); each
-chip sends 2(n-1)/n of an all-reduce's bytes, (n-1)/n of an all-gather's or all-to-all's result,
-n-1 times a reduce-scatter's shard; a collective-permute sends its bytes over one link.
+Both time a collective over a group of n chips as one bidirectional ring (two links' bandwidth);
+each chip sends 2(n-1)/n of an all-reduce's bytes, (n-1)/n of an all-gather's or all-to-all's
+result, n-1 times a reduce-scatter's shard; a collective-permute sends its bytes over one link.
 """
 
 from jaxpar.core.config import Config
@@ -20,7 +25,6 @@ SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a gr
     "all-to-all": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: n - 1,
 }
-MODEL_TEXT = __doc__.split("The model is simple on purpose:\n", 1)[1].strip()
 
 
 def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
@@ -38,8 +42,19 @@ def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
     return total
 
 
+def compiled_step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, roof: dict, bubble: float) -> dict:
+    """A compiled layout's estimate from its roofline (`roofline.estimate`): tokens/s and MFU at
+    most. A pipeline's bubble is in the roofline already (idle ticks wait for the busy stages)."""
+    devices = layout["dp"] * layout["tp"] * layout["pp"] * layout.get("cp", 1)
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    flops_per_chip = (hardware_flops_per_token(cfg.model, vocab, layout["pp"], cfg.pipeline.schedule)
+                      * tokens / devices)
+    return {**roof, "flops_per_chip": flops_per_chip, "bubble": bubble, "tokens_per_s": tokens / roof["step_s"],
+            "mfu": flops_per_token(cfg.model, vocab) * tokens / roof["step_s"] / (devices * chip.peak_flops)}
+
+
 def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float) -> dict:
-    """The estimate for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
+    """The cheap guess for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
     devices = layout["dp"] * layout["tp"] * layout["pp"] * layout.get("cp", 1)
     tokens = cfg.train.batch_size * cfg.model.block_size
     flops_per_chip = (hardware_flops_per_token(cfg.model, vocab, layout["pp"], cfg.pipeline.schedule)

@@ -28,6 +28,7 @@ class Chip:
     kind: str
     hbm_bytes: float  # memory per chip
     peak_flops: float  # dense matmul FLOP/s per chip in the compute dtype (jaxpar.flops.PEAK_FLOPS)
+    hbm_bytes_per_s: float  # memory bandwidth per chip
     link_bytes_per_s: float  # one inter-chip link, one direction
     cores_per_chip: int  # v4 and v5p accelerator types count TensorCores, two per chip
     torus_dims: int
@@ -37,28 +38,28 @@ class Chip:
 # One table, every figure from the source given beside it; the peaks are jaxpar.models.flops' data-sheet
 # table's (bf16 here; chip_for picks the compute dtype's).
 CHIPS = {
-    # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16; 16 GB HBM2, of which XLA:TPU gives a program
-    # 15.75 GiB ("exceeds available HBM (15.75G)"); ICI 1600 Gbps over 4 ports, i.e. 50 GB/s per
-    # port and direction.
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16; 16 GB HBM2 at 819 GB/s, of which XLA:TPU gives
+    # a program 15.75 GiB ("exceeds available HBM (15.75G)"); ICI 1600 Gbps over 4 ports, i.e.
+    # 50 GB/s per port and direction.
     "v5e": Chip("TPU v5e", 15.75 * GiB,
-                datasheet_peak("TPU v5e", "bfloat16"), 50e9, 1, 2, "cloud.google.com/tpu/docs/v5e; XLA:TPU"),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16; 95 GiB HBM; 1200 GB/s bidirectional ICI per
-    # chip over a 3-D torus's 6 ports, i.e. 100 GB/s per port and direction.
+                datasheet_peak("TPU v5e", "bfloat16"), 819e9, 50e9, 1, 2, "cloud.google.com/tpu/docs/v5e; XLA:TPU"),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16; 95 GiB HBM at 2765 GB/s; 1200 GB/s
+    # bidirectional ICI per chip over a 3-D torus's 6 ports, i.e. 100 GB/s per port and direction.
     "v5p": Chip("TPU v5p", 95 * GiB,
-                datasheet_peak("TPU v5p", "bfloat16"), 100e9, 2, 3, "cloud.google.com/tpu/docs/v5p"),
-    # cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16; 32 GB HBM; 800 GB/s bidirectional ICI per
-    # chip over 4 ports, i.e. 100 GB/s per port and direction.
+                datasheet_peak("TPU v5p", "bfloat16"), 2765e9, 100e9, 2, 3, "cloud.google.com/tpu/docs/v5p"),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16; 32 GB HBM at 1640 GB/s; 800 GB/s bidirectional
+    # ICI per chip over 4 ports, i.e. 100 GB/s per port and direction.
     "v6e": Chip("TPU v6e", 32 * GiB,
-                datasheet_peak("TPU v6e", "bfloat16"), 100e9, 1, 2, "cloud.google.com/tpu/docs/v6e"),
-    # cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, 32 GiB HBM; ICI 45 GB/s per link and
-    # direction (Austin et al., "How to Scale Your Model", part 2, TPU specs table).
+                datasheet_peak("TPU v6e", "bfloat16"), 1640e9, 100e9, 1, 2, "cloud.google.com/tpu/docs/v6e"),
+    # cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, 32 GiB HBM at 1200 GB/s; ICI 45 GB/s per link
+    # and direction (Austin et al., "How to Scale Your Model", part 2, TPU specs table).
     "v4": Chip("TPU v4", 32 * GiB,
-               datasheet_peak("TPU v4", "bfloat16"), 45e9, 2, 3, "cloud.google.com/tpu/docs/v4; scaling book"),
-    # NVIDIA H100 SXM5 data sheet: 989 TFLOPS dense bf16, 80 GB HBM3 (XLA counts 79.1 GiB usable),
-    # NVLink 900 GB/s per GPU, both directions: 450 GB/s each way through NVSwitch, taken here as
-    # two links of 225 GB/s so that the ring model gives a ring the full 450.
+               datasheet_peak("TPU v4", "bfloat16"), 1200e9, 45e9, 2, 3, "cloud.google.com/tpu/docs/v4; scaling book"),
+    # NVIDIA H100 SXM5 data sheet: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s (XLA counts
+    # 79.1 GiB usable), NVLink 900 GB/s per GPU, both directions: 450 GB/s each way through NVSwitch,
+    # taken here as two links of 225 GB/s so that the ring model gives a ring the full 450.
     "h100": Chip("NVIDIA H100 SXM", 84929347584,
-                 datasheet_peak("NVIDIA H100 SXM", "bfloat16"), 225e9, 1, 0, "nvidia.com H100 data sheet"),
+                 datasheet_peak("NVIDIA H100 SXM", "bfloat16"), 3.35e12, 225e9, 1, 0, "nvidia.com H100 data sheet"),
 }
 GPU_KINDS = ("h100",)
 # What XLA:GPU compiles for (stream_executor.GpuTargetConfigProto): the H100 SXM5's figures from
@@ -219,10 +220,9 @@ def chip_for(target: Target, devices: list, dtype: str) -> Chip:
         return dataclasses.replace(chip, peak_flops=datasheet_peak(chip.kind, dtype))
     from jaxpar.models.flops import measure_matmul_peak
     from jaxpar.parallel.hlo import host_available_bytes
-    n = target.chips
+    n, bandwidth = target.chips, measured_copy_bandwidth(devices[0])
     return Chip(f"host CPU / {n}", (host_available_bytes() or 0) / n,
-                measure_matmul_peak(devices[0], dtype) / n,
-                measured_copy_bandwidth(devices[0]) / (2 * n), 1, 1,
+                measure_matmul_peak(devices[0], dtype) / n, bandwidth / n, bandwidth / (2 * n), 1, 1,
                 f"measured here: {dtype} matmul peak, RAM available and a copy's bandwidth, / {n}")
 
 

@@ -98,7 +98,7 @@ def dry_run(cfg: Config, devices=None) -> str:
             per_device = 4 * (math.prod(p_sh.shard_shape(shape.shape))
                               + 2 * math.prod(m_sh.shard_shape(shape.shape)))
             rows.append(f"{jax.tree_util.keystr(path, simple=True, separator='.'):28s} "
-                        f"{str(shape.shape):>18s}  {str(p_sh.spec):40s} {str(m_sh.spec):40s} "
+                        f"{shape.shape!s:>18s}  {p_sh.spec!s:40s} {m_sh.spec!s:40s} "
                         f"{per_device:>12,d}")
 
         abstract_opt = jax.eval_shape(tx.init, shapes)

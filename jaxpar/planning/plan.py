@@ -4,8 +4,8 @@ that fit.
 
 Each layout (dp, tp, pp, ZeRO stage, micro-batch, remat) is checked as `jaxpar.train` checks it,
 guessed cheaply, and the most promising are compiled from ShapeDtypeStructs: XLA's own memory
-figure decides whether it fits, and its HLO gives the collectives of the step-time estimate
-(jaxpar.planning.estimate). Writes plan.md, plan.json and plan.png, and prints the train command to run.
+figure decides whether it fits, and its HLO gives the step-time estimate, a roofline of its ops and
+collectives (jaxpar.planning.roofline): an upper bound on speed. Writes plan.md, plan.json and plan.png, and prints the train command to run.
 """
 
 import copy
@@ -136,12 +136,13 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
     from jaxpar.models import kernels
     from jaxpar.parallel import hlo, pipeline
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.planning import estimate
+    from jaxpar.planning import estimate, roofline
     from jaxpar.planning.placement import compile_abstract_step
     try:
         mesh = build_mesh(c.cfg, devices)
         compiled = compile_abstract_step(c.cfg, vocab, mesh)
-        ops = hlo.collective_ops(compiled.as_text())
+        text = compiled.as_text()
+        ops = hlo.collective_ops(text)
         summary = {**hlo.memory_summary(compiled), "collectives": hlo.totals(ops)}
         bubble = pipeline.summary(c.cfg, mesh, vocab)["bubble_fraction"]
     except Exception as error:  # a layout XLA cannot compile is listed, not fatal
@@ -151,12 +152,9 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
         if needs:
             c.compiled = {"needs_bytes": float(needs.group(1)) * 2**30}
         return
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else (cost or {})
-    comm_s = estimate.collective_seconds(ops, chip, len(devices))
+    roof = roofline.estimate(text, chip, len(devices))
     c.compiled = {**summary, "attention": kernels.describe(c.cfg.model, mesh), "collective_ops": ops,
-                  "xla_flops_loop_bodies_once": cost.get("flops"),
-                  **estimate.step_time(c.cfg, vocab, c.layout, chip, comm_s, bubble)}
+                  **estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble)}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
     c.status = "compiled"
 
@@ -273,7 +271,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     for c in tqdm(order[: args.max_compiles], desc=f"compiling for {target.name}", unit="layout",
                   dynamic_ncols=True):
         compile_candidate(c, vocab, devices, chip)
-    command = lambda c: train_command(args.config, overrides, c)  # noqa: E731
+    command = lambda c: train_command(args.config, overrides, c)
     write_report(args.out, target, chip, cfg, candidates, command, args.top)
     return candidates
 

@@ -4,9 +4,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from jaxpar.planning.estimate import MODEL_TEXT
+from jaxpar.planning import roofline
 
 GiB = 2**30
+MODEL_TEXT = roofline.__doc__.split("\n", 2)[2].strip()  # the docstring past its title line
 LISTED = 20  # layouts past the compile cap shown in plan.md (all are in plan.json)
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
          "collective-permute": "CP", "all-to-all": "A2A"}
@@ -34,14 +35,14 @@ def collectives_cell(collectives: dict) -> str:
 
 def table(rows: list, with_rank: bool = True) -> list[str]:
     head = (["#"] if with_rank else []) + ["layout", "HBM/chip GiB", "TFLOP/chip", "collectives "
-            "per step (count, MiB)", "compute ms", "comms ms", "bubble", "step ms", "tokens/s", "MFU"]
+            "per step (count, MiB)", "ops ms", "exposed comms ms", "bubble", "step ms ≥", "tokens/s ≤", "MFU ≤"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rank, c in enumerate(rows, 1):
         r = c.compiled
         cells = ([str(rank)] if with_rank else []) + [
             layout_cell(c), f"{r['peak_memory_bytes'] / GiB:,.3f}", f"{r['flops_per_chip'] / 1e12:,.1f}",
             collectives_cell(r["collectives"]), f"{1e3 * r['compute_s']:,.1f}",
-            f"{1e3 * r['comm_s']:,.1f}", f"{r['bubble']:.2f}", f"{1e3 * r['step_s']:,.1f}",
+            f"{1e3 * r['exposed_comm_s']:,.1f}", f"{r['bubble']:.2f}", f"{1e3 * r['step_s']:,.1f}",
             f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -90,10 +91,11 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
     if any(c.status == "skipped" for c in candidates):
         out += ["", "## Skipped (the trainer would refuse them)", ""] + skipped_lines(candidates)
     out += ["", "## How the estimate is made", "", "HBM per chip is XLA's memory_analysis of the "
-            "compiled step (arguments + outputs - donated + temporaries). FLOPs per chip are counted "
-            "(jaxpar.models.flops, plus recomputation); XLA's cost_analysis counts a loop body once, so it "
-            "is kept in plan.json only. Collectives and their replica groups come from the compiled "
-            "HLO, each loop's body counted once per iteration.", "", "```", MODEL_TEXT, "```"]
+            "compiled step (arguments + outputs - donated + temporaries). TFLOP per chip are the "
+            "model's (jaxpar.models.flops, plus recomputation); MFU divides the model's FLOPs by the "
+            "estimated step. Collectives and their replica groups come from the compiled HLO, each "
+            "loop's body counted once per iteration. The step time is a roofline of the compiled "
+            "step (jaxpar.planning.roofline), so tokens/s and MFU are upper bounds:", "", MODEL_TEXT]
     if best:
         out += ["", "## Run the best layout", "", "```", command(best[0]), "```"]
     return "\n".join(out) + "\n"

@@ -1,0 +1,180 @@
+"""A roofline over a compiled step: how long its ops take at best on one chip, read from the HLO.
+
+Each op that runs (a fusion, a dot, a copy, a custom call) takes at least the longer of
+    its FLOPs / the chip's peak   and   the bytes it reads and writes / the chip's HBM bandwidth;
+a while loop's body counts once per iteration, a conditional costs its dearest branch (a pipeline
+tick waits for its slowest stage), and a collective costs the ring model's time
+(`estimate.collective_seconds`) less the ops XLA scheduled between its start and its done. The step
+is the sum. FLOPs are the dots' and convolutions' (wherever they are fused) and the fused attention
+kernels' (from their shapes); bytes are a fused op's operands and results, counting only the
+slice a dynamic-slice reads and the update an in-place dynamic-update-slice writes. Every term
+is a lower bound on its op's time, so the step is an upper bound on speed: it leaves out kernel
+launch and loop overheads, caches, layouts that pad a tile, and collectives slower than the
+model.
+"""
+
+import dataclasses
+import re
+
+from jaxpar.models.flops import datasheet_peak
+from jaxpar.parallel import hlo
+from jaxpar.planning.hlo_ops import Op, called, op_flops, parse
+
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+        "replica-id", "opt-barrier", "optimization-barrier", "add-dependency", "copy-start", "copy-done",
+        "async-done", "iota"}
+SLICES = {"dynamic-slice", "slice", "gather"}
+
+
+@dataclasses.dataclass
+class Cost:
+    flops: float = 0.0
+    bytes: float = 0.0
+    seconds: float = 0.0  # the ops' roofline time plus exposed communication
+    compute_bound_s: float = 0.0  # the part of `seconds` where FLOPs, not bytes, set an op's time
+    comm_s: float = 0.0  # communication alone, as if nothing overlapped it
+    exposed_comm_s: float = 0.0
+
+    def add(self, other: "Cost", times: float = 1.0) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + times * getattr(other, field.name))
+
+
+def read_bytes(comps: dict, computation: str, param: str) -> float:
+    """Bytes a fused computation reads of one parameter: the slices taken of it (through bitcasts
+    and nested fusions), nothing where it is updated in place, else all of it."""
+    inner = comps.get(computation, [])
+    shape = next((o.shape for o in inner if o.name == param), "")
+    users = [o for o in inner if param in o.operands]
+    if not users:  # unused, or the computation's result itself
+        return hlo.shape_bytes(shape) if inner and inner[-1].name == param else 0.0
+    total = 0.0
+    for user in users:
+        if user.opcode in SLICES and user.operands[0] == param:
+            total += hlo.shape_bytes(user.shape)
+        elif user.opcode == "dynamic-update-slice" and user.operands[0] == param:
+            continue
+        elif user.opcode == "bitcast":
+            total += read_bytes(comps, computation, user.name)
+        elif user.opcode == "fusion" and (callee := called(user, "calls")):
+            index = user.operands.index(param)
+            nested = next((o.name for o in comps.get(callee, []) if o.opcode == "parameter"
+                           and re.search(rf"parameter\({index}\)", o.line)), None)
+            total += read_bytes(comps, callee, nested) if nested else hlo.shape_bytes(shape)
+        else:
+            return hlo.shape_bytes(shape)
+    return min(total, hlo.shape_bytes(shape))
+
+
+def fusion_bytes(op: Op, comps: dict, shapes: dict) -> float:
+    """Operands as read (`read_bytes`) and results as written (an in-place update writes its
+    update)."""
+    callee = called(op, "calls") or ""
+    inner = comps.get(callee, [])
+    if not inner:
+        return sum(hlo.shape_bytes(shapes.get(n, "")) for n in op.operands) + hlo.shape_bytes(op.shape)
+    by_name = {o.name: o for o in inner}
+    total = sum(read_bytes(comps, callee, o.name) for o in inner if o.opcode == "parameter")
+    root = inner[-1]
+    outputs = [by_name.get(n) for n in root.operands] if root.opcode == "tuple" else [root]
+    for out in outputs:
+        while out is not None and out.opcode == "bitcast":
+            out = by_name.get(out.operands[0])
+        if out is not None and out.opcode == "dynamic-update-slice":
+            total += hlo.shape_bytes(by_name[out.operands[1]].shape) if out.operands[1] in by_name else 0
+        elif out is not None:
+            total += hlo.shape_bytes(out.shape)
+    return total
+
+
+def op_bytes(op: Op, comps: dict, shapes: dict) -> float:
+    if op.opcode == "fusion":
+        return fusion_bytes(op, comps, shapes)
+    if op.opcode in SLICES:
+        return 2.0 * hlo.shape_bytes(op.shape)
+    if op.opcode == "dynamic-update-slice":
+        return 2.0 * hlo.shape_bytes(shapes.get(op.operands[1], ""))
+    return sum(hlo.shape_bytes(shapes.get(n, "")) for n in op.operands) + hlo.shape_bytes(op.shape)
+
+
+class Roofline:
+    """The step's cost on one chip of `devices`; computations are costed once and memoised."""
+
+    def __init__(self, hlo_text: str, chip, devices: int):
+        self.comps, self.lines, self.entry = parse(hlo_text)
+        self.chip, self.devices, self.memo = chip, devices, {}
+
+    def peak(self, dtype: str) -> float:
+        sheet = datasheet_peak(self.chip.kind, "float32" if dtype in ("f32", "f64") else "bfloat16")
+        return sheet or self.chip.peak_flops
+
+    def step(self) -> Cost:
+        return self.computation(self.entry)
+
+    def computation(self, name: str) -> Cost:
+        if name in self.memo:
+            return self.memo[name]
+        ops = self.comps.get(name, [])
+        shapes = {o.name: o.shape for o in ops}
+        cost, in_flight = Cost(), {}  # async collectives: start name -> [seconds, seconds of ops since]
+        for op in ops:
+            if (done := op.opcode.endswith("-done")) and op.operands and op.operands[0] in in_flight:
+                seconds, overlap = in_flight.pop(op.operands[0])
+                exposed = max(0.0, seconds - overlap)
+                cost.add(Cost(seconds=exposed, exposed_comm_s=exposed))
+                continue
+            part = Cost() if done else self.op_cost(op, shapes, name)
+            if (comm := self.collective_seconds(op, name)) is not None:
+                if op.opcode.endswith("-start"):
+                    in_flight[op.name] = [comm, 0.0]
+                    part = Cost(comm_s=comm)
+                else:
+                    part = Cost(seconds=comm, comm_s=comm, exposed_comm_s=comm)
+            for pending in in_flight.values():
+                pending[1] += part.seconds
+            cost.add(part)
+        for seconds, overlap in in_flight.values():  # started, never awaited here: exposed
+            cost.add(Cost(seconds=max(0.0, seconds - overlap), exposed_comm_s=max(0.0, seconds - overlap)))
+        self.memo[name] = cost
+        return cost
+
+    def collective_seconds(self, op: Op, computation: str) -> float | None:
+        from jaxpar.planning.estimate import collective_seconds
+        line = op.line
+        if op.opcode == "async-start" and (callee := called(op, "calls")):
+            line = next((text for text in self.lines.get(callee, []) if hlo.collective_of(text)), "")
+        found = hlo.collective_of(line, computation)
+        if found is None:
+            return None
+        kind, size, group = found
+        return collective_seconds([{"kind": kind, "bytes": size, "group": group, "count": 1}], self.chip, self.devices)
+
+    def op_cost(self, op: Op, shapes: dict, computation: str) -> Cost:
+        if op.opcode == "while":
+            trips = hlo.trip_count(op.line, self.lines)
+            body = Cost()
+            body.add(self.computation(called(op, "body") or ""), trips)
+            return body
+        if op.opcode == "conditional":
+            listed = re.search(r"branch_computations=\{([^}]*)\}", op.attrs)
+            names = ([n.strip().lstrip("%") for n in listed.group(1).split(",")] if listed else
+                     [n for n in (called(op, "true_computation"), called(op, "false_computation")) if n])
+            return max((self.computation(n) for n in names), key=lambda c: c.seconds, default=Cost())
+        if op.opcode in ("call", "async-start") and (callee := called(op, "to_apply") or called(op, "calls")):
+            return self.computation(callee)
+        if op.opcode in FREE or hlo.collective_of(op.line, computation):
+            return Cost()
+        flops = op_flops(op, self.comps, shapes)
+        compute = sum(f / self.peak(dtype) for dtype, f in flops.items())
+        size = op_bytes(op, self.comps, shapes)
+        memory = size / self.chip.hbm_bytes_per_s
+        return Cost(flops=sum(flops.values()), bytes=size, seconds=max(compute, memory),
+                    compute_bound_s=compute if compute >= memory else 0.0)
+
+
+def estimate(hlo_text: str, chip, devices: int) -> dict:
+    """The roofline of a compiled step on one chip: FLOPs and bytes it counts, and seconds."""
+    cost = Roofline(hlo_text, chip, devices).step()
+    return {"hlo_flops_per_chip": cost.flops, "hbm_bytes_per_chip": cost.bytes,
+            "compute_s": cost.seconds - cost.exposed_comm_s, "compute_bound_s": cost.compute_bound_s,
+            "comm_s": cost.comm_s, "exposed_comm_s": cost.exposed_comm_s, "step_s": cost.seconds}

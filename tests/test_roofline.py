@@ -1,0 +1,127 @@
+"""The roofline over a compiled step (jaxpar.planning.roofline): its arithmetic on a hand-made HLO
+module, and its FLOP count on dots that XLA:TPU rewrites as dilated convolutions."""
+
+import importlib.util
+
+import pytest
+
+from jaxpar.planning import roofline
+from jaxpar.planning.hardware import Chip
+
+# 100 TFLOP/s, 1 TB/s of HBM, 50 GB/s a link and direction: a kind with no data sheet, so every
+# dtype runs at the one peak.
+CHIP = Chip("test chip", 1e9, 100e12, 1e12, 50e9, 1, 2, "made up for the test")
+
+MODULE = """HloModule roof, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_dot (p0: bf16[64,128], p1: bf16[128,256]) -> f32[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %d = f32[64,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%slice_row (i: s32[], s: f32[4,1024]) -> f32[1,1024] {
+  %i = s32[] parameter(0)
+  %s = f32[4,1024]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%s, %i, %zero), dynamic_slice_sizes={1,1024}
+}
+
+%fused_row (s0: f32[4,1024], i: s32[]) -> f32[1024] {
+  %s0 = f32[4,1024]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %ds = f32[1,1024]{1,0} fusion(%i, %s0), kind=kLoop, calls=%slice_row
+  ROOT %b = f32[1024]{0} bitcast(%ds)
+}
+
+%cond (p: (s32[], f32[4,1024])) -> pred[] {
+  %p = (s32[], f32[4,1024]) parameter(0)
+  %j = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+%body (p: (s32[], f32[4,1024])) -> (s32[], f32[4,1024]) {
+  %p = (s32[], f32[4,1024]) parameter(0)
+  %j = s32[] get-tuple-element(%p), index=0
+  %stack = f32[4,1024]{1,0} get-tuple-element(%p), index=1
+  %row = f32[1024]{0} fusion(%stack, %j), kind=kLoop, calls=%fused_row
+  ROOT %t = (s32[], f32[4,1024]) tuple(%j, %stack)
+}
+
+%cheap (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  ROOT %n = f32[1024]{0} negate(%x)
+}
+
+%dear (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %e = f32[1024]{0} exponential(%x)
+  ROOT %e2 = f32[1024]{0} exponential(%e)
+}
+
+ENTRY %main (x: bf16[64,128], w: bf16[128,256], v: f32[1024], init: (s32[], f32[4,1024]), q: pred[]) -> f32[2048] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %v = f32[1024]{0} parameter(2)
+  %init = (s32[], f32[4,1024]) parameter(3)
+  %q = pred[] parameter(4)
+  %ars = f32[1024]{0} all-reduce-start(%v), replica_groups={{0,1}}, to_apply=%add
+  %mm = f32[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %ard = f32[1024]{0} all-reduce-done(%ars)
+  %loop = (s32[], f32[4,1024]) while(%init), condition=%cond, body=%body
+  %c = f32[1024]{0} conditional(%q, %v, %v), true_computation=%cheap, false_computation=%dear
+  ROOT %ag = f32[2048]{0} all-gather(%ard), replica_groups={{0,1}}, dimensions={0}
+}
+"""
+
+
+def test_roofline_arithmetic_on_a_hand_made_module():
+    r = roofline.estimate(MODULE, CHIP, devices=2)
+    dot_flops = 2 * 64 * 256 * 128
+    dot_bytes = 64 * 128 * 2 + 128 * 256 * 2 + 64 * 256 * 4  # memory-bound: 147 KB at 1 TB/s
+    row_bytes = 4 * (1024 + 1 + 1024)  # the slice a nested fusion reads (not the stack), the index, the row
+    branch_bytes = 4 * 1024 * 4  # the dearer branch: two exponentials, each reads and writes
+    all_reduce = 4096 * 1 / (2 * 50e9)  # 2(n-1)/n of 4 KiB over a ring of two links
+    all_gather = 8192 * 0.5 / (2 * 50e9)  # synchronous: all of it exposed
+    assert all_reduce < dot_bytes / 1e12  # so the fusion scheduled inside it hides it
+    assert r["hlo_flops_per_chip"] == dot_flops
+    assert r["hbm_bytes_per_chip"] == dot_bytes + 4 * row_bytes + branch_bytes
+    assert r["comm_s"] == pytest.approx(all_reduce + all_gather)
+    assert r["exposed_comm_s"] == pytest.approx(all_gather)
+    assert r["compute_bound_s"] == 0
+    assert r["step_s"] == pytest.approx((dot_bytes + 4 * row_bytes + branch_bytes) / 1e12 + all_gather)
+    faster_memory = roofline.estimate(MODULE, Chip(**{**CHIP.__dict__, "hbm_bytes_per_s": 1e15}), devices=2)
+    assert faster_memory["compute_bound_s"] == pytest.approx(dot_flops / 100e12)  # now the dot is FLOP-bound
+
+
+def test_a_multi_line_attribute_stays_with_its_instruction():
+    text = MODULE.replace("kind=kOutput, calls=%fused_dot", 'kind=kOutput, calls=%fused_dot, '
+                          'frontend_attributes={kernel_metadata={\n"xprof":"{}"\n}}')
+    assert roofline.estimate(text, CHIP, 2) == roofline.estimate(MODULE, CHIP, 2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the tpu extra)")
+@pytest.mark.parametrize("spec, shapes", [
+    ("bhtd,bhsd->bhts", [(2, 4, 32, 8), (2, 4, 32, 8)]),  # attention's scores at the tiny shape
+    ("bhts,bhsd->bhtd", [(2, 4, 32, 32), (2, 4, 32, 8)]),
+    ("nc,cf->nf", [(64, 32), (32, 128)]),
+    ("nc,cshd->nshd", [(64, 32), (32, 3, 4, 8)]),
+])
+def test_dots_counted_exactly_when_xla_tpu_writes_them_as_convolutions(spec, shapes):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.planning.hardware import parse_target, target_devices
+    device = target_devices(parse_target("tpu:v5e-8"))[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sharding) for s in shapes]
+    f = jax.jit(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32))
+    text = f.lower(*args).compile().as_text()
+    letters = dict(zip(spec.split("->")[0].replace(",", ""), [d for s in shapes for d in s]))
+    expected = 2 * jax.numpy.prod(jnp.array([letters[c] for c in set(letters)])).item()
+    assert roofline.estimate(text, CHIP, 1)["hlo_flops_per_chip"] == expected
