@@ -135,7 +135,7 @@ def plot(path: Path, candidates: list, capacity: float, title: str) -> None:
                    c="gold", edgecolors="black", zorder=3, label=f"best: {layout_cell(best[0])}")
     ax.axvline(capacity / GiB, color="black", linestyle="--", label=f"capacity {capacity / GiB:,.2f} GiB")
     ax.set_xlabel("HBM per chip (GiB, XLA memory_analysis)")
-    ax.set_ylabel("estimated step time (ms)")
+    ax.set_ylabel("estimated step time, a lower bound (ms)")
     if any(c.status in ("compiled", "out of memory") for c in candidates):
         ax.set_yscale("log")
     ax.set_title(title)
