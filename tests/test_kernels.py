@@ -68,9 +68,13 @@ def test_splash_trains_as_one_device_on_dp2_tp2():
     ("gpu", {}, "xla", "takes bfloat16 only"),
     ("tpu", {"block_size": 64}, "xla", "tiles are 128 tokens"),
     ("cpu", {"attention": "splash"}, "splash", None),
+    ("tpu", {"context": 4}, "splash", None),  # the ring's chunks: 1024 / 8 = 128 tokens
+    ("tpu", {"context": 8}, "xla", "chunks are 64 tokens"),
+    ("gpu", {"dtype": "bfloat16", "context": 8}, "cudnn", None),
 ])
 def test_auto_picks_by_platform(platform, overrides, kernel, note):
-    got, why = resolve(ModelConfig(**{"block_size": 1024, **overrides}), platform)
+    context = overrides.pop("context", 1)
+    got, why = resolve(ModelConfig(**{"block_size": 1024, **overrides}), platform, context)
     assert got == kernel and (note is None) == (why is None) and (note is None or note in why)
 
 
@@ -86,13 +90,13 @@ def test_kernel_refusals_are_one_line(capsys, tmp_path, args, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny", *args], *expected)
 
 
-def compiled_text(target: str, **overrides) -> str:
+def compiled_text(target: str, devices: int = 1, **overrides) -> str:
     from jaxpar.data.loader import load_dataset, model_vocab
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning.hardware import parse_target, target_devices
     from jaxpar.planning.placement import compile_abstract_step
     cfg = tiny_config("tiny", **overrides)
-    devices = target_devices(parse_target(target))[:1]
+    devices = target_devices(parse_target(target))[:devices]
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
     return compile_abstract_step(cfg, vocab, build_mesh(cfg, devices)).as_text()
 
@@ -114,3 +118,20 @@ def test_splash_compiles_for_a_tpu_as_a_mosaic_kernel():
     assert fused["step_s"] != unfused["step_s"]  # the planner tells the kernels apart
     # the roofline reads the kernel's FLOPs from its shapes: its backward recomputes the scores
     assert fused["hlo_flops_per_chip"] > unfused["hlo_flops_per_chip"] > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the tpu extra)")
+def test_auto_runs_splash_in_the_context_ring_on_a_tpu():
+    """cp=2 at block 512: the ring's zigzag chunks are 128 tokens, so `auto` runs its block pairs
+    by splash (the Mosaic kernel in the compiled step) and the ring's permutes go round."""
+    text = compiled_text("tpu:v5e-8", devices=2, **{"model.dtype": "bfloat16", "model.block_size": 512,
+                                                     "mesh.dp": 1, "mesh.cp": 2})
+    assert "tpu_custom_call" in text and "splash" in text and "collective-permute" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
+                    reason="JAX's CUDA plugin is not installed (pip install -e '.[gpu]')")
+def test_auto_runs_cudnn_in_the_context_ring_on_an_h100():
+    text = compiled_text("gpu:h100-8", devices=2, **{"model.dtype": "bfloat16", "model.block_size": 256,
+                                                      "model.n_embd": 128, "mesh.dp": 1, "mesh.cp": 2})
+    assert "__cudnn$fmhaSoftmax" in text and "collective-permute" in text

@@ -40,7 +40,7 @@ def resolve(model_cfg, platform: str, context: int = 1) -> tuple[str, str | None
            if fused == "cudnn" and model_cfg.dtype == "float32"
            else f"splash's tiles are {SPLASH_TILE} tokens (model.block_size={model_cfg.block_size})"
            if fused == "splash" and model_cfg.block_size % SPLASH_TILE
-           else "the context ring runs its own blocks (mesh cp > 1)" if context > 1 else None)
+           else ring_chunks_too_small(model_cfg, context) if fused == "splash" else None)
     return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
 
 
@@ -49,12 +49,22 @@ def check_mesh(model_cfg, platform: str, context: int = 1) -> None:
     kernel = model_cfg.attention
     if kernel in ("auto", "xla"):
         return
-    if context > 1:
-        raise UserError(f"model.attention={kernel} with a context ring (cp={context}): the ring runs "
-                        "the xla kernel per block pair; set --model.attention=auto or xla")
+    if kernel == "splash" and (why := ring_chunks_too_small(model_cfg, context)):
+        raise UserError(f"model.attention=splash: {why}; use a block_size that is a multiple of "
+                        f"{2 * context * SPLASH_TILE}, or --model.attention=auto")
     if platform not in NEEDS_PLATFORM[kernel]:
         raise UserError(f"model.attention={kernel} needs {NEEDS_PLATFORM[kernel][0]} devices, and this "
                         f"mesh is on {platform}; use --model.attention=auto")
+
+
+def ring_chunks_too_small(model_cfg, context: int) -> str | None:
+    """Why splash cannot run a context ring's block pairs, or None: the ring's zigzag layout gives
+    each device two chunks of block_size / (2 cp) tokens, and splash's tiles are 128."""
+    chunk = model_cfg.block_size // (2 * context)
+    if context > 1 and chunk % SPLASH_TILE:
+        return f"the context ring's chunks are {chunk} tokens (block {model_cfg.block_size} / 2 cp={context}), " \
+               f"not a multiple of splash's {SPLASH_TILE}-token tiles"
+    return None
 
 
 def resolve_on(model_cfg, mesh) -> tuple[str, str | None]:
@@ -82,7 +92,7 @@ def traced_with_attention(fn, model_cfg):
 def active_kernel() -> str:
     """The kernel for the model being traced, on the mesh it is traced for."""
     model_cfg = _requested.get()
-    return "xla" if model_cfg is None else resolve(model_cfg, platform_of(jax.sharding.get_abstract_mesh()))[0]
+    return "xla" if model_cfg is None else resolve_on(model_cfg, jax.sharding.get_abstract_mesh())[0]
 
 
 def fused_attention(kernel: str, q, k, v, residuals: bool = False):
@@ -97,23 +107,24 @@ def fused_attention(kernel: str, q, k, v, residuals: bool = False):
     return per_device(local, (Q_AXES, KV_AXES, KV_AXES), (OUT_AXES, Q_AXES[:3]) if residuals else OUT_AXES)(q, k, v)
 
 
-def block_sizes(seq_len: int):
+def block_sizes(seq_len: int, kv_len: int | None = None):
     from jax.experimental.pallas.ops.tpu.splash_attention import BlockSizes
-    block = next(b for b in (512, 256, SPLASH_TILE) if seq_len % b == 0)
+    lengths = (seq_len, seq_len if kv_len is None else kv_len)
+    block = next(b for b in (512, 256, SPLASH_TILE) if all(n % b == 0 for n in lengths))
     return BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                       block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
 
-def splash(q, k, v, residuals: bool = False, interpret: bool = True):
+def splash(q, k, v, residuals: bool = False, interpret: bool = True, causal: bool = True):
     """Splash attention on one device's heads: the MQA kernel per (row, KV head) with that head's
-    group of queries, q pre-scaled by 1/sqrt(d) as the kernel expects. `interpret`: off TPU
-    (tests), the kernel in Pallas interpret mode."""
+    group of queries, q pre-scaled by 1/sqrt(d) as the kernel expects; causal, or every query
+    against every key. `interpret`: off TPU (tests), the kernel in Pallas interpret mode."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     B, H, T, D = q.shape
-    K = k.shape[1]
-    mask = sa.MultiHeadMask([sa.CausalMask((T, T))] * (H // K))
-    kernel = sa.make_splash_mqa_single_device(mask, block_sizes=block_sizes(T), save_residuals=residuals,
-                                              interpret=interpret)
+    K, S = k.shape[1], k.shape[2]
+    mask = sa.CausalMask((T, S)) if causal else sa.FullMask((T, S))
+    kernel = sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * (H // K)), block_sizes=block_sizes(T, S),
+                                              save_residuals=residuals, interpret=interpret)
     grouped = (q * (1.0 / math.sqrt(D))).astype(q.dtype).reshape(B, K, H // K, T, D)
     result = jax.vmap(jax.vmap(kernel))(grouped, k, v)
     out, lse = result if residuals else (result, None)
@@ -121,10 +132,24 @@ def splash(q, k, v, residuals: bool = False, interpret: bool = True):
     return (out, lse[0].reshape(B, H, T)) if residuals else out
 
 
-def cudnn(q, k, v, residuals: bool = False):
+def block_attention(kernel: str, q, k, v, causal: bool):
+    """One block pair of a context ring on one device, by a fused kernel: q (batch, kv_heads,
+    group, queries, head_dim), k, v (batch, kv_heads, keys, head_dim) -> (the output, float32, in
+    q's shape; the float32 log-sum-exp of each query row), for the ring's online softmax."""
+    b, kv_heads, group, t, d = q.shape
+    flat = q.reshape(b, kv_heads * group, t, d)
+    if kernel == "splash":
+        interpret = platform_of(jax.sharding.get_abstract_mesh()) != "tpu"
+        out, lse = splash(flat, k, v, residuals=True, interpret=interpret, causal=causal)
+    else:
+        out, lse = cudnn(flat, k, v, residuals=True, causal=causal)
+    out = out.transpose(0, 2, 1, 3).reshape(q.shape).astype(jnp.float32)
+    return out, lse.reshape(b, kv_heads, group, t).astype(jnp.float32)
+
+
+def cudnn(q, k, v, residuals: bool = False, causal: bool = True):
     """cuDNN's fused attention (NVIDIA GPUs, bfloat16), in its (batch, seq, heads, head_dim) layout."""
     q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-    result = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+    result = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn",
                                           return_residual=residuals)
     return (result[0], result[1].astype(jnp.float32)) if residuals else result
-

@@ -95,14 +95,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key) -> jax.Ar
     head_dim) -> (batch, seq, heads, head_dim): on one device's whole sequence, or as a ring over
     the mesh axis the sequence is split over (context parallelism; no dropout there)."""
     axis, ring = sequence_ring()
+    kernel = active_kernel()
     if ring == 1:
-        kernel = active_kernel()
         return causal_attention(q, k, v, rate, key) if kernel == "xla" else fused_attention(kernel, q, k, v)
 
     def ring_of_shards(q, k, v):
         B, H, T, D = q.shape
         K = k.shape[1]
-        return ring_attention(q.reshape(B, K, H // K, T, D), k, v, axis_name=axis).reshape(B, H, T, D)
+        return ring_attention(q.reshape(B, K, H // K, T, D), k, v, axis_name=axis, kernel=kernel).reshape(B, H, T, D)
     return per_device(ring_of_shards, (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(q, k, v).transpose(0, 2, 1, 3)
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.models.attention import F32
+from jaxpar.models.kernels import block_attention
 
 MASKED = jnp.finfo(F32).min  # a masked score: exp(MASKED - anything finite) is 0
 LAYOUTS = ("zigzag", "contiguous")
@@ -97,10 +98,18 @@ def scores(q, k, mask) -> jax.Array:
 # Forward. The state of a device's queries is (max, sum, output) of their softmax rows so far, all
 # float32 and the output unnormalised: (batch, kv_heads, group, queries) twice and (..., head_dim).
 
-def block_state(q, k, v, mask):
-    """The softmax state of q's rows against one block of keys. Every row the ring computes sees at
-    least one key (its own diagonal at step 0, whole blocks after), so the max is finite."""
-    s = scores(q, k, mask)
+def block_state(q, k, v, mask: str | None, kernel: str = "xla"):
+    """The softmax state of q's rows against one block of keys: mask None (every key), "causal" or
+    "late" (zigzag's late queries: the early keys whole, the late causally). Every row sees a key,
+    so the max is finite. A fused kernel's output and log-sum-exp are the state (lse, 1, output)."""
+    if kernel != "xla":
+        if mask == "late":
+            c = q.shape[3]
+            return merge(block_state(q, k[:, :, :c], v[:, :, :c], None, kernel),
+                         block_state(q, k[:, :, c:], v[:, :, c:], "causal", kernel))
+        out, lse = block_attention(kernel, q, k, v, causal=mask == "causal")
+        return lse, jnp.ones_like(lse), out
+    s = scores(q, k, None if mask is None else causal(q.shape[3]) if mask == "causal" else late_mask(q.shape[3]))
     m = s.max(-1)
     p = jnp.exp(s - m[..., None])
     out = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=F32)
@@ -123,35 +132,36 @@ def concat_rows(a, b):
     return tuple(jnp.concatenate(pair, axis=3) for pair in zip(a, b))
 
 
-def zigzag_diagonal(q, k, v):
+def zigzag_diagonal(q, k, v, kernel):
     """Step 0, own block: early queries see the early keys causally; late queries see all the early
     keys and the late ones causally. Early queries against late keys are all masked: not computed."""
     c = q.shape[3] // 2
-    early = block_state(q[:, :, :, :c], k[:, :, :c], v[:, :, :c], causal(c))
-    return concat_rows(early, block_state(q[:, :, :, c:], k, v, late_mask(c)))
+    early = block_state(q[:, :, :, :c], k[:, :, :c], v[:, :, :c], "causal", kernel)
+    return concat_rows(early, block_state(q[:, :, :, c:], k, v, "late", kernel))
 
 
-def zigzag_step(state, q, k, v, src_before):
+def zigzag_step(state, q, k, v, src_before, kernel):
     """Another device's block. From an earlier device (src < r): both query chunks see its early key
     chunk whole and none of its late one. From a later device: only the late query chunk sees
     anything, both key chunks whole. Either way 2 c^2 scores, so no device waits on another."""
     c = q.shape[3] // 2
 
     def early_keys(state):
-        return merge(state, block_state(q, k[:, :, :c], v[:, :, :c], None))
+        return merge(state, block_state(q, k[:, :, :c], v[:, :, :c], None, kernel))
 
     def late_queries(state):
-        return concat_rows(rows(state, 0, c), merge(rows(state, c, 2 * c), block_state(q[:, :, :, c:], k, v, None)))
+        return concat_rows(rows(state, 0, c), merge(rows(state, c, 2 * c), block_state(q[:, :, :, c:], k, v, None, kernel)))
     return jax.lax.cond(src_before, early_keys, late_queries, state)
 
 
-def contiguous_diagonal(q, k, v):
-    return block_state(q, k, v, causal(q.shape[3]))
+def contiguous_diagonal(q, k, v, kernel):
+    return block_state(q, k, v, "causal", kernel)
 
 
-def contiguous_step(state, q, k, v, src_before):
+def contiguous_step(state, q, k, v, src_before, kernel):
     """An earlier device's block is seen whole; a later one's is skipped (cond runs no work)."""
-    return jax.lax.cond(src_before, lambda state: merge(state, block_state(q, k, v, None)), lambda state: state, state)
+    return jax.lax.cond(src_before, lambda state: merge(state, block_state(q, k, v, None, kernel)),
+                        lambda state: state, state)
 
 
 FORWARD = {"zigzag": (zigzag_diagonal, zigzag_step), "contiguous": (contiguous_diagonal, contiguous_step)}
@@ -168,21 +178,21 @@ def source_before(axis_name: str, s):
     return (r - s + n) % n < r
 
 
-def ring_forward(q, k, v, axis_name: str, layout: str):
-    """(output in q's dtype, float32 log-sum-exp of each query row)."""
+def ring_forward(q, k, v, axis_name: str, layout: str, kernel: str = "xla"):
+    """(output in q's dtype, float32 log-sum-exp of each query row); each block pair by `kernel`."""
     n = jax.lax.axis_size(axis_name)
     diagonal, step = FORWARD[layout]
     send = ring_send(axis_name, n)
     kv = send((k, v)) if n > 1 else None  # step 1's block travels while step 0 computes
-    state = diagonal(q, k, v)
+    state = diagonal(q, k, v, kernel)
 
     def body(s, carry):
         state, kv = carry
         next_kv = send(kv)  # issued before this step's work, so the two can overlap
-        return step(state, q, *kv, source_before(axis_name, s)), next_kv
+        return step(state, q, *kv, source_before(axis_name, s), kernel), next_kv
     if n > 1:
         state, kv = jax.lax.fori_loop(1, n - 1, body, (state, kv))
-        state = step(state, q, *kv, source_before(axis_name, n - 1))  # the last block: nothing to send on
+        state = step(state, q, *kv, source_before(axis_name, n - 1), kernel)  # the last block: nothing to send on
     m, total, out = state
     return (out / total[..., None]).astype(q.dtype), m + jnp.log(total)
 
@@ -240,7 +250,7 @@ BACKWARD = {"zigzag": (zigzag_diagonal_grads, zigzag_step_grads),
             "contiguous": (contiguous_diagonal_grads, contiguous_step_grads)}
 
 
-def ring_backward(axis_name: str, layout: str, saved, d_out):
+def ring_backward(axis_name: str, layout: str, kernel: str, saved, d_out):
     """(dq, dk, dv) in the inputs' dtypes. K/V go round as in the forward; each block's float32 dK/dV
     accumulator follows one step behind it and is sent on once more at the end, which brings it home."""
     q, k, v, out, lse = saved
@@ -265,28 +275,29 @@ def ring_backward(axis_name: str, layout: str, saved, d_out):
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def ring_core(q, k, v, axis_name: str, layout: str) -> jax.Array:
-    return ring_forward(q, k, v, axis_name, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def ring_core(q, k, v, axis_name: str, layout: str, kernel: str) -> jax.Array:
+    return ring_forward(q, k, v, axis_name, layout, kernel)[0]
 
 
-def ring_core_forward(q, k, v, axis_name: str, layout: str):
-    out, lse = ring_forward(q, k, v, axis_name, layout)
+def ring_core_forward(q, k, v, axis_name: str, layout: str, kernel: str):
+    out, lse = ring_forward(q, k, v, axis_name, layout, kernel)
     return out, (q, k, v, out, lse)  # the LSE is all the backward needs to recompute the probabilities
 
 
 ring_core.defvjp(ring_core_forward, ring_backward)
 
 
-def ring_attention(q, k, v, axis_name: str, layout: str = "zigzag") -> jax.Array:
+def ring_attention(q, k, v, axis_name: str, layout: str = "zigzag", kernel: str = "xla") -> jax.Array:
     """Causal attention of this device's queries against the whole sequence, inside `jax.shard_map`
     manual over `axis_name`: q (batch, kv_heads, group, local, head_dim), k and v (batch, kv_heads,
     local, head_dim), the local tokens in `layout`'s order (layout_permutation). Causal in the true
-    global positions. Returns (batch, kv_heads, group, local, head_dim) in q's dtype."""
+    global positions. Returns (batch, kv_heads, group, local, head_dim) in q's dtype. `kernel` runs
+    the forward's block pairs (xla, splash, cudnn); the backward's are xla's, from the ring's lse."""
     check_layout(layout)
     B, K, _, T, D = q.shape
     if k.shape != (B, K, T, D) or v.shape != k.shape:
         raise ValueError(f"ring attention needs k, v of shape {(B, K, T, D)} for q {q.shape}: got {k.shape}, {v.shape}")
     if layout == "zigzag" and T % 2:
         raise ValueError(f"zigzag ring attention needs an even number of local tokens: got {T}")
-    return ring_core(q, k, v, axis_name, layout)
+    return ring_core(q, k, v, axis_name, layout, kernel)
