@@ -197,6 +197,7 @@ def test_tpu_target_compiles_for_a_v5e_slice(tmp_path):
     compiled = [c for c in plan["layouts"] if c["status"] == "compiled"]
     assert len(compiled) >= 2 and all(c["fits"] for c in compiled)
     assert all(c["compiled"]["collectives"] for c in compiled)
+    assert len(hardware.target_devices(parse_target("tpu:v5e-1"))) == 1  # a slice below one host's 2x2
 
 
 def test_full_remat_lowers_the_compiled_steps_temporaries():

@@ -176,6 +176,9 @@ def tpu_devices(target: Target) -> list:
     if importlib.util.find_spec("libtpu") is None:
         raise libtpu_missing(target)
     extra = {"chip_config_name": "megacore"} if CHIPS[target.generation].cores_per_chip > 1 else {}
+    if target.chips < 4:  # a slice smaller than one host's default 2x2 chips is its own host
+        dims = [int(d) for d in target.topology.split(":")[1].split("x")]
+        extra["chips_per_host_bounds"] = tuple(dims + [1] * (3 - len(dims)))
     return compile_only_devices(target, "tpu", topology_name=target.topology, **extra)
 
 
