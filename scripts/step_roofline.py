@@ -50,8 +50,8 @@ def report(cfg, target_name: str, top: int) -> None:
     for name in model.memo:
         shapes = {o.name: o.shape for o in model.comps[name]}
         for op in model.comps[name]:
-            if op.opcode not in ("while", "conditional", "call", "async-start"):
-                cost = model.op_cost(op, shapes, name)
+            if op.opcode not in ("while", "conditional", "call", "async-start") and not hlo.collective_of(op.line):
+                cost = model.op_cost(op, shapes)
                 rows.append((cost.seconds * runs[name], runs[name], cost, op))
     rows.sort(key=lambda r: -r[0])
     print(f"\n| ms a step | runs | GFLOP a run | MB a run | bound by | op | result | from |\n|{'---|' * 8}")

@@ -18,6 +18,7 @@ import re
 
 from jaxpar.models.flops import datasheet_peak
 from jaxpar.parallel import hlo
+from jaxpar.planning.estimate import collective_seconds
 from jaxpar.planning.hlo_ops import Op, called, op_flops, parse
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
@@ -118,18 +119,20 @@ class Roofline:
         shapes = {o.name: o.shape for o in ops}
         cost, in_flight = Cost(), {}  # async collectives: start name -> [seconds, seconds of ops since]
         for op in ops:
-            if (done := op.opcode.endswith("-done")) and op.operands and op.operands[0] in in_flight:
-                seconds, overlap = in_flight.pop(op.operands[0])
-                exposed = max(0.0, seconds - overlap)
-                cost.add(Cost(seconds=exposed, exposed_comm_s=exposed))
+            if op.opcode.endswith("-done"):
+                if op.operands and op.operands[0] in in_flight:
+                    seconds, overlap = in_flight.pop(op.operands[0])
+                    exposed = max(0.0, seconds - overlap)
+                    cost.add(Cost(seconds=exposed, exposed_comm_s=exposed))
                 continue
-            part = Cost() if done else self.op_cost(op, shapes, name)
-            if (comm := self.collective_seconds(op, name)) is not None:
-                if op.opcode.endswith("-start"):
-                    in_flight[op.name] = [comm, 0.0]
-                    part = Cost(comm_s=comm)
-                else:
-                    part = Cost(seconds=comm, comm_s=comm, exposed_comm_s=comm)
+            comm = self.collective_seconds(op, name)
+            if comm is None:
+                part = self.op_cost(op, shapes)
+            elif op.opcode.endswith("-start"):
+                in_flight[op.name] = [comm, 0.0]
+                part = Cost(comm_s=comm)
+            else:
+                part = Cost(seconds=comm, comm_s=comm, exposed_comm_s=comm)
             for pending in in_flight.values():
                 pending[1] += part.seconds
             cost.add(part)
@@ -139,7 +142,7 @@ class Roofline:
         return cost
 
     def collective_seconds(self, op: Op, computation: str) -> float | None:
-        from jaxpar.planning.estimate import collective_seconds
+        """The ring model's seconds for a collective op (an async computation's too); None for others."""
         line = op.line
         if op.opcode == "async-start" and (callee := called(op, "calls")):
             line = next((text for text in self.lines.get(callee, []) if hlo.collective_of(text)), "")
@@ -147,9 +150,11 @@ class Roofline:
         if found is None:
             return None
         kind, size, group = found
-        return collective_seconds([{"kind": kind, "bytes": size, "group": group, "count": 1}], self.chip, self.devices)
+        return collective_seconds([{"kind": kind, "bytes": size, "group": group, "count": 1}], self.chip,
+                                  self.devices)
 
-    def op_cost(self, op: Op, shapes: dict, computation: str) -> Cost:
+    def op_cost(self, op: Op, shapes: dict) -> Cost:
+        """A non-collective op: a loop, a branch or a call by what it runs, else its roofline."""
         if op.opcode == "while":
             trips = hlo.trip_count(op.line, self.lines)
             body = Cost()
@@ -162,7 +167,7 @@ class Roofline:
             return max((self.computation(n) for n in names), key=lambda c: c.seconds, default=Cost())
         if op.opcode in ("call", "async-start") and (callee := called(op, "to_apply") or called(op, "calls")):
             return self.computation(callee)
-        if op.opcode in FREE or hlo.collective_of(op.line, computation):
+        if op.opcode in FREE:
             return Cost()
         flops = op_flops(op, self.comps, shapes)
         compute = sum(f / self.peak(dtype) for dtype, f in flops.items())
