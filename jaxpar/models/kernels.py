@@ -95,16 +95,20 @@ def active_kernel() -> str:
     return "xla" if model_cfg is None else resolve_on(model_cfg, jax.sharding.get_abstract_mesh())[0]
 
 
-def fused_attention(kernel: str, q, k, v, residuals: bool = False):
+def fused_attention(kernel: str, q, k, v):
     """Causal attention by `kernel` ('splash' or 'cudnn'): q (batch, heads, seq, head_dim), k, v
-    (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), and with `residuals` its
-    log-sum-exp (batch, heads, seq) too, as a ring over block pairs would combine them."""
-    mesh = jax.sharding.get_abstract_mesh()
-    local = functools.partial(splash, interpret=platform_of(mesh) != "tpu") if kernel == "splash" else cudnn
-    local = functools.partial(local, residuals=residuals)
-    if mesh.empty:
+    (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), per device."""
+    local = local_kernel(kernel)
+    if jax.sharding.get_abstract_mesh().empty:
         return local(q, k, v)
-    return per_device(local, (Q_AXES, KV_AXES, KV_AXES), (OUT_AXES, Q_AXES[:3]) if residuals else OUT_AXES)(q, k, v)
+    return per_device(local, (Q_AXES, KV_AXES, KV_AXES), OUT_AXES)(q, k, v)
+
+
+def local_kernel(kernel: str):
+    """The one-device function of a fused kernel: splash (interpreted off TPU) or cuDNN."""
+    if kernel == "splash":
+        return functools.partial(splash, interpret=platform_of(jax.sharding.get_abstract_mesh()) != "tpu")
+    return cudnn
 
 
 def block_sizes(seq_len: int, kv_len: int | None = None):
@@ -138,11 +142,7 @@ def block_attention(kernel: str, q, k, v, causal: bool):
     q's shape; the float32 log-sum-exp of each query row), for the ring's online softmax."""
     b, kv_heads, group, t, d = q.shape
     flat = q.reshape(b, kv_heads * group, t, d)
-    if kernel == "splash":
-        interpret = platform_of(jax.sharding.get_abstract_mesh()) != "tpu"
-        out, lse = splash(flat, k, v, residuals=True, interpret=interpret, causal=causal)
-    else:
-        out, lse = cudnn(flat, k, v, residuals=True, causal=causal)
+    out, lse = local_kernel(kernel)(flat, k, v, residuals=True, causal=causal)
     out = out.transpose(0, 2, 1, 3).reshape(q.shape).astype(jnp.float32)
     return out, lse.reshape(b, kv_heads, group, t).astype(jnp.float32)
 

@@ -4,7 +4,6 @@ the residual stream's layout, the masked lm_head logits and the loss.
 Layers are stacked on a leading 'layers' axis; the code names logical axes only.
 """
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx

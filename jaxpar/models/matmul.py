@@ -18,21 +18,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpar.models.kernels import platform_of
+
 
 def project(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     """einsum(spec, x, w) of activations x and weights w: float32 in, float32 out; in a lower
     dtype, x and w in it and the result accumulated in and returned as float32."""
     if jnp.dtype(dtype) == jnp.float32:
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return low_precision_project(spec, x, w, traced_for_cpu())
-
-
-def traced_for_cpu() -> bool:
-    """Whether the program being traced runs on CPUs: the mesh's devices (compile-only TPU or GPU
-    devices included), else JAX's default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    return (device.platform if device is not None else jax.default_backend()) == "cpu"
+    return low_precision_project(spec, x, w, platform_of(jax.sharding.get_abstract_mesh()) == "cpu")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
