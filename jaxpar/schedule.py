@@ -5,10 +5,11 @@ import sys
 
 import numpy as np
 
+from jaxpar.core.axes import check_schedule, check_virtual
 from jaxpar.core.config import SCHEDULES
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.parallel.orders import BACKWARD, FORWARD, WEIGHT
-from jaxpar.parallel.schedule import Schedule, check_schedule
+from jaxpar.parallel.schedule import Schedule
 from jaxpar.training.plots import pyplot, save
 
 
@@ -47,8 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.pp < 1:
             raise UserError(f"--pp must be positive, got {args.pp}")
         virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
-        if virtual > 1 and args.schedule != "interleaved":
-            raise UserError(f"--virtual is for --schedule interleaved, not {args.schedule}")
+        check_virtual(args.schedule, virtual)
         check_schedule(args.schedule, args.pp, args.microbatches, virtual)
         schedule = Schedule(args.schedule, args.pp, args.microbatches, virtual)
         print(schedule.grid())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config, parse_overrides, valid_keys
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
-from jaxpar.parallel.mesh import parse_mesh_spec
+from jaxpar.parallel.mesh import mesh_help, parse_mesh_spec
 from jaxpar.training.plots import plot_after_training
 from jaxpar.training.trainer import run
 
@@ -19,8 +19,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                             f"--section.field=value, with keys: {', '.join(valid_keys(Config()))}.")
     parser.add_argument("--config", help=f"TOML file, or a name in configs/ (default: "
                         f"{DEFAULT_CONFIG_NAME}, which equals the built-in defaults)")
-    parser.add_argument("--mesh", help="e.g. dp=2,tp=2; axes dp, tp, pp; omitted axes are 1, "
-                        "one axis may be -1 (inferred)")
+    parser.add_argument("--mesh", help=mesh_help())
     parser.add_argument("--steps", help="total optimizer steps (train.steps)")
     parser.add_argument("--seed", help="seed for init and data order (train.seed)")
     parser.add_argument("--log-every", help="log every K steps (train.log_every)")

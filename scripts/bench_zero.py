@@ -33,12 +33,12 @@ def measure(stage: int, overrides: dict, n_steps: int) -> dict:
     data = load_dataset(cfg.data, cfg.model.block_size)
     vocab, mesh = data.tokenizer.vocab_size, build_mesh(cfg)
     with jax.set_mesh(mesh):
-        tx = steps.make_optimizer(cfg.train)
-        shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
-        state = steps.init_state(cfg, vocab, tx, shardings)
-        graphdef, _, _ = abstract_model(cfg, vocab)
+        model, _, _ = abstract_model(cfg, vocab)
+        tx = steps.make_optimizer(cfg, model)
+        shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
+        state = steps.init_state(cfg, model, tx, shardings)
         loader = BatchLoader(data.train, "train", 0, cfg.train.batch_size, 1, cfg.model.block_size, mesh)
-        compiled = steps.make_train_step(cfg, graphdef, tx, shardings, plan, loader.sharding) \
+        compiled = steps.make_train_step(cfg, model, tx, shardings, plan, loader.sharding) \
             .lower(state, loader(0)).compile()
         memory = compiled.memory_analysis()
         row = {"stage": stage,

@@ -69,15 +69,14 @@ print(tok.vocab_size)
 LOGITS_SIDE = """
 import sys
 import jax, numpy as np
-from flax import nnx
 from jaxpar.inference import sample
 from jaxpar.models.family import abstract_model
 run_dir, ids_file, logits_file = sys.argv[1:]
 model = sample.load(run_dir)
 ids = np.load(ids_file)
-graphdef, _, _ = abstract_model(model.cfg, model.vocab_size)
+net, _, _ = abstract_model(model.cfg, model.vocab_size)
 with jax.set_mesh(model.mesh):
-    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params, ids)
+    logits = jax.jit(net)(model.params, ids)
 np.save(logits_file, np.asarray(logits, np.float32)[..., :model.tokenizer.vocab_size])
 """
 

@@ -14,6 +14,7 @@ It needs torch installed beside jaxpar; the project itself never imports torch.
 import argparse
 import importlib.util
 import itertools
+import math
 import statistics
 import time
 from pathlib import Path
@@ -73,7 +74,8 @@ def as_rows(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.tensor(np.asarray(a).reshape(-1, a.shape[-1]), dtype=torch.long) for a in batch)
 
 
-def main():
+def read_args():
+    """(the flags, the config, whether torch_ref autocasts to bfloat16), checked."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--torch-ref", type=Path, default=DEFAULT_REF)
     ap.add_argument("--steps", type=int, default=2000)
@@ -96,49 +98,54 @@ def main():
         overrides.update(parse_mesh_spec(args.mesh))
     overrides["train.steps"] = str(args.steps)
     cfg = load_config(args.config, overrides)
-    m, t = cfg.model, cfg.train
-    if m.dropout:
+    if cfg.model.dropout:
         raise UserError("torch_ref has no dropout: pass --model.dropout=0")
     if args.speed < 0 or args.block <= 0:
         raise UserError(f"--speed must be >= 0 and --block positive, got {args.speed} and {args.block}")
     if not args.torch_ref.is_file():
         raise UserError(f"'{args.torch_ref}' not found: pass the path of torch_ref.py with --torch-ref")
+    return args, cfg, autocast
+
+
+def main():
+    args, cfg, autocast = read_args()
+    m, t, o = cfg.model, cfg.train, cfg.optimizer
     ref = load_module(args.torch_ref)
     torch.set_num_threads(2)
 
     force_host_devices(cfg.mesh)
     dataset = load_dataset(cfg.data, m.block_size)
     vocab = dataset.tokenizer.vocab_size
-    dp, tp, pp = resolve_mesh_shape(cfg, len(jax.devices()))
-    mesh = build_mesh(cfg, jax.devices()[:dp * tp * pp])
+    sizes = resolve_mesh_shape(cfg, len(jax.devices()))
+    mesh = build_mesh(cfg, jax.devices()[:math.prod(sizes.values())])
     # each framework's own matmul peak, outside the mesh context (it runs on one device)
     peaks = (measure_matmul_peak(jax.devices()[0], "float32"), torch_matmul_peak()) if args.speed else None
     with jax.set_mesh(mesh):
-        tx = steps.make_optimizer(t)
-        graphdef, _, _ = abstract_model(cfg, vocab)
-        shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
-        state = steps.init_state(cfg, vocab, tx, shardings)
+        net, _, _ = abstract_model(cfg, vocab)
+        tx = steps.make_optimizer(cfg, net)
+        shardings, plan = steps.state_shardings(cfg, net, mesh, tx)
+        state = steps.init_state(cfg, net, tx, shardings)
         microbatches = steps.microbatches_for(cfg, mesh)
         train = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches, m.block_size, mesh)
         val = BatchLoader(dataset.val, "val", t.seed, t.batch_size, microbatches, m.block_size, mesh)
-        train_step = steps.make_train_step(cfg, graphdef, tx, shardings, plan, train.sharding)
-        eval_step = steps.make_eval_step(cfg, graphdef, shardings.params, val.sharding)
+        train_step = steps.make_train_step(cfg, net, tx, shardings, plan, train.sharding)
+        eval_step = steps.make_eval_step(cfg, net, shardings.params, val.sharding)
 
         model = ref.CharGPT(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias)
         copy_weights(model, jax.device_get(state.params), vocab)
-        opt = ref.build_optimizer(model, t.lr, t.weight_decay, (t.beta1, t.beta2))
+        opt = ref.build_optimizer(model, o.lr, o.weight_decay, (o.beta1, o.beta2))
         for group in opt.param_groups:
-            group["eps"] = t.adam_eps
+            group["eps"] = o.eps
 
         def torch_step(s: int, rows) -> float:
             """torch_ref's loop body at step s on (inputs, targets) rows; returns the loss."""
             for group in opt.param_groups:
-                group["lr"] = ref.lr_at(s, t.lr, t.min_lr, t.warmup_steps, t.decay_steps)
+                group["lr"] = ref.lr_at(s, o.lr, o.min_lr, o.warmup_steps, o.decay_steps)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 _, loss = model(*rows)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
             opt.step()
             return loss.item()
 
@@ -146,21 +153,25 @@ def main():
             compare_speed(args.speed, args.block, state, train, train_step, torch_step, ref,
                           torch.from_numpy(dataset.train.astype(np.int64)), flops_per_token(m, vocab), peaks)
             return
-        print("| step | jaxpar loss | torch loss | rel. diff | max rel. diff so far |\n|---|---|---|---|---|")
-        worst = 0.0
-        for s in range(t.steps):
-            batch = train(s)
-            state, metrics = train_step(state, batch)
-            ours, theirs = float(metrics["loss"]), torch_step(s, as_rows(batch))
-            worst = max(worst, abs(ours - theirs) / abs(theirs))
-            if s in REPORT_AT or s == t.steps - 1:
-                print(f"| {s} | {ours:.5f} | {theirs:.5f} | {abs(ours - theirs) / abs(theirs):.1e} "
-                      f"| {worst:.1e} |", flush=True)
+        compare_losses(t, state, train, val, train_step, eval_step, torch_step, model)
 
-        batches = [val(i) for i in range(t.eval_batches)]
-        ours = np.mean([float(eval_step(state.params, b)) for b in batches])
-        with torch.no_grad():
-            theirs = np.mean([model(*as_rows(b))[1].item() for b in batches])
+
+def compare_losses(t, state, train, val, train_step, eval_step, torch_step, model):
+    """Both sides on the same batches: the train losses side by side, then the val losses."""
+    print("| step | jaxpar loss | torch loss | rel. diff | max rel. diff so far |\n|---|---|---|---|---|")
+    worst = 0.0
+    for s in range(t.steps):
+        batch = train(s)
+        state, metrics = train_step(state, batch)
+        ours, theirs = float(metrics["loss"]), torch_step(s, as_rows(batch))
+        worst = max(worst, abs(ours - theirs) / abs(theirs))
+        if s in REPORT_AT or s == t.steps - 1:
+            print(f"| {s} | {ours:.5f} | {theirs:.5f} | {abs(ours - theirs) / abs(theirs):.1e} "
+                  f"| {worst:.1e} |", flush=True)
+    batches = [val(i) for i in range(t.eval_batches)]
+    ours = np.mean([float(eval_step(state.params, b)) for b in batches])
+    with torch.no_grad():
+        theirs = np.mean([model(*as_rows(b))[1].item() for b in batches])
     print(f"\nval loss after {t.steps} steps on the same {t.eval_batches} batches: "
           f"jaxpar {ours:.4f}, torch_ref {theirs:.4f}")
 

@@ -61,7 +61,7 @@ def test_tokenizer_round_trip():
 
 def test_default_config_file_equals_builtin_defaults():
     assert load_config("shakespeare_char_cpu", {}) == load_config(None, {})
-    assert load_config(None, {}).train.decay_steps == Config().train.steps
+    assert load_config(None, {}).optimizer.decay_steps == Config().train.steps
 
 
 def test_micro_batch_caps_rows_per_device():

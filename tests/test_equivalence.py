@@ -3,64 +3,15 @@
 Tolerances: losses within rtol 1e-5; each final param within 1e-5 of that tensor's largest magnitude.
 """
 
-import functools
-import math
 
 import jax
 import numpy as np
 import pytest
-from conftest import mesh_overrides, tiny_config
-from flax import nnx
+from conftest import tiny_config
+from helpers import assert_same_training, losses, train
 
 from jaxpar.models import attention
 from jaxpar.models.family import build_model
-from jaxpar.train import run
-
-STEPS = 10
-LOSS_RTOL = 1e-5
-PARAM_TOL = 1e-5  # relative to each tensor's largest magnitude
-
-
-def train(spec: str = "dp=1", evaluate: bool = False, config: str = "tiny", **overrides):
-    """STEPS of the tiny config (or another named one) on `spec`. Evaluation is off unless asked:
-    most comparisons are of training, and those that evaluate compare the val losses too.
-    One-device runs are shared."""
-    overrides = {"train.steps": STEPS, "train.eval_every": 5 if evaluate else 0, **overrides}
-    if spec == "dp=1":
-        return one_device_run(config, tuple(sorted((k, str(v)) for k, v in overrides.items())))
-    cfg = tiny_config(config, **mesh_overrides(spec), **overrides)
-    return run(cfg, devices=jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False)
-
-
-@functools.cache
-def one_device_run(config: str, overrides: tuple):
-    """A reference run, once per test process: ZeRO 0-2 are the same program on one device."""
-    overrides = dict(overrides)
-    if overrides.get("train.zero") in ("0", "1", "2", None):
-        overrides["train.zero"] = "0"
-    return run(tiny_config(config, **overrides), devices=jax.devices()[:1], progress=False)
-
-
-def losses(result) -> np.ndarray:
-    return np.array([result.losses[s] for s in range(STEPS)])
-
-
-def param_errors(result, reference) -> dict[str, float]:
-    """Each param's max abs difference, as a fraction of the reference tensor's largest magnitude."""
-    def error(a, b):
-        a, b = np.asarray(a), np.asarray(b)
-        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-    return {jax.tree_util.keystr(path): err for path, err in jax.tree_util.tree_leaves_with_path(
-        jax.tree.map(error, result.params, reference.params))}
-
-
-def assert_same_training(result, reference):
-    np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
-    assert result.val_losses.keys() == reference.val_losses.keys()
-    np.testing.assert_allclose(list(result.val_losses.values()), list(reference.val_losses.values()),
-                               rtol=LOSS_RTOL)
-    worst = {k: e for k, e in param_errors(result, reference).items() if e > PARAM_TOL}
-    assert not worst, f"params differ beyond {PARAM_TOL} of their max magnitude: {worst}"
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +91,42 @@ def test_bfloat16_compute_tracks_float32(one_device):
     assert all(p.dtype == np.float32 for p in jax.tree.leaves(bf16.params))
 
 
+AUX = {"model.test_activation_l2": 0.05}  # an auxiliary loss on every block's output (tests only)
+
+
+@pytest.fixture(scope="module")
+def one_device_with_aux():
+    return train(**AUX)
+
+
+@pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("pp=2", {}), ("dp=2", {"train.micro_batch": 2})],
+                         ids=["dp=2,tp=2", "pp=2", "dp=2,accumulated"])
+def test_an_auxiliary_loss_trains_the_same_on_every_layout(one_device_with_aux, spec, overrides):
+    """A block's auxiliary loss reaches the loss with its weight and is logged, on one pass, a
+    pipeline's stages, and passes summed locally: the same losses, auxiliary values and params."""
+    result = train(spec, **AUX, **overrides)
+    assert_same_training(result, one_device_with_aux)
+    logged = [result.aux[s]["activation_l2"] for s in range(len(result.aux))]
+    reference = [one_device_with_aux.aux[s]["activation_l2"] for s in range(len(result.aux))]
+    np.testing.assert_allclose(logged, reference, rtol=1e-5)
+    assert min(logged) > 0
+
+
+def test_the_auxiliary_loss_changes_training(one_device_with_aux):
+    """The control: without it (or with another weight) the same run trains otherwise."""
+    plain = losses(train())
+    assert losses(one_device_with_aux)[0] == plain[0]  # the same params see the same batch first
+    assert np.abs(losses(one_device_with_aux)[1:] - plain[1:]).max() > 1e-4
+    assert not train().aux
+
+
 def test_a_learning_rate_of_0_leaves_the_weights_as_they_were():
     """A frozen run (lr = min_lr = 0: weights into a checkpoint, or a step timed) is allowed and
     changes no weight, bit for bit, weight decay included."""
     result = train(**{"train.lr": 0, "train.min_lr": 0, "train.steps": 2})
     cfg = tiny_config(**{"train.lr": 0, "train.min_lr": 0})
     # Drawn under jit, as the trainer draws them (eager draws differ in the last bit).
-    initial = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg, result.info["vocab_size"]))))()
+    initial = jax.jit(lambda: build_model(cfg, result.info["vocab_size"]).init(cfg.train.seed))()
     jax.tree.map(np.testing.assert_array_equal, result.params, initial)
 
 

@@ -9,8 +9,7 @@ of that tensor's largest magnitude. A 1%-lr control shows the comparison can fai
 
 import numpy as np
 import pytest
-from test_equivalence import STEPS, assert_same_training, losses, train
-from test_multiprocess import launch, logged_losses
+from helpers import STEPS, assert_same_training, launch, logged_losses, losses, train
 
 LLAMA = "tiny_llama"
 

@@ -5,21 +5,9 @@ import sys
 
 import pytest
 from conftest import fresh_process_env
+from helpers import fails_with
 
 from jaxpar.train import main
-
-
-def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
-    out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv + ["--out", str(out)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("jaxpar.train: error: ")
-    for text in expected:
-        assert text in err, err
-    assert not out.exists(), "a failed run must write nothing"
 
 
 @pytest.mark.parametrize("argv, expected", [

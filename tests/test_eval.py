@@ -14,7 +14,6 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
-from flax import nnx
 
 from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
@@ -61,10 +60,9 @@ def direct(saved):
     blocks = (len(tokens) - 1) // BLOCK
     inputs = tokens[:blocks * BLOCK].reshape(blocks, BLOCK)
     targets = tokens[1:blocks * BLOCK + 1].reshape(blocks, BLOCK)
-    graphdef, _, _ = abstract_model(model.cfg, model.vocab_size)
+    net, _, _ = abstract_model(model.cfg, model.vocab_size)
     with jax.set_mesh(model.mesh):
-        logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params,
-                                                                 inputs.astype(np.int32))
+        logits = jax.jit(net)(model.params, inputs.astype(np.int32))
     logits = np.asarray(logits, np.float64)[..., :model.vocab_size]
     top = logits.max(-1, keepdims=True)
     log_z = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]

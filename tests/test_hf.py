@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
-from flax import nnx
+from helpers import logits_of
+from helpers import placed as helpers_placed
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer
@@ -27,7 +28,7 @@ from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer
 from jaxpar.inference import export, sample
 from jaxpar.interop import hf
 from jaxpar.models.decode import empty_cache, forward
-from jaxpar.models.family import abstract_model
+from jaxpar.models.family import abstract_model, build_model
 from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run
@@ -39,19 +40,7 @@ RTOL = ATOL = 1e-5
 
 
 def placed(spec: str = "dp=1", zero: int = 0, hf_dir=FIXTURE, **overrides):
-    """(cfg, vocab_size, mesh, param shardings) for the GPT-2 in hf_dir on the mesh `spec`."""
-    cfg = tiny_config(**mesh_overrides(spec), **{"train.zero": zero}, **overrides)
-    vocab = hf.apply_hf_config(cfg, hf_dir, {})
-    mesh = build_mesh(cfg, jax.devices()[:cfg.mesh.dp * cfg.mesh.tp * cfg.mesh.pp])
-    shardings, _ = steps.state_shardings(cfg, vocab, mesh, steps.make_optimizer(cfg.train))
-    return cfg, vocab, mesh, shardings.params
-
-
-def logits_of(cfg, vocab, mesh, params, ids) -> np.ndarray:
-    graphdef, _, _ = abstract_model(cfg, vocab)
-    with jax.set_mesh(mesh):
-        logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, ids)
-    return np.asarray(logits)[..., :vocab]
+    return helpers_placed(spec, zero, hf_dir, **overrides)
 
 
 def host(params) -> dict:
@@ -73,9 +62,9 @@ def test_hf_checkpoint_gives_transformers_logits_on_any_mesh(spec, zero):
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
     if spec == "dp=1":
         # Sampling's forward pass (with its KV cache) honours model.gelu as well.
-        m = cfg.model
+        model = build_model(cfg, vocab)
         with jax.set_mesh(mesh):
-            decoded, _ = jax.jit(lambda p, t: forward(p, t, empty_cache(m, 2), 0, vocab, m))(params, ids)
+            decoded, _ = jax.jit(lambda p, t: forward(model, p, t, empty_cache(model, 2), 0))(params, ids)
         np.testing.assert_allclose(np.asarray(decoded)[..., :vocab], expected, RTOL, ATOL)
         # The tanh GELU matters: the exact one misses by 1e-3, 100x the tolerance.
         cfg.model.gelu = "exact"
@@ -129,7 +118,8 @@ def test_jaxpar_to_hf_to_jaxpar_is_bit_exact(tmp_path, gelu):
     cfg = tiny_config(**{"model.gelu": gelu})
     vocab = 65
     mesh = build_mesh(cfg, jax.devices()[:1])
-    shardings, _ = steps.state_shardings(cfg, vocab, mesh, steps.make_optimizer(cfg.train))
+    model = build_model(cfg, vocab)
+    shardings, _ = steps.state_shardings(cfg, model, mesh, steps.make_optimizer(cfg, model))
     params = random_params(cfg, vocab)
     hf_dir = write_hf_dir(tmp_path / "hf", hf.hf_state_dict(params, cfg, vocab),
                           hf.hf_config(cfg, vocab, None))

@@ -15,8 +15,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-import test_hf
 from conftest import mesh_overrides, tiny_config
+from helpers import logits_of
+from helpers import placed as placed_on
 from safetensors import safe_open
 
 from jaxpar.core.errors import UserError
@@ -26,6 +27,7 @@ from jaxpar.inference.loading import load_hf
 from jaxpar.interop import hf
 from jaxpar.interop.hf_files import save_weights
 from jaxpar.models.decode import empty_cache, forward
+from jaxpar.models.family import build_model
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 
@@ -36,7 +38,7 @@ RTOL = ATOL = 1e-5
 
 def placed(hf_dir: Path, spec: str = "dp=1"):
     """(cfg, vocab_size, mesh, param shardings) for the model in hf_dir on the mesh `spec`, ZeRO off."""
-    return test_hf.placed(spec, 0, hf_dir)
+    return placed_on(spec, 0, hf_dir)
 
 
 @pytest.mark.parametrize("hf_dir, spec", [(TIED, "dp=1"), (TIED, "tp=2"), (LLAMA3, "dp=1"),
@@ -49,16 +51,17 @@ def test_hf_llama_gives_transformers_logits(hf_dir, spec):
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
     assert all(a.dtype == np.float32 for a in jax.tree.leaves(params))  # bf16 files too
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
-    np.testing.assert_allclose(test_hf.logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
+    np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
     if spec == "dp=1":  # the KV-cache forward pass, at every position at once and then token by token
+        model = build_model(cfg, vocab)
         with jax.set_mesh(mesh):
-            decode = jax.jit(lambda p, t, c, pos: forward(p, t, c, pos, vocab, m), static_argnums=3)
-            full, _ = decode(params, ids, empty_cache(m, 2), 0)
-            _, cache = decode(params, ids[:, :9], empty_cache(m, 2), 0)
+            decode = jax.jit(lambda p, t, c, pos: forward(model, p, t, c, pos), static_argnums=3)
+            full, _ = decode(params, ids, empty_cache(model, 2), 0)
+            _, cache = decode(params, ids[:, :9], empty_cache(model, 2), 0)
             rest, _ = decode(params, ids[:, 9:], cache, 9)
         np.testing.assert_allclose(np.asarray(full)[..., :vocab], expected, RTOL, ATOL)
         np.testing.assert_allclose(np.asarray(rest)[..., :vocab], expected[:, 9:], RTOL, ATOL)
-        assert empty_cache(m, 2)["k"].shape == (2, 2, 2, m.block_size, 16 if hf_dir == LLAMA3 else 8)
+        assert empty_cache(model, 2).k.shape == (2, 2, 2, m.block_size, 16 if hf_dir == LLAMA3 else 8)
 
 
 def test_llama3_scaling_matters():
@@ -67,7 +70,7 @@ def test_llama3_scaling_matters():
     params = hf.load_hf_params(LLAMA3, cfg, vocab, shardings)
     cfg.model.rope_type = "default"
     ids, expected = np.load(LLAMA3 / "input_ids.npy"), np.load(LLAMA3 / "logits.npy")
-    assert np.abs(test_hf.logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 100 * ATOL
+    assert np.abs(logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 100 * ATOL
 
 
 def tensors_of(hf_dir: Path) -> dict:

@@ -16,8 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-from test_errors import fails_with
+from helpers import fails_with
 
 from jaxpar.core.config import load_config
 from jaxpar.data.loader import batch_offsets, load_dataset
@@ -63,10 +62,10 @@ def hf_loss(tmp_path_factory):
     """Step 0's loss of the fixture's weights on step 0's batch, in float64 numpy."""
     cfg = config("dp=1", tmp_path_factory.mktemp("reference") / "run")
     mesh = build_mesh(cfg, devices(cfg))
-    shardings, _ = steps.state_shardings(cfg, 101, mesh, steps.make_optimizer(cfg.train))
+    model, _, _ = abstract_model(cfg, 101)
+    shardings, _ = steps.state_shardings(cfg, model, mesh, steps.make_optimizer(cfg, model))
     params = hf.load_hf_params(FIXTURE, cfg, 101, shardings.params)
-    graphdef, _, _ = abstract_model(cfg, 101)
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    forward = jax.jit(model)
     with jax.set_mesh(mesh):
         fixture_logits = forward(params, np.load(FIXTURE / "input_ids.npy"))
     np.testing.assert_allclose(np.asarray(fixture_logits)[..., :101],

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from test_equivalence import assert_same_training, train
-from test_errors import fails_with
+from helpers import assert_same_training, fails_with, train
 
 from jaxpar.core.model_config import ModelConfig
 from jaxpar.models.attention import causal_attention

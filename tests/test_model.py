@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from flax import nnx
 
 from jaxpar.models.family import Transformer
 from jaxpar.models.flops import matmul_params
@@ -13,13 +12,17 @@ from jaxpar.models.layers import padded_vocab
 
 
 def tiny_model(**overrides):
+    """(cfg, the model's logits as a function of the tokens, its params, drawn from seed 0)."""
     cfg = tiny_config(**overrides)
-    return cfg, Transformer(cfg.model, 65, nnx.Rngs(0))
+    model = Transformer(cfg.model, 65)
+    params = model.init(0)
+    forward = jax.jit(model)
+    return cfg, lambda tokens: forward(params, tokens), params
 
 
 def test_vocab_is_padded_and_padding_never_wins():
-    cfg, model = tiny_model()
-    assert padded_vocab(65) == 128 and model.wte.shape == (128, cfg.model.n_embd)
+    cfg, model, params = tiny_model()
+    assert padded_vocab(65) == 128 and params["wte"].shape == (128, cfg.model.n_embd)
     logits = model(jnp.zeros((2, 8), jnp.int32))
     assert logits.shape == (2, 8, 128)
     assert int(jnp.argmax(logits, -1).max()) < 65
@@ -27,7 +30,7 @@ def test_vocab_is_padded_and_padding_never_wins():
 
 
 def test_attention_is_causal():
-    _, model = tiny_model()
+    _, model, _ = tiny_model()
     tokens = jnp.arange(16, dtype=jnp.int32)[None] % 65
     changed = tokens.at[0, 10].set(3)
     a, b = model(tokens), model(changed)
@@ -36,17 +39,18 @@ def test_attention_is_causal():
 
 
 def test_layers_are_stacked_on_a_leading_axis():
-    cfg, model = tiny_model(**{"model.n_layer": 3})
-    for leaf in jax.tree.leaves(nnx.to_pure_dict(nnx.state(model.blocks))):
+    cfg, _, params = tiny_model(**{"model.n_layer": 3})
+    for leaf in jax.tree.leaves(params["blocks"]):
         assert leaf.shape[0] == 3
 
 
 def test_init_follows_gpt2():
-    cfg, model = tiny_model(**{"model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4})
-    assert abs(float(model.blocks.mlp_in.kernel[...].std()) - 0.02) < 2e-3
+    cfg, _, params = tiny_model(**{"model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4})
+    blocks = params["blocks"]
+    assert abs(float(blocks["mlp_in"]["kernel"].std()) - 0.02) < 2e-3
     resid = 0.02 / np.sqrt(2 * 4)
-    assert abs(float(model.blocks.mlp_out.kernel[...].std()) - resid) < 1e-3
-    assert float(jnp.abs(model.blocks.qkv.bias[...]).max()) == 0.0
+    assert abs(float(blocks["mlp_out"]["kernel"].std()) - resid) < 1e-3
+    assert float(jnp.abs(blocks["qkv"]["bias"]).max()) == 0.0
 
 
 @pytest.mark.parametrize("config", ["tiny", "tiny_llama"])
@@ -54,8 +58,7 @@ def test_matmul_param_count_matches_the_model(config):
     """N in 6N is every block kernel (for Llama: q, the smaller k/v, out, and SwiGLU's three) and
     the lm_head over the real vocabulary, tied or not."""
     cfg = tiny_config(config)
-    model = Transformer(cfg.model, 65, nnx.Rngs(0))
-    blocks = nnx.to_pure_dict(nnx.state(model.blocks))
+    blocks = Transformer(cfg.model, 65).shapes()["blocks"]
     kernels = sum(blocks[name]["kernel"].size for name in blocks if "kernel" in blocks[name])
     assert matmul_params(cfg.model, 65) == kernels + 65 * cfg.model.n_embd
     if config == "tiny_llama":  # 2 KV heads of 8 and an MLP of 64: by hand
@@ -64,9 +67,8 @@ def test_matmul_param_count_matches_the_model(config):
 
 def test_nanogpt_cpu_recipe_has_nanogpt_param_count():
     """The reference (../shared/bench/torch_ref.py, same recipe) reports 809,856 with wpe."""
-    cfg, model = tiny_model(**{"model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4,
-                               "model.block_size": 64})
-    params = nnx.to_pure_dict(nnx.state(model))
+    cfg, _, params = tiny_model(**{"model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4,
+                                   "model.block_size": 64})
     total = sum(x.size for x in jax.tree.leaves(params))
     padding = (128 - 65) * 128
     assert total - padding == 809_856
@@ -77,10 +79,9 @@ def test_weight_decay_covers_every_2d_weight_as_nanogpt():
     (biases, LayerNorm scales). Our q/k/v bias is factored to (3, heads, head_dim) but is 1-D there."""
     from jaxpar.training.step import make_optimizer
 
-    cfg, model = tiny_model()
-    params = nnx.to_pure_dict(nnx.state(model))
+    cfg, _, params = tiny_model()
     # Weight decay alone moves a decayed param (lr * wd * p) and leaves the others where they are.
-    tx = make_optimizer(cfg.train)
+    tx = make_optimizer(cfg, Transformer(cfg.model, 65))
     updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
     moved = jax.tree.map(lambda u: bool(jnp.any(u != 0)), updates)
     expected = jax.tree_util.tree_map_with_path(

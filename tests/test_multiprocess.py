@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,35 +17,9 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
-from test_equivalence import train
+from helpers import LAUNCH_TIMEOUT_S, LOSS_RTOL, STEPS, launch, logged_losses, logged_values, train
 
 from jaxpar.train import run
-
-LAUNCH = Path(__file__).resolve().parent.parent / "scripts" / "launch_local.sh"
-LAUNCH_TIMEOUT_S = 300
-LOSS_RTOL = 1e-5
-STEPS = 10
-
-
-def launch(out: Path, *train_args: str, background: bool = False, devices_per_process: int = 2):
-    command = ["bash", str(LAUNCH), "2", str(devices_per_process), "--", "--config", "tiny", "--out", str(out),
-               *train_args]
-    env = {**os.environ, "PYTHON": sys.executable}
-    if background:
-        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return done
-
-
-def logged_values(out: Path, name: str) -> dict[int, float]:
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[name] for r in lines if name in r}
-
-
-def logged_losses(out: Path) -> dict[int, float]:
-    return logged_values(out, "loss")
 
 
 def one_process(spec: str, out: Path | None = None, stop_at: int | None = None):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
-from test_equivalence import LOSS_RTOL, STEPS, assert_same_training, train
+from helpers import LOSS_RTOL, STEPS, assert_same_training, train
 
 from jaxpar.parallel.orders import BACKWARD, FORWARD, Op
 from jaxpar.parallel.schedule import Schedule

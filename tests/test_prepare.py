@@ -132,7 +132,7 @@ def test_a_non_empty_out_dir_needs_force(capsys, tmp_path, docs):
 
 
 def test_force_removes_a_stale_tokenizer_json(tmp_path, docs, monkeypatch):
-    from test_tokenizer import fake_tiktoken
+    from helpers import fake_tiktoken
     fake_tiktoken(monkeypatch)
     out = tmp_path / "out"
     run(out, docs / "doc0.txt", "--tokenizer", "bytes")

@@ -17,9 +17,18 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
-from test_equivalence import LOSS_RTOL, PARAM_TOL, STEPS, assert_same_training, losses, param_errors, train
-from test_errors import fails_with as train_fails_with
-from test_multiprocess import launch, logged_losses
+from helpers import (
+    LOSS_RTOL,
+    PARAM_TOL,
+    STEPS,
+    assert_same_training,
+    launch,
+    logged_losses,
+    losses,
+    param_errors,
+    train,
+)
+from helpers import fails_with as train_fails_with
 
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, batch_offsets, load_dataset, model_vocab, read_text

@@ -9,7 +9,6 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
-from flax import nnx
 
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.inference import sample
@@ -33,18 +32,18 @@ def trained(tmp_path_factory):
 def test_decode_forward_matches_the_model(trained, spec, n_devices):
     model = sample.load(trained, spec)
     assert model.step == 30 and model.mesh.size == n_devices
-    vocab, m = model.tokenizer.vocab_size, model.cfg.model
+    vocab = model.tokenizer.vocab_size
     tokens = np.asarray(model.tokenizer.encode("First Citizen:\nBefore we proceed"))[None, :]
-    graphdef, _, _ = abstract_model(model.cfg, vocab)
+    net, _, _ = abstract_model(model.cfg, vocab)
     with jax.set_mesh(model.mesh):
-        expected = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(model.params, tokens)
+        expected = jax.jit(net)(model.params, tokens)
 
         @jax.jit
         def decode(params, tokens):
-            logits, _ = forward(params, tokens, empty_cache(m, 1), 0, vocab, m)
+            logits, _ = forward(net, params, tokens, empty_cache(net, 1), 0)
             # The same positions fed in two parts: the second reads the first from the cache.
-            _, cache = forward(params, tokens[:, :20], empty_cache(m, 1), 0, vocab, m)
-            rest, _ = forward(params, tokens[:, 20:], cache, 20, vocab, m)
+            _, cache = forward(net, params, tokens[:, :20], empty_cache(net, 1), 0)
+            rest, _ = forward(net, params, tokens[:, 20:], cache, 20)
             return logits, rest
         logits, rest = decode(model.params, tokens)
     real = slice(0, vocab)

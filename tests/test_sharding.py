@@ -1,5 +1,8 @@
 """Every param and optimizer moment is placed exactly as the rule table says, and stays there;
-the residual stream is laid out as the table in force says (sequence parallelism)."""
+the residual stream is laid out as the table in force says (sequence parallelism); a size-1 mesh
+axis splits nothing, so the one table gives every layout the shardings its own table gave."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -9,9 +12,10 @@ from conftest import mesh_overrides, tiny_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.core.axes import rule_table
 from jaxpar.core.errors import UserError
-from jaxpar.core.sharding import RULES, SEQUENCE_PARALLEL, check_divisible, logical_to_spec, traced_with_rules
-from jaxpar.models.family import abstract_model, apply_blocks, split_layers
+from jaxpar.core.sharding import check_divisible, logical_to_spec, traced_with_rules
+from jaxpar.models.family import abstract_model, split_layers
 from jaxpar.parallel.mesh import build_mesh, resolve_mesh_shape
 from jaxpar.train import run
 from jaxpar.training import step as steps
@@ -22,7 +26,41 @@ def test_rule_table_maps_megatron_layout():
         P("pipe", None, None, "tensor", None)
     assert logical_to_spec(("layers", "mlp", "embed")) == P("pipe", "tensor", None)
     assert logical_to_spec(("vocab", "embed")) == P("tensor", None)
-    assert logical_to_spec(("batch", "seq", "embed")) == P("data", None, None)
+    assert logical_to_spec(("batch", "seq", "embed")) == P("data", "context", None)
+    assert logical_to_spec(("tokens", "embed")) == P(("data", "context"), None)
+
+
+# The four tables jaxpar chose between before the mesh's axes became data (jaxpar.core.axes):
+# plain, sequence-parallel, context-parallel, and both.
+PLAIN = {"batch": "data", "tokens": "data", "vocab": "tensor", "heads": "tensor", "kv_heads": "tensor",
+         "mlp": "tensor", "layers": "pipe", "embed": None, "pos": None, "seq": None, "qkv": None,
+         "gate_up": None, "head_dim": None, "microbatch": None, "stream_seq": None}
+SEQUENCE = {**PLAIN, "stream_seq": "tensor"}
+CONTEXT = {**PLAIN, "seq": "context", "stream_seq": "context", "tokens": ("data", "context")}
+BOTH = {**CONTEXT, "stream_seq": ("context", "tensor")}
+
+
+@pytest.mark.parametrize("spec, old, sequence_parallel", [
+    ("dp=2,tp=2", PLAIN, False), ("dp=2,tp=2", SEQUENCE, True), ("dp=2,pp=2,tp=2", PLAIN, False),
+    ("dp=2,cp=2,tp=2", CONTEXT, False), ("cp=2,tp=2", BOTH, True), ("dp=8", SEQUENCE, True)])
+def test_the_one_table_splits_as_each_layout_s_own_table_did(spec, old, sequence_parallel):
+    """Size-1 axes are no-ops: where cp (or tp) is 1, every logical axis the new table maps to it
+    is split exactly as the old table that left it out split it."""
+    cfg = tiny_config(**mesh_overrides(spec), **{"train.batch_size": 16})
+    mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
+    new = rule_table(sequence_parallel)
+    assert set(new) == set(old)
+    for name in old:
+        assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P(old[name])), 1), name
+
+
+def test_a_context_axis_of_two_does_split_what_the_plain_table_left_whole():
+    """The control: with cp=2 the new table's 'seq' and 'tokens' are not the plain table's."""
+    mesh = build_mesh(tiny_config(**mesh_overrides("dp=2,cp=2")), jax.devices()[:4])
+    new = rule_table()
+    differ = [name for name in PLAIN
+              if not NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P(PLAIN[name])), 1)]
+    assert sorted(differ) == ["seq", "stream_seq", "tokens"]
 
 
 def test_unknown_logical_axis_raises():
@@ -63,10 +101,11 @@ def test_params_and_moments_follow_rules_after_training():
 def test_adam_moments_share_their_params_sharding_without_zero():
     cfg = tiny_config(**mesh_overrides("dp=2,tp=2"), **{"train.zero": 0})
     mesh = build_mesh(cfg, jax.devices()[:4])
-    tx = steps.make_optimizer(cfg.train)
+    model, _, _ = abstract_model(cfg, 65)
+    tx = steps.make_optimizer(cfg, model)
     with jax.set_mesh(mesh):
-        shardings, _ = steps.state_shardings(cfg, 65, mesh, tx)
-        state = steps.init_state(cfg, 65, tx, shardings)
+        shardings, _ = steps.state_shardings(cfg, model, mesh, tx)
+        state = steps.init_state(cfg, model, tx, shardings)
     moments = optax.tree_map_params(tx, lambda p: p.sharding, state.opt_state,
                                     transform_non_params=lambda _: None)
     found = 0
@@ -82,21 +121,21 @@ def test_rules_cover_every_model_axis():
     cfg = tiny_config()
     _, _, axes = abstract_model(cfg, 65)
     used = {name for t in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)) for name in t}
-    assert used <= set(RULES)
+    assert used <= set(rule_table())
 
 
-@pytest.mark.parametrize("rules, stream", [(RULES, P("data", None, None)),
-                                           (SEQUENCE_PARALLEL, P("data", "tensor", None))],
+@pytest.mark.parametrize("rules, stream", [(rule_table(), P("data", None, None)),
+                                           (rule_table(sequence_parallel=True), P("data", "tensor", None))],
                          ids=["tensor-parallel", "sequence-parallel"])
 def test_the_stream_between_blocks_is_split_along_the_sequence_only_under_sequence_parallelism(
         rules, stream):
     """The blocks' output, the residual stream, as the rule table in force lays it out."""
     cfg = tiny_config(**mesh_overrides("dp=2,tp=2"))
     mesh = build_mesh(cfg, jax.devices()[:4])
-    _, shapes, axes = abstract_model(cfg, 65)
+    model, shapes, axes = abstract_model(cfg, 65)
     _, _, layers, layer_axes = split_layers(shapes, axes)
     x = jax.ShapeDtypeStruct((8, cfg.model.block_size, cfg.model.n_embd), jnp.float32)
-    run = traced_with_rules(lambda p, x: apply_blocks(p, layer_axes, x, cfg.model), rules)
+    run = traced_with_rules(lambda p, x: model.run_layers(p, layer_axes, x)[0], rules)
     with jax.set_mesh(mesh):
         compiled = jax.jit(run).lower(layers, x).compile()
     assert compiled.output_shardings.is_equivalent_to(NamedSharding(mesh, stream), 3)

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import fake_tiktoken
 from tokenizers import Tokenizer
 
 from jaxpar.core.errors import UserError
@@ -15,7 +16,6 @@ from jaxpar.data.tokenizer import (
     ByteTokenizer,
     CharTokenizer,
     HFTokenizer,
-    TiktokenTokenizer,
     from_meta,
     load_tokenizer,
     tokenizer_json,
@@ -37,18 +37,6 @@ def corpus_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bpe(corpus_file):
     return load_tokenizer("bpe", [corpus_file], vocab_size=300)
-
-
-def fake_tiktoken(monkeypatch):
-    """A small byte-level tiktoken encoding under the name gpt2: tiktoken's real files need a
-    download, which the tests may not do."""
-    tiktoken = pytest.importorskip("tiktoken")
-    ranks = {bytes([b]): b for b in range(256)} | {b"th": 256, b"he": 257, b"the": 258}
-    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    encoding = tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks,
-                                 special_tokens={EOT: 259})
-    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: encoding)
-    return TiktokenTokenizer("gpt2")
 
 
 @pytest.fixture(params=["char", "bytes", "bpe", "tokenizer.json", "tiktoken"])

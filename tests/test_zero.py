@@ -6,9 +6,9 @@ Tolerances as in test_equivalence: losses rtol 1e-5, params within 1e-5 of each 
 import jax
 import pytest
 from conftest import mesh_overrides, tiny_config
+from helpers import assert_same_training, train
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_equivalence import assert_same_training, train
 
 from jaxpar.models.family import abstract_model
 from jaxpar.parallel import zero
@@ -45,9 +45,10 @@ def test_zero_matches_one_device(one_device, spec, stage):
 def planned(stage: int, spec: str = "dp=2,tp=2", **overrides):
     cfg = tiny_config(**mesh_overrides(spec), **{"train.zero": stage, **overrides})
     mesh = build_mesh(cfg, jax.devices()[: cfg.mesh.dp * cfg.mesh.tp])
-    tx = steps.make_optimizer(cfg.train)
+    model, _, _ = abstract_model(cfg, 65)
+    tx = steps.make_optimizer(cfg, model)
     with jax.set_mesh(mesh):
-        shardings, plan = steps.state_shardings(cfg, 65, mesh, tx)
+        shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
     return cfg, mesh, tx, shardings, plan
 
 
@@ -59,9 +60,9 @@ def has_data(sharding) -> bool:
 def test_params_grads_and_moments_are_placed_per_stage(stage):
     cfg, mesh, tx, shardings, plan = planned(stage)
     with jax.set_mesh(mesh):
-        state = steps.init_state(cfg, 65, tx, shardings)
-        graphdef, _, _ = abstract_model(cfg, 65)
-        grads_of = jax.jit(steps.make_grad_fn(cfg, graphdef, plan.grads))
+        model, _, _ = abstract_model(cfg, 65)
+        state = steps.init_state(cfg, model, tx, shardings)
+        grads_of = jax.jit(steps.make_grad_fn(cfg, model, plan.grads))
         tokens = jax.numpy.zeros((1, cfg.train.batch_size, cfg.model.block_size), "int32")
         _, grads = grads_of(state.params, tokens, tokens, 0)
     for name, tree, want_data in [("params", state.params, stage >= 3),
@@ -92,7 +93,7 @@ def test_too_small_tensors_are_reported():
 def test_startup_check_names_a_replicated_tensor():
     cfg, mesh, tx, shardings, plan = planned(3)
     with jax.set_mesh(mesh):
-        state = steps.init_state(cfg, 65, tx, shardings)
+        state = steps.init_state(cfg, abstract_model(cfg, 65)[0], tx, shardings)
         replicated = jax.device_put(state.params["wte"], NamedSharding(mesh, P()))
     broken = dict(state.params, wte=replicated)
     with pytest.raises(RuntimeError, match="params not sharded as planned: wte"):

@@ -8,9 +8,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jaxpar.core.axes import AXES, check_virtual
 from jaxpar.core.errors import UserError
-from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig  # noqa: F401
-from jaxpar.core.model_config import check_family_keys, validate_model
+from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig, check_family_keys, validate_model  # noqa: F401
+from jaxpar.core.optimizer_config import ALIASES, OptimizerConfig, validate_optimizer
 
 # The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
 # the repository's top-level configs/ in an editable install.
@@ -30,16 +31,9 @@ class TrainConfig:
     # a device with more rows splits them into further microbatches. 0: no limit. On a 2-core CPU,
     # 6 rows of 64 tokens keep activations in cache: 1.3x the speed of 12 rows at once.
     micro_batch: int = 6
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    decay_steps: int = 0  # nanoGPT's lr_decay_iters; 0 means "the run's steps"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    adam_eps: float = 1e-8  # AdamW's epsilon: torch's and nanoGPT's
-    grad_clip: float = 1.0  # 0 disables clipping
-    # ZeRO over the data axis: 1 shards the AdamW moments, 2 also the gradients, 3 also the params
+    # The learning rate, its schedule, clipping and AdamW's settings are the [optimizer] section's
+    # (jaxpar.core.optimizer_config); their older names here (train.lr, ...) still work.
+    # ZeRO over the data axis: 1 shards the optimizer's moments, 2 also the gradients, 3 also the params
     # (FSDP); 0 is plain data parallelism. 1 is the default: it saves memory at no extra
     # communication (an all-reduce is a reduce-scatter plus an all-gather).
     zero: int = 1
@@ -58,12 +52,9 @@ class DataConfig:
     val_fraction: float = 0.1
 
 
-@dataclass
-class MeshConfig:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1  # context parallelism: the sequence split over a ring of cp devices
+# One field per mesh axis (jaxpar.core.axes), named by its --mesh key: dp, tp, pp, cp. Each is the
+# axis's size; one may be -1 (inferred from the device count).
+MeshConfig = dataclasses.make_dataclass("MeshConfig", [(axis.key, int, field(default=1)) for axis in AXES])
 
 
 @dataclass
@@ -97,12 +88,21 @@ class LogConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self):
+        # Keys set through an older name (train.lr for optimizer.lr): messages use the user's word.
+        self.spelled: dict[str, str] = {}
+
+    def key_name(self, key: str) -> str:
+        """A canonical key as the user set it: its older name if that is how it came."""
+        return self.spelled.get(key, key)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -121,6 +121,11 @@ class Config:
 def valid_keys(cfg: Config) -> list[str]:
     return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
             for f in dataclasses.fields(getattr(cfg, s.name))]
+
+
+def keys_help(cfg: Config) -> str:
+    """Every valid key, then the older names that still work."""
+    return f"{', '.join(valid_keys(cfg))}; older names still accepted: {', '.join(ALIASES)}"
 
 
 def _coerce(key: str, typ: type, value):
@@ -146,13 +151,23 @@ def _coerce(key: str, typ: type, value):
 
 
 def set_value(cfg: Config, key: str, value) -> None:
-    """Set `section.field` from a string or TOML value; unknown keys list the valid ones."""
+    """Set `section.field` (or an older name of one) from a string or TOML value; unknown keys
+    list the valid ones."""
+    if key in ALIASES:
+        cfg.spelled[ALIASES[key]] = key
+        _set(cfg, ALIASES[key], value, spelled=key)
+    else:
+        cfg.spelled.pop(key, None)
+        _set(cfg, key, value, spelled=key)
+
+
+def _set(cfg: Config, key: str, value, spelled: str) -> None:
     section, _, name = key.partition(".")
     sub = getattr(cfg, section, None) if section in {f.name for f in dataclasses.fields(cfg)} else None
     types = {f.name: f.type for f in dataclasses.fields(sub)} if sub is not None else {}
     if name not in types:
-        raise UserError(f"unknown config key '{key}'; valid keys: {', '.join(valid_keys(cfg))}")
-    setattr(sub, name, _coerce(key, types[name], value))
+        raise UserError(f"unknown config key '{key}'; valid keys: {keys_help(cfg)}")
+    setattr(sub, name, _coerce(spelled, types[name], value))
 
 
 def resolve_config_path(name_or_path: str) -> Path:
@@ -178,7 +193,7 @@ def load_config(path: str | None, overrides: dict[str, str]) -> Config:
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise UserError(f"config file '{file}': '{section}' must be a [section]; "
-                                f"valid keys: {', '.join(valid_keys(cfg))}")
+                                f"valid keys: {keys_help(cfg)}")
             for name, value in table.items():
                 set_value(cfg, f"{section}.{name}", value)
     explicit = set(overrides)
@@ -188,8 +203,8 @@ def load_config(path: str | None, overrides: dict[str, str]) -> Config:
         explicit |= {f"{section}.{name}" for section, table in data.items() for name in table}
     check_family_keys(cfg.model, explicit)
     validate(cfg)
-    if cfg.train.decay_steps == 0:
-        cfg.train.decay_steps = cfg.train.steps
+    if cfg.optimizer.decay_steps == 0:
+        cfg.optimizer.decay_steps = cfg.train.steps
     return cfg
 
 
@@ -198,11 +213,8 @@ def validate(cfg: Config) -> None:
     positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
                 "train.log_every", "ckpt.keep"]
-    # lr = 0 is a frozen run: Hugging Face weights into a checkpoint, or a step timed without
-    # changing the weights.
-    non_negative = ["model.vocab_size", "train.micro_batch", "train.lr", "train.min_lr", "train.warmup_steps", "train.decay_steps",
-                    "train.weight_decay", "train.adam_eps", "train.grad_clip", "train.eval_every",
-                    "pipeline.microbatches", "ckpt.every"]
+    non_negative = ["model.vocab_size", "train.micro_batch", "train.eval_every", "pipeline.microbatches",
+                    "ckpt.every"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     for key in positive:
         if get(key) <= 0:
@@ -212,6 +224,7 @@ def validate(cfg: Config) -> None:
             raise UserError(f"{key} must be >= 0, got {get(key)}")
     m, t = cfg.model, cfg.train
     validate_model(m)
+    validate_optimizer(cfg.optimizer, cfg.key_name)
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size={t.batch_size} must be divisible by "
                         f"train.grad_accum={t.grad_accum}")
@@ -220,16 +233,13 @@ def validate(cfg: Config) -> None:
     if cfg.pipeline.schedule not in SCHEDULES:
         raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")
-    interleaved = cfg.pipeline.schedule == "interleaved"
-    if interleaved and cfg.pipeline.virtual < 2 or not interleaved and cfg.pipeline.virtual != 1:
-        raise UserError(f"pipeline.virtual={cfg.pipeline.virtual}: interleaved needs "
-                        f"--pipeline.virtual >= 2 layer chunks per stage, every other schedule 1")
+    check_virtual(cfg.pipeline.schedule, cfg.pipeline.virtual)
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
-    for axis in ("dp", "tp", "pp", "cp"):
-        size = getattr(cfg.mesh, axis)
+    sizes = [getattr(cfg.mesh, axis.key) for axis in AXES]
+    for axis, size in zip(AXES, sizes):
         if size != -1 and size < 1:
-            raise UserError(f"mesh.{axis} must be a positive integer or -1 (inferred), got {size}")
+            raise UserError(f"mesh.{axis.key} must be a positive integer or -1 (inferred), got {size}")
     d = cfg.dist
     if d.num_processes < 1 or not 0 <= d.process_id < d.num_processes:
         raise UserError(f"dist.process_id must be in [0, dist.num_processes={d.num_processes}), "
@@ -238,7 +248,7 @@ def validate(cfg: Config) -> None:
     if d.num_processes > 1 and not (host and port.isdigit()):
         raise UserError(f"dist.coordinator must be HOST:PORT when dist.num_processes > 1, "
                         f"got '{d.coordinator}'")
-    if [cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp].count(-1) > 1:
+    if sizes.count(-1) > 1:
         raise UserError("at most one mesh axis may be -1 (inferred)")
 
 

@@ -48,6 +48,9 @@ class ModelConfig:
     # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
     # activations shrink by tp. No effect at tp = 1.
     sequence_parallel: bool = False
+    # Tests only: the coefficient of an auxiliary loss, the mean square of each block's output
+    # (jaxpar.models.interface), which proves the auxiliary-loss path on every layout. 0: off.
+    test_activation_l2: float = 0.0
     # The llama family: grouped-query attention with n_kv_head K/V heads (0: n_head; it divides
     # n_head), a SwiGLU MLP mlp_dim wide (0: 8/3 n_embd rounded up to a multiple of 64), RMSNorm,
     # rotary positions (rope_type "llama3" adds Llama 3's frequency scaling), an untied lm_head
@@ -118,6 +121,8 @@ def validate_model(m: ModelConfig) -> None:
         raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.test_activation_l2 < 0:
+        raise UserError(f"model.test_activation_l2 must be >= 0, got {m.test_activation_l2}")
     check_attention(m)
     if m.family != "llama":
         return

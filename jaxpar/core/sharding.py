@@ -1,6 +1,9 @@
-"""The one rule table from logical axis names (used by the model) to mesh axes (used by JAX).
+"""Logical axis names (used by the model) to mesh axes (used by JAX), through the one rule table
+that jaxpar.core.axes builds from the mesh's axes.
 
-Model code names logical axes only; changing a parallel layout means changing this table.
+Model code names logical axes only. While jit traces the model, `constrain` and `logical_to_spec`
+read the active table: the model's (rules_for), less the mesh axes that are manual (inside
+`shard_map`) or unsplit there (`with_axes_unsplit`, for a vmap over an axis).
 """
 
 import contextvars
@@ -11,74 +14,55 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Megatron-style tensor parallelism: q/k/v and the MLP input are column-parallel (split over
-# 'heads' / 'mlp'), the attention and MLP outputs are row-parallel (their input dim is split), and
-# the tied embedding / lm_head is split over the vocabulary. Activations between blocks (the
-# residual stream) are split over 'data' by batch and whole on every tensor rank, unless
-# SEQUENCE_PARALLEL applies.
-DATA = "data"
-RULES: dict[str, str | tuple | None] = {
-    "batch": "data",
-    "tokens": "data",  # batch * seq, flattened for 2-D matmuls
-    "vocab": "tensor",
-    "heads": "tensor",
-    "kv_heads": "tensor",  # grouped-query attention's K/V heads: tp must divide them
-    "mlp": "tensor",
-    "layers": "pipe",
-    "embed": None,
-    "pos": None,
-    "seq": None,
-    "qkv": None,
-    "gate_up": None,  # SwiGLU's fused gate and up projections
-    "head_dim": None,
-    "microbatch": None,  # the pipeline's per-stage buffers of microbatches
-    "stream_seq": None,  # the residual stream's sequence axis, between the blocks' matmuls
-}
+from jaxpar.core.axes import rule_table
 
-# Megatron's sequence parallelism (model.sequence_parallel): the residual stream, and with it
-# LayerNorm, dropout and the residual adds, is split over 'tensor' along the sequence. Each block's
-# matmuls gather the sequence first (an all-gather), and the row-parallel outputs are summed into
-# the split layout (a reduce-scatter) instead of being all-reduced.
-SEQUENCE_PARALLEL = {**RULES, "stream_seq": "tensor"}
-
-# Context parallelism (mesh.cp > 1): every activation's sequence axis is split over 'context'; the
-# flattened (batch*seq) tokens over data, then context. Attention runs as a ring over 'context'
-# (jaxpar.models.ring_attention). Weights are not split over it: ZeRO-3 shards them over 'data' only.
-CONTEXT_PARALLEL = {**RULES, "seq": "context", "stream_seq": "context", "tokens": ("data", "context")}
-
-_active_rules = contextvars.ContextVar("jaxpar_rules", default=RULES)
+_active_rules = contextvars.ContextVar("jaxpar_rules", default=rule_table())
+# Mesh axes that split nothing in the code being traced: vmapped over (`spmd_axis_name`, which
+# puts the axis back on the vmapped dim), or replicated over by an inference command.
+_unsplit = contextvars.ContextVar("jaxpar_unsplit_axes", default=frozenset())
 
 
-# Both: the stream's sequence split over context, then each context shard over tensor.
-CONTEXT_AND_SEQUENCE_PARALLEL = {**CONTEXT_PARALLEL, "stream_seq": ("context", "tensor")}
+def rules_for(model_cfg) -> dict:
+    """The rule table for a model: Megatron's sequence parallelism adds the stream's sequence to
+    'tensor' (jaxpar.core.axes)."""
+    return rule_table(model_cfg.sequence_parallel)
 
 
-def rules_for(model_cfg, context: int = 1) -> dict:
-    if context > 1:
-        return CONTEXT_AND_SEQUENCE_PARALLEL if model_cfg.sequence_parallel else CONTEXT_PARALLEL
-    return SEQUENCE_PARALLEL if model_cfg.sequence_parallel else RULES
+def active_rules() -> dict:
+    """The active table, less the mesh axes that are manual (inside `shard_map`) or unsplit here."""
+    mesh = jax.sharding.get_abstract_mesh()
+    gone = _unsplit.get() | (frozenset() if mesh.empty else frozenset(mesh.manual_axes))
+    rules = _active_rules.get()
+    if not gone:
+        return rules
+    return {name: drop_axes(mesh_axes, gone) for name, mesh_axes in rules.items()}
 
 
-def rules_without(axis: str) -> dict:
-    """The active table with `axis` taken out of every rule: for code vmapped over that axis with
-    `spmd_axis_name`, which puts it back on the vmapped dim."""
-    return {name: drop_axis(mesh_axes, axis) for name, mesh_axes in _active_rules.get().items()}
+def with_axes_unsplit(fn, *axes: str):
+    """fn, traced with `axes` splitting none of its activations: for code vmapped over an axis
+    with `spmd_axis_name`, or computing a whole batch or sequence on every device of an axis."""
+    return traced_with(fn, _unsplit, _unsplit.get() | frozenset(axes))
 
 
-def drop_axis(mesh_axes, axis: str):
-    """One rule's or one spec entry's mesh axes without `axis` (None if nothing is left)."""
-    kept = tuple(a for a in (mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)) if a not in (axis, None))
+def names_of(mesh_axes) -> tuple[str, ...]:
+    """One rule's or one spec entry's mesh axes as a tuple: None, 'data' or ('data', 'context')."""
+    return () if mesh_axes is None else mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,)
+
+
+def drop_axes(mesh_axes, axes) -> str | tuple | None:
+    """One rule's or one spec entry's mesh axes without those in `axes` (None if nothing is left)."""
+    kept = tuple(a for a in names_of(mesh_axes) if a not in axes)
     return kept if len(kept) > 1 else (kept[0] if kept else None)
 
 
 def without_axis(shardings, axis: str):
     """NamedShardings (a tree) with `axis` dropped from their specs."""
-    return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*(drop_axis(e, axis) for e in s.spec))), shardings)
+    return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*(drop_axes(e, {axis}) for e in s.spec))), shardings)
 
 
 def sequence_ring() -> tuple[str | None, int]:
     """(the mesh axis the sequence is split over while tracing, its size): (None, 1) without one."""
-    axis = _active_rules.get()["seq"]
+    axis = active_rules()["seq"]
     mesh = jax.sharding.get_abstract_mesh()
     if axis is None or mesh.empty:
         return None, 1
@@ -106,7 +90,7 @@ def traced_with_rules(fn, rules: dict):
 def logical_to_spec(axes: tuple[str, ...], rules: dict | None = None) -> P:
     """PartitionSpec for a tuple of logical names (by the active table unless `rules` is given).
     Unknown or conflicting names raise."""
-    rules = _active_rules.get() if rules is None else rules
+    rules = active_rules() if rules is None else rules
     mesh_axes = []
     for name in axes:
         if name not in rules:
@@ -121,27 +105,16 @@ def logical_to_spec(axes: tuple[str, ...], rules: dict | None = None) -> P:
 def check_divisible(name: str, shape: tuple[int, ...], spec: P, mesh) -> None:
     """Refuse a sharding that would need padding: every split dim must divide evenly."""
     for size, mesh_axis in zip(shape, spec):
-        names = () if mesh_axis is None else mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)
-        ways = math.prod(mesh.shape[name] for name in names)
+        ways = math.prod(mesh.shape[name] for name in names_of(mesh_axis))
         if size % ways:
             raise ValueError(f"{name}: dim of size {size} does not divide over mesh axis "
                              f"'{mesh_axis}' of size {ways}")
 
 
-def param_axes(abstract_state) -> dict:
-    """Pure dict of logical axis tuples, read from each nnx.Param's `axes` metadata."""
-    from flax import nnx
-    out = {}
-    for path, var in nnx.to_flat_state(abstract_state):
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = tuple(var.get_metadata()["axes"])
-    return out
-
-
-def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict = RULES) -> dict:
+def shardings_for(axes_tree: dict, shapes: dict, mesh, rules: dict | None = None) -> dict:
     """NamedShardings for a pure-dict tree, checked for even division."""
+    rules = rule_table() if rules is None else rules
+
     def one(path, axes, shape):
         spec = logical_to_spec(axes, rules)
         check_divisible(jax.tree_util.keystr(path), shape.shape, spec, mesh)
@@ -161,6 +134,17 @@ def per_device(fn, in_axes: tuple, out_axes: tuple):
                          out_specs=tuple(map(logical_to_spec, out_axes)) if several else logical_to_spec(out_axes),
                          axis_names=frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes),
                          check_vma=False)
+
+
+def split_ways(mesh, logical: str) -> int:
+    """How many ways the rule table splits a logical axis on this mesh."""
+    return math.prod(mesh.shape[name] for name in names_of(rule_table()[logical]))
+
+
+def batch_sharding(mesh, leading: int = 1) -> NamedSharding:
+    """Where a batch of (..., rows, seq) tokens lives as it enters a step: its rows split as the
+    rule table splits 'batch', each row whole; `leading` dims (microbatches) before the rows."""
+    return NamedSharding(mesh, P(*(None,) * leading, rule_table()["batch"], None))
 
 
 def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import DataConfig
 from jaxpar.core.errors import UserError
+from jaxpar.core.sharding import batch_sharding
 from jaxpar.data.tokenizer import CharTokenizer, from_meta
 
 BUILTIN_NAME = "tinyshakespeare.txt.gz"
@@ -109,7 +108,7 @@ def batch_offsets(seed: int, split: str, step: int, batch_size: int, n_tokens: i
 class BatchLoader:
     """Builds global (inputs, targets) arrays of shape (microbatches, rows, block_size).
 
-    Rows are split over 'data' on axis 1; this process builds only the rows its devices hold.
+    Rows are split as the rule table splits 'batch' (over 'data'); this process builds only the rows its devices hold.
     """
 
     def __init__(self, tokens: np.ndarray, split: str, seed: int, batch_size: int,
@@ -117,7 +116,7 @@ class BatchLoader:
         self.tokens, self.split, self.seed = tokens, split, seed
         self.batch_size, self.block_size = batch_size, block_size
         self.shape = (microbatches, batch_size // microbatches, block_size)
-        self.sharding = NamedSharding(mesh, P(None, "data", None))
+        self.sharding = batch_sharding(mesh)
         rows = [idx[1] for idx in self.sharding.addressable_devices_indices_map(self.shape).values()]
         self.row_start = min(r.start or 0 for r in rows)
         self.row_stop = max(self.shape[1] if r.stop is None else r.stop for r in rows)

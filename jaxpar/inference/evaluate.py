@@ -11,13 +11,12 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
+from jaxpar.core.axes import CONTEXT
 from jaxpar.core.config import DataConfig
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.core.sharding import batch_sharding, split_ways, with_axes_unsplit
 from jaxpar.data.loader import load_dataset
 from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.models.family import abstract_model
@@ -38,12 +37,13 @@ def block_rows(tokens: np.ndarray, first: int, count: int, block_size: int):
 
 def make_row_losses(model: Model):
     """jit(params, inputs, targets) -> each row's mean loss."""
-    graphdef, _, _ = abstract_model(model.cfg, model.vocab_size)
+    net, _, _ = abstract_model(model.cfg, model.vocab_size)
 
     def row_losses(params, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
+        logits = net(params, inputs)
         return jax.vmap(lambda lg, tg: cross_entropy(lg[None], tg[None]))(logits, targets)
-    return jax.jit(row_losses)
+    # Each device of a context ring computes its rows' sequences whole (no ring here).
+    return jax.jit(with_axes_unsplit(row_losses, CONTEXT))
 
 
 def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = False) -> dict:
@@ -53,9 +53,9 @@ def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = 
     if total < 1:
         raise UserError(f"the val split has {len(tokens)} tokens, fewer than a block of {block} "
                         "and its target; use more data")
-    dp = model.mesh.shape["data"]
-    rows = -(-rows // dp) * dp  # whole rows on every data replica
-    sharding = NamedSharding(model.mesh, P("data", None))
+    sharding = batch_sharding(model.mesh, leading=0)
+    ways = split_ways(model.mesh, "batch")
+    rows = -(-rows // ways) * ways  # whole rows on every data replica
     row_losses = make_row_losses(model)
     losses, seconds = [], 0.0
     with jax.set_mesh(model.mesh), tqdm(total=total, unit="block", disable=not progress,

@@ -105,7 +105,7 @@ def load_source(args, command: str) -> Model:
     """The model --ckpt or --hf names, on --mesh."""
     mesh = load_config(None, parse_mesh_spec(args.mesh)).mesh
     force_host_devices(mesh)
-    if mesh.cp > 1:
+    if mesh.cp > 1:  # evaluation and decoding leave the context axis unsplit
         print(f"{command}: note: cp={mesh.cp}: sequences are not split here; each device of a ring "
               "computes them whole (no ring attention in this command)", file=sys.stderr)
     if args.ckpt is not None:

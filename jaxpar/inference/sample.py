@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error, out_of_memory_as_user_error
 from jaxpar.inference.loading import Model, add_model_source, load, load_source, source_name  # noqa: F401
 from jaxpar.models.decode import empty_cache, forward, pick
+from jaxpar.models.family import Transformer
 
 
 @dataclass
@@ -40,24 +41,25 @@ def prompt_ids(tokenizer, prompt: str) -> np.ndarray:
 def make_decoders(model: Model, temperature: float, top_k: int):
     """Jitted (prefill, step, recompute). Each returns the next token of every sample; token i
     uses the key fold_in(key(seed), i) on either path, so both sample the same way."""
-    # Rows of the embedding beyond the tokenizer's (model.vocab_size) are never sampled.
-    m, vocab = model.cfg.model, model.tokenizer.vocab_size
+    # Rows of the embedding beyond the tokenizer's (model.vocab_size) are never sampled: the
+    # logits mask them as the vocabulary's padding.
+    net = Transformer(model.cfg.model, model.tokenizer.vocab_size)
 
     def next_token(logits, seed, i):
         return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)
 
     def prefill(params, tokens, seed, i):
-        logits, cache = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m)
+        logits, cache = forward(net, params, tokens, empty_cache(net, tokens.shape[0]), 0)
         return next_token(logits[:, -1], seed, i), cache
 
     def step(params, cache, token, pos, seed, i):
-        logits, cache = forward(params, token[:, None], cache, pos, vocab, m)
+        logits, cache = forward(net, params, token[:, None], cache, pos)
         return next_token(logits[:, 0], seed, i), cache
 
     def recompute(params, tokens, length, seed, i):
         """The whole window again; tokens are padded to block_size, and causal attention keeps
         the padding from reaching position length - 1."""
-        logits, _ = forward(params, tokens, empty_cache(m, tokens.shape[0]), 0, vocab, m)
+        logits, _ = forward(net, params, tokens, empty_cache(net, tokens.shape[0]), 0)
         return next_token(jax.lax.dynamic_index_in_dim(logits, length - 1, 1, False), seed, i)
 
     return jax.jit(prefill), jax.jit(step, donate_argnums=1), jax.jit(recompute)

@@ -15,11 +15,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxpar.core.axes import TENSOR_AXIS, sizes_of
 from jaxpar.core.config import Config, set_value, validate
 from jaxpar.core.errors import UserError
 from jaxpar.interop import hf_gpt2, hf_llama
 from jaxpar.interop.hf_files import CONFIG_FILE, open_weights, read_hf_config
-from jaxpar.models.family import abstract_model
+from jaxpar.models.family import build_model
+from jaxpar.models.params import in_order
 
 # config.json's model_type -> the module that reads it (Mistral without a sliding window is Llama's
 # math; Qwen2 is named so that its refusal can say why).
@@ -79,20 +81,23 @@ def apply_hf_config(cfg: Config, hf_dir, explicit: dict) -> int:
 
 
 def check_tensor_parallel(cfg: Config, where: Path) -> None:
-    tp, m = cfg.mesh.tp, cfg.model
-    for name, heads in [("n_head", m.n_head), ("n_kv_head", m.kv_heads)]:
-        if tp > 1 and heads % tp:
-            raise UserError(f"tp={tp} does not divide {name}={heads} of the model in {where}; "
-                            f"choose tp from the divisors of {heads}, and put the other devices on "
-                            "dp (with --zero 3 to split the weights too)")
+    """The tensor axis's check, naming config.json as where the head counts come from."""
+    sizes = sizes_of(cfg.mesh)
+    TENSOR_AXIS.check(cfg, sizes[TENSOR_AXIS.key], sizes, origin=str(where))
+
+
+def declared_params(cfg: Config, vocab_size: int) -> dict:
+    """{param path: its declaration (jaxpar.models.params.Param)} of the model cfg describes."""
+    return dict(in_order(build_model(cfg, vocab_size).declared))
 
 
 def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) -> dict:
-    """The model in hf_dir as jaxpar's params (abstract_model's pure dict), each leaf made in its
+    """The model in hf_dir as jaxpar's params (the model's pure dict), each leaf made in its
     sharding from the slices its devices hold. cfg comes from apply_hf_config."""
     tensors, path = open_weights(hf_dir)
-    _, shapes, _ = abstract_model(cfg, vocab_size)
-    readers = BY_FAMILY[cfg.model.family].readers(tensors, cfg, vocab_size, shapes, path)  # all checked first
+    declared = declared_params(cfg, vocab_size)
+    readers = BY_FAMILY[cfg.model.family].readers(tensors, cfg, vocab_size, declared, path)  # all checked first
+    shapes = build_model(cfg, vocab_size).shapes()
     return jax.tree_util.tree_map_with_path(
         lambda p, s, where: jax.make_array_from_callback(s.shape, where, readers[tuple(k.key for k in p)]),
         shapes, param_shardings)
@@ -100,7 +105,7 @@ def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) 
 
 def hf_state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params under save_pretrained's names and shapes, in `dtype`."""
-    return BY_FAMILY[cfg.model.family].state_dict(params, cfg, vocab_size, dtype)
+    return BY_FAMILY[cfg.model.family].state_dict(params, declared_params(cfg, vocab_size), cfg, vocab_size, dtype)
 
 
 def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:

@@ -25,11 +25,11 @@ TO_HF_ACTIVATION = {"tanh": "gelu_new", "exact": "gelu"}
 @dataclass(frozen=True)
 class Weight:
     """Where a jaxpar param comes from: the HF tensor `hf` (per layer: under h.{i}.), whose dims
-    are `groups` of jaxpar's per-layer dims in order (e.g. c_attn's 3C is (3, heads, head_dim)),
-    swapped first if `transposed`."""
+    are `groups` of jaxpar's per-layer dims in order (e.g. c_attn's 3C is (3, heads, head_dim)).
+    HF's Conv1D stores (in, out), as jaxpar's kernels are, so a param declared `transposed`
+    (jaxpar.models.params: stored out first) is swapped on the way."""
     hf: str
     groups: tuple | None = None  # None: one jaxpar dim per HF dim
-    transposed: bool = False
 
 
 LAYER_WEIGHTS = {
@@ -42,16 +42,16 @@ LAYER_WEIGHTS = {
     ("ln_2", "scale"): Weight("ln_2.weight"), ("ln_2", "bias"): Weight("ln_2.bias"),
     ("mlp_in", "kernel"): Weight("mlp.c_fc.weight"), ("mlp_in", "bias"): Weight("mlp.c_fc.bias"),
     # jaxpar stores the MLP output (embed, mlp), out first; HF's Conv1D has it (mlp, embed).
-    ("mlp_out", "kernel"): Weight("mlp.c_proj.weight", transposed=True),
+    ("mlp_out", "kernel"): Weight("mlp.c_proj.weight"),
     ("mlp_out", "bias"): Weight("mlp.c_proj.bias"),
 }
 TOP_WEIGHTS = {("wte",): Weight("wte.weight"), ("wpe",): Weight("wpe.weight"),
                ("ln_f", "scale"): Weight("ln_f.weight"), ("ln_f", "bias"): Weight("ln_f.bias")}
 
 
-def hf_shape(weight: Weight, jaxpar_shape: tuple) -> tuple:
+def hf_shape(weight: Weight, transposed: bool, jaxpar_shape: tuple) -> tuple:
     """The HF tensor's shape for a jaxpar param of `jaxpar_shape` (one layer's)."""
-    dims = list(jaxpar_shape[::-1] if weight.transposed else jaxpar_shape)
+    dims = list(jaxpar_shape[::-1] if transposed else jaxpar_shape)
     shape = []
     for size in weight.groups or (1,) * len(dims):
         shape.append(int(np.prod(dims[:size])))
@@ -59,16 +59,15 @@ def hf_shape(weight: Weight, jaxpar_shape: tuple) -> tuple:
     return tuple(shape)
 
 
-def to_jaxpar_layout(weight: Weight, array: np.ndarray, jaxpar_shape: tuple) -> np.ndarray:
+def to_jaxpar_layout(transposed: bool, array: np.ndarray, jaxpar_shape: tuple) -> np.ndarray:
     """An HF tensor as jaxpar's param (a view: nothing is read until it is indexed)."""
-    split = jaxpar_shape[::-1] if weight.transposed else jaxpar_shape
-    array = array.reshape(split)
-    return array.T if weight.transposed else array
+    array = array.reshape(jaxpar_shape[::-1] if transposed else jaxpar_shape)
+    return array.T if transposed else array
 
 
-def to_hf_layout(weight: Weight, array: np.ndarray, dtype) -> np.ndarray:
+def to_hf_layout(weight: Weight, transposed: bool, array: np.ndarray, dtype) -> np.ndarray:
     """One layer's jaxpar param as its HF tensor (C-ordered, as safetensors stores it)."""
-    hf = (array.T if weight.transposed else array).reshape(hf_shape(weight, array.shape))
+    hf = (array.T if transposed else array).reshape(hf_shape(weight, transposed, array.shape))
     return np.ascontiguousarray(hf, dtype)
 
 
@@ -118,36 +117,34 @@ def check_tied_head(tensors: dict, wte: np.ndarray, path: Path) -> None:
                         "is tied to wte; use a checkpoint with tied embeddings")
 
 
-def readers(tensors: dict, cfg: Config, vocab_size: int, shapes: dict, path: Path) -> dict:
-    """{param path: make_array_from_callback's reader} for every param in `shapes`, all checked."""
+def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
+    """{param path: make_array_from_callback's reader} for every declared param (a dict of
+    jaxpar.models.params.Param by path), all checked."""
     if not cfg.model.bias:
         raise UserError("model.bias=false cannot hold a GPT-2 checkpoint, which has biases; "
                         "drop the override")
     prefix = HF_PREFIX if HF_PREFIX + "wte.weight" in tensors else ""
 
-    def source(key: tuple, shape: tuple):
-        if key[0] == "blocks":
-            weight = LAYER_WEIGHTS[key[1:]]
-            names = [f"h.{i}.{weight.hf}" for i in range(cfg.model.n_layer)]
-            shape = shape[1:]
-        else:
-            weight, names = TOP_WEIGHTS[key], [TOP_WEIGHTS[key].hf]
-        real = (vocab_size,) + shape[1:] if key == ("wte",) else shape
-        arrays = [find_tensor(tensors, prefix + n, hf_shape(weight, real), path) for n in names]
+    def source(key: tuple, param):
+        stacked, vocab = key[0] == "blocks", "vocab" in param.axes
+        weight = LAYER_WEIGHTS[key[1:]] if stacked else TOP_WEIGHTS[key]
+        names = [f"h.{i}.{weight.hf}" for i in range(cfg.model.n_layer)] if stacked else [weight.hf]
+        shape = param.shape[1:] if stacked else param.shape
+        real = (vocab_size,) + shape[1:] if vocab else shape  # the vocabulary without its padding
+        arrays = [find_tensor(tensors, prefix + n, hf_shape(weight, param.transposed, real), path) for n in names]
         if key == ("wte",):
             check_tied_head(tensors, arrays[0], path)
-        views = [to_jaxpar_layout(weight, a, real) for a in arrays]
-        return slice_reader(views, key[0] == "blocks", vocab_size if key == ("wte",) else None)
+        views = [to_jaxpar_layout(param.transposed, a, real) for a in arrays]
+        return slice_reader(views, stacked, vocab_size if vocab else None)
 
-    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    return {keys(p): source(keys(p), s.shape) for p, s in flat}
+    return {key: source(key, param) for key, param in declared.items()}
 
 
 def keys(path) -> tuple[str, ...]:
     return tuple(k.key for k in path)
 
 
-def state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params as GPT2LMHeadModel.save_pretrained writes them: its names and shapes, with
     wte's padding rows removed (the tied lm_head is not stored)."""
     if not cfg.model.bias:
@@ -155,15 +152,15 @@ def state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> 
                         "always has biases; only a model.bias=true run can be exported")
     out = {}
     for path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path, array = keys(path), np.asarray(jax.device_get(array), np.float32)
-        if path[0] == "blocks":
-            weight = LAYER_WEIGHTS[path[1:]]
+        key, array = keys(path), np.asarray(jax.device_get(array), np.float32)
+        param = declared[key]
+        if key[0] == "blocks":
+            weight = LAYER_WEIGHTS[key[1:]]
             for i in range(cfg.model.n_layer):
-                out[f"{HF_PREFIX}h.{i}.{weight.hf}"] = to_hf_layout(weight, array[i], dtype)
+                out[f"{HF_PREFIX}h.{i}.{weight.hf}"] = to_hf_layout(weight, param.transposed, array[i], dtype)
         else:
-            weight = TOP_WEIGHTS[path]
-            out[HF_PREFIX + weight.hf] = to_hf_layout(weight, array[:vocab_size] if path == ("wte",)
-                                                      else array, dtype)
+            real = array[:vocab_size] if "vocab" in param.axes else array
+            out[HF_PREFIX + TOP_WEIGHTS[key].hf] = to_hf_layout(TOP_WEIGHTS[key], param.transposed, real, dtype)
     return out
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.interop.hf_files import Stacked, find_tensor, slice_reader
+from jaxpar.models.params import NORM
 
 FAMILY = "llama"
 ROPE_TYPES = ("default", "llama3")
@@ -92,9 +93,15 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
     return fields + rope_fields(config, path), vocab_size, positions
 
 
-def layer_view(key: tuple, arrays: list, shape: tuple):
+def as_stored(param) -> bool:
+    """Whether HF stores this param as jaxpar does: a norm's scale, or a kernel jaxpar keeps out
+    first, (out, in), as HF's Linear does (jaxpar.models.params' `transposed`)."""
+    return param.role == NORM or param.transposed
+
+
+def layer_view(key: tuple, param, arrays: list, shape: tuple):
     """One layer's jaxpar param (of `shape`) as a lazy view of its HF tensors."""
-    if key[1] == "scale" or key[0] == "mlp_out":
+    if as_stored(param):
         return arrays[0]
     if len(arrays) == 1:  # (out, in) -> (in, *out), or for attn_out (embed, heads*hd) -> (heads, hd, embed)
         return arrays[0].T.reshape(shape)
@@ -102,8 +109,8 @@ def layer_view(key: tuple, arrays: list, shape: tuple):
     return Stacked([a.T.reshape(part) for a in arrays], axis=1)
 
 
-def hf_layer_shape(key: tuple, shape: tuple, parts: int) -> tuple:
-    if key[1] == "scale" or key[0] == "mlp_out":
+def hf_layer_shape(key: tuple, param, shape: tuple, parts: int) -> tuple:
+    if as_stored(param):
         return shape
     if key[0] == "attn_out":
         return (shape[-1], int(np.prod(shape[:-1])))
@@ -111,22 +118,22 @@ def hf_layer_shape(key: tuple, shape: tuple, parts: int) -> tuple:
     return (int(np.prod(inner)), shape[0])
 
 
-def readers(tensors: dict, cfg: Config, vocab_size: int, shapes: dict, path: Path) -> dict:
-    """{param path: make_array_from_callback's reader} for every param in `shapes`, all checked."""
+def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
+    """{param path: make_array_from_callback's reader} for every declared param (a dict of
+    jaxpar.models.params.Param by path), all checked."""
     out = {}
-    for p, s in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        key = tuple(k.key for k in p)
+    for key, param in declared.items():
         if key[0] == "blocks":
-            names = LAYER_WEIGHTS[key[1:]]
-            views = [layer_view(key[1:], [find_tensor(tensors, LAYER.format(i=i) + n,
-                                                      hf_layer_shape(key[1:], s.shape[1:], len(names)), path)
-                                          for n in names], s.shape[1:])
+            names, shape = LAYER_WEIGHTS[key[1:]], param.shape[1:]
+            views = [layer_view(key[1:], param, [find_tensor(tensors, LAYER.format(i=i) + n,
+                                                             hf_layer_shape(key[1:], param, shape, len(names)), path)
+                                                 for n in names], shape)
                      for i in range(cfg.model.n_layer)]
             out[key] = slice_reader(views, True)
-        elif key == ("norm", "scale"):
-            out[key] = slice_reader([find_tensor(tensors, TOP_WEIGHTS[key], s.shape, path)], False)
-        else:
-            array = find_tensor(tensors, TOP_WEIGHTS[key], (vocab_size, s.shape[1]), path)
+        elif "vocab" not in param.axes:
+            out[key] = slice_reader([find_tensor(tensors, TOP_WEIGHTS[key], param.shape, path)], False)
+        else:  # the vocabulary without its padding rows
+            array = find_tensor(tensors, TOP_WEIGHTS[key], (vocab_size, param.shape[1]), path)
             out[key] = slice_reader([array], False, vocab_size)
     if cfg.model.tie_embeddings and "lm_head.weight" in tensors and not np.array_equal(
             tensors["lm_head.weight"], tensors[TOP_WEIGHTS[("wte",)]]):
@@ -135,9 +142,9 @@ def readers(tensors: dict, cfg: Config, vocab_size: int, shapes: dict, path: Pat
     return out
 
 
-def hf_tensors(key: tuple, array: np.ndarray) -> list[np.ndarray]:
+def hf_tensors(key: tuple, param, array: np.ndarray) -> list[np.ndarray]:
     """One layer's jaxpar param as its HF tensors, in LAYER_WEIGHTS's order."""
-    if key[1] == "scale" or key[0] == "mlp_out":
+    if as_stored(param):
         return [array]
     if key[0] == "attn_out":
         return [array.reshape(-1, array.shape[-1]).T]
@@ -145,18 +152,19 @@ def hf_tensors(key: tuple, array: np.ndarray) -> list[np.ndarray]:
     return [part.reshape(part.shape[0], -1).T for part in parts]
 
 
-def state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params as LlamaForCausalLM.save_pretrained writes them: its names and shapes, the
     vocabulary's padding rows removed, lm_head.weight only when untied."""
     out = {}
     for p, array in jax.tree_util.tree_flatten_with_path(params)[0]:
         key, array = tuple(k.key for k in p), np.asarray(jax.device_get(array), np.float32)
+        param = declared[key]
         if key[0] == "blocks":
             for i in range(cfg.model.n_layer):
-                for name, tensor in zip(LAYER_WEIGHTS[key[1:]], hf_tensors(key[1:], array[i])):
+                for name, tensor in zip(LAYER_WEIGHTS[key[1:]], hf_tensors(key[1:], param, array[i])):
                     out[LAYER.format(i=i) + name] = np.ascontiguousarray(tensor, dtype)
         else:
-            out[TOP_WEIGHTS[key]] = np.ascontiguousarray(array[:vocab_size] if key != ("norm", "scale")
+            out[TOP_WEIGHTS[key]] = np.ascontiguousarray(array[:vocab_size] if "vocab" in param.axes
                                                          else array, dtype)
     return out
 

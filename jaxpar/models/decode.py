@@ -1,56 +1,37 @@
-"""The forward pass for generation, on the params dict, with a per-layer KV cache: any family.
+"""The forward pass for generation, with a per-layer KV cache: any family, through the same block
+that training runs (jaxpar.models.interface; the cache is its last argument).
 
-It computes what jaxpar.models.family.Transformer computes (tests/test_sample.py checks the logits)
-but feeds new tokens at any position: k and v of earlier positions come from the cache, of shape
+New tokens enter at any position: k and v of earlier positions come from the cache, of shape
 (layers, batch, kv_heads, block_size, head_dim): the KV heads only, under grouped-query attention.
 """
-
-import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.config import ModelConfig
-from jaxpar.models.family import family_of
+from jaxpar.core.axes import CONTEXT, DATA
+from jaxpar.core.sharding import with_axes_unsplit
+from jaxpar.models.family import Transformer, split_layers
+from jaxpar.models.layers import KVCache, weights_for_compute
 
 
-def empty_cache(cfg: ModelConfig, batch: int) -> dict:
-    family = family_of(cfg)
+def empty_cache(model: Transformer, batch: int) -> KVCache:
+    cfg, family = model.cfg, model.family
     shape = (cfg.n_layer, batch, family.kv_heads, cfg.block_size, family.head_dim)
-    return {"k": jnp.zeros(shape, cfg.dtype), "v": jnp.zeros(shape, cfg.dtype)}
+    return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype), jnp.int32(0))
 
 
-def cached_attention(pos):
-    """attend(q (B, H, T, D), k_cache, v_cache (B, K, T_max, D)) -> (B, T, H, D) for queries at
-    positions pos..pos+T-1; query head h reads KV head h // (H / K)."""
-    def attend(q, k_cache, v_cache):
-        B, H, T, D = q.shape
-        K, T_max = k_cache.shape[1], k_cache.shape[2]
-        q = q.reshape(B, K, H // K, T, D)
-        scores = jnp.einsum("bkgtd,bksd->bkgts", q, k_cache, preferred_element_type=jnp.float32)
-        # A query sees the cached positions up to its own; later slots are empty or stale.
-        visible = jnp.arange(T_max)[None, :] <= pos + jnp.arange(T)[:, None]
-        scores = jnp.where(visible, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1)
-        y = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_cache.dtype), v_cache)
-        return y.reshape(B, T, H, D)
-    return attend
+def forward(model: Transformer, params: dict, tokens, cache: KVCache, pos):
+    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, padded vocab) f32, new cache).
+    Every device of the mesh's data and context axes computes every sample whole."""
+    return with_axes_unsplit(cached_forward, DATA, CONTEXT)(model, params, tokens, cache, pos)
 
 
-def forward(params: dict, tokens, cache: dict, pos, vocab_size: int, cfg: ModelConfig):
-    """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, padded vocab) f32, new cache)."""
-    family = family_of(cfg)
-    x = family.decode_embed(params, tokens, pos)
-    attend = cached_attention(pos)
-
-    def layer(x, xs):
-        p, k_cache, v_cache = xs
-        x, k_cache, v_cache = family.decode_block(x, p, k_cache, v_cache, pos, attend)
-        return x, (k_cache, v_cache)
-
-    x, (k, v) = jax.lax.scan(layer, x, (params["blocks"], cache["k"], cache["v"]))
-    head = {name: params[name] for name in family.head_names}
-    return family.logits(head, x, vocab_size), {"k": k, "v": v}
+def cached_forward(model: Transformer, params: dict, tokens, cache: KVCache, pos):
+    top, top_axes, layer_params, layer_axes = split_layers(params, model.axes())
+    top = weights_for_compute(top, top_axes)
+    x = model.family.embed(top, tokens, positions=pos + jnp.arange(tokens.shape[1]))
+    x, _, cache = model.run_layers(layer_params, layer_axes, x, cache=cache._replace(pos=pos))
+    return model.family.logits(top, x, model.vocab_size), cache
 
 
 def pick(logits, key, temperature: float, top_k: int):

@@ -1,62 +1,51 @@
 """GPT-2 as in nanoGPT: learned positions, pre-LayerNorm blocks with biases, a GELU MLP, and the
-lm_head tied to the token embedding. One model family behind jaxpar.models.family's interface.
+lm_head tied to the token embedding. One model family behind jaxpar.models.interface.
 
 The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.core.sharding maps them to
-the mesh. The `kernel`s, `wte` and `wpe` get weight decay; `scale` and `bias` do not.
+the mesh. Each parameter's role (jaxpar.models.params) is declared with it.
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sharding import constrain
+from jaxpar.models.interface import Family
 from jaxpar.models.layers import (
     STREAM,
-    StackedDense,
-    attend,
+    attention,
     dropout,
     gather_stream,
     head_logits,
-    normal_param,
     padded_vocab,
     sequence_positions,
     to_stream,
     weights_for_compute,
 )
 from jaxpar.models.matmul import project
+from jaxpar.models.params import EMBEDDING, Param, dense, norm
 
 LN_EPS = 1e-5
 
 
-class LayerNorm(nnx.Module):
-    def __init__(self, shape: tuple, axes: tuple, bias: bool):
-        self.scale = nnx.Param(jnp.ones(shape, jnp.float32), axes=axes)
-        if bias:
-            self.bias = nnx.Param(jnp.zeros(shape, jnp.float32), axes=axes)
-
-
-class Blocks(nnx.Module):
+def declare_blocks(cfg: ModelConfig) -> dict:
     """All n_layer pre-LayerNorm transformer blocks; every weight leads with the 'layers' axis."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        L, C, H = cfg.n_layer, cfg.n_embd, cfg.n_head
-        D, F = C // H, cfg.mlp_width
-        std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2's scaled residual projections
-        b = cfg.bias
-        self.ln_1 = LayerNorm((L, C), ("layers", "embed"), b)
-        self.qkv = StackedDense(rngs, std, (L, C, 3, H, D),
-                                ("layers", "embed", "qkv", "heads", "head_dim"), 3, b)
-        self.attn_out = StackedDense(rngs, resid_std, (L, H, D, C),
-                                     ("layers", "heads", "head_dim", "embed"), 1, b)
-        self.ln_2 = LayerNorm((L, C), ("layers", "embed"), b)
-        self.mlp_in = StackedDense(rngs, std, (L, C, F), ("layers", "embed", "mlp"), 1, b)
+    L, C, H = cfg.n_layer, cfg.n_embd, cfg.n_head
+    D, F = C // H, cfg.mlp_width
+    std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2's scaled residual projections
+    b = cfg.bias
+    return {
+        "ln_1": norm((L, C), ("layers", "embed"), b),
+        "qkv": dense(std, (L, C, 3, H, D), ("layers", "embed", "qkv", "heads", "head_dim"), 3, b),
+        "attn_out": dense(resid_std, (L, H, D, C), ("layers", "heads", "head_dim", "embed"), 1, b),
+        "ln_2": norm((L, C), ("layers", "embed"), b),
+        "mlp_in": dense(std, (L, C, F), ("layers", "embed", "mlp"), 1, b),
         # Stored (layers, embed, mlp): its weight gradient dy^T·h then has the wide 'mlp' axis
         # last, which XLA:CPU computes about 1.4x faster than h^T·dy (the whole step: about 4%).
-        self.mlp_out = StackedDense(rngs, resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, b,
-                                    out_first=True)
+        "mlp_out": dense(resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, b, transposed=True),
+    }
 
 
 def layer_norm(x: jax.Array, p: dict) -> jax.Array:
@@ -69,11 +58,6 @@ def layer_norm(x: jax.Array, p: dict) -> jax.Array:
 def add_bias(y: jax.Array, p: dict) -> jax.Array:
     """y + p['bias'], for layers built with bias=True (nanoGPT's `bias` flag)."""
     return y + p["bias"] if "bias" in p else y
-
-
-def mlp_output(h: jax.Array, p: dict) -> jax.Array:
-    """The MLP's output projection of h (tokens, mlp); its kernel is stored (embed, mlp)."""
-    return add_bias(jnp.einsum("nf,cf->nc", h, p["kernel"]), p)
 
 
 def gelu(x: jax.Array, kind: str = "exact") -> jax.Array:
@@ -95,15 +79,16 @@ def exact_qkv_bias(bias: jax.Array) -> jax.Array:
     return jnp.where(is_key, jax.lax.stop_gradient(bias), bias)
 
 
-def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
-          gelu_kind: str = "exact") -> jax.Array:
-    """One block on one layer's params. The residual stream stays float32; matmuls run in dtype.
+def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None):
+    """One block on one layer's params -> (x, cache). The residual stream stays float32; matmuls
+    run in dtype. With a KV cache (decoding), attention reads and extends it.
 
     The stream, with LayerNorm, dropout and the residual adds, is (batch, seq, embed) in the
     STREAM layout (split along the sequence under sequence parallelism). Matmuls see the
     activations whole, as (batch*seq, features): plain 2-D dots are the fastest on CPU.
     """
     B, T, C = x.shape
+    rate = cfg.dropout
     keys = jax.random.split(key, 3) if key is not None else (None,) * 3
     p = jax.tree.map(lambda a: a.astype(dtype), weights_for_compute(p, axes))
 
@@ -121,68 +106,48 @@ def block(x: jax.Array, p: dict, axes: dict, rate: float, dtype, key,
     # three zero-padded copies of the whole qkv.
     q, k, v = (constrain(part[:, :, 0].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
                for part in jnp.split(qkv, 3, axis=2))
-    y = attend(q, k, v, rate, keys[0]).reshape(B * T, *q.shape[1:2], q.shape[3])
-    y = constrain(y, ("tokens", "heads", "head_dim"))
+    y, cache = attention(q, k, v, rate, keys[0], cache)
+    y = constrain(y.reshape(B * T, *q.shape[1:2], q.shape[3]), ("tokens", "heads", "head_dim"))
     x = add_to_stream(x, project("nhd,hdc->nc", y, p["attn_out"]["kernel"], dtype), p["attn_out"], keys[1])
     h = project("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"], dtype)
-    h = constrain(gelu(add_bias(h, p["mlp_in"]).astype(dtype), gelu_kind), ("tokens", "mlp"))
+    h = constrain(gelu(add_bias(h, p["mlp_in"]).astype(dtype), cfg.gelu), ("tokens", "mlp"))
     x = add_to_stream(x, project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype), p["mlp_out"], keys[2])
-    return constrain(x, STREAM)
+    return constrain(x, STREAM), cache
 
 
-def decode_block(x, p: dict, k_cache, v_cache, pos, dtype, gelu_kind: str, attend):
-    """One block on tokens at positions pos..pos+T-1, x (B, T, C), with the layer's KV cache;
-    `attend(q, k_cache, v_cache)` is the cached attention. Returns x and both caches."""
-    B, T, C = x.shape
-    p = jax.tree.map(lambda a: a.astype(dtype), p)
-    h = layer_norm(x.reshape(B * T, C), p["ln_1"]).astype(dtype)
-    qkv = add_bias(jnp.einsum("nc,cshd->nshd", h, p["qkv"]["kernel"]), p["qkv"])
-    q, k, v = (qkv.reshape(B, T, *qkv.shape[1:])[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k, (0, 0, pos, 0))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v, (0, 0, pos, 0))
-    y = attend(q, k_cache, v_cache).reshape(B * T, *q.shape[1:2], q.shape[3])
-    x = x.reshape(B * T, C) + add_bias(jnp.einsum("nhd,hdc->nc", y, p["attn_out"]["kernel"]),
-                                       p["attn_out"])
-    h = layer_norm(x, p["ln_2"]).astype(dtype)
-    h = gelu(add_bias(h @ p["mlp_in"]["kernel"], p["mlp_in"]), gelu_kind)
-    x = x + mlp_output(h, p["mlp_out"])
-    return x.reshape(B, T, C), k_cache, v_cache
+class GPT2(Family):
+    """The GPT-2 family (model.family = "gpt2")."""
 
-
-class GPT2:
-    """The GPT-2 family: jaxpar.models.family.Family for model.family = "gpt2"."""
-
+    name = "gpt2"
     head_names = ("wte", "ln_f")  # the tied lm_head and the final LayerNorm
+    shape_fields = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # what `declare` reads
 
     def __init__(self, cfg: ModelConfig):
-        self.cfg, self.dtype = cfg, jnp.dtype(cfg.dtype)
+        super().__init__(cfg)
         self.kv_heads, self.head_dim = cfg.n_head, cfg.n_embd // cfg.n_head
 
-    def build(self, model: nnx.Module, vocab_size: int, rngs: nnx.Rngs) -> None:
+    def declare(self, vocab_size: int) -> dict:
         cfg = self.cfg
-        model.wte = normal_param(rngs, 0.02, (padded_vocab(vocab_size), cfg.n_embd), ("vocab", "embed"))
-        model.wpe = normal_param(rngs, 0.02, (cfg.block_size, cfg.n_embd), ("pos", "embed"))
-        model.blocks = Blocks(cfg, rngs)
-        model.ln_f = LayerNorm((cfg.n_embd,), ("embed",), cfg.bias)
+        return {"wte": Param((padded_vocab(vocab_size), cfg.n_embd), ("vocab", "embed"), EMBEDDING, 0.02),
+                "wpe": Param((cfg.block_size, cfg.n_embd), ("pos", "embed"), EMBEDDING, 0.02),
+                "blocks": declare_blocks(cfg),
+                "ln_f": norm((cfg.n_embd,), ("embed",), cfg.bias)}
 
-    def embed(self, top: dict, tokens: jax.Array, rate: float, key) -> jax.Array:
-        """Token + position embeddings of (batch, seq) tokens, with dropout."""
-        positions = sequence_positions(tokens.shape[1])  # None: in order
+    def embed(self, top: dict, tokens: jax.Array, key=None, positions=None) -> jax.Array:
+        """Token + position embeddings of (batch, seq) tokens, with dropout; `positions`: each
+        token's, when not the sequence's own (decoding)."""
+        if positions is None:
+            positions = sequence_positions(tokens.shape[1])  # None: in order
         x = top["wte"][tokens] + (top["wpe"][: tokens.shape[1]] if positions is None else top["wpe"][positions])
-        return dropout(constrain(x, STREAM), rate, key)
+        return dropout(constrain(x, STREAM), self.cfg.dropout, key)
 
-    def block(self, x: jax.Array, p: dict, axes: dict, key) -> jax.Array:
-        return block(x, p, axes, self.cfg.dropout, self.dtype, key, self.cfg.gelu)
+    def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None):
+        x, cache = block(x, p, axes, self.cfg, self.dtype, key, cache)
+        return x, self.block_losses(x), cache
 
     def logits(self, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
         """Final LayerNorm and the tied lm_head: float32 logits over the padded vocab."""
         return head_logits(layer_norm(x, head["ln_f"]), head["wte"], vocab_size, self.dtype)
-
-    def decode_embed(self, params: dict, tokens, pos) -> jax.Array:
-        return params["wte"][tokens] + jax.lax.dynamic_slice_in_dim(params["wpe"], pos, tokens.shape[1])
-
-    def decode_block(self, x, p: dict, k_cache, v_cache, pos, attend):
-        return decode_block(x, p, k_cache, v_cache, pos, self.dtype, self.cfg.gelu, attend)
 
     def matmul_params(self, vocab_size: int) -> int:
         """N in 6N: qkv, attention out, MLP in and out per layer, and the lm_head over the real vocab."""

@@ -16,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxpar.core.axes import CONTEXT
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import SPLASH_TILE
 from jaxpar.core.sharding import per_device, traced_with
@@ -69,7 +70,7 @@ def ring_chunks_too_small(model_cfg, context: int) -> str | None:
 
 def resolve_on(model_cfg, mesh) -> tuple[str, str | None]:
     """resolve, on a (concrete or abstract) mesh: its platform and its context ring."""
-    return resolve(model_cfg, platform_of(mesh), mesh.shape.get("context", 1))
+    return resolve(model_cfg, platform_of(mesh), mesh.shape.get(CONTEXT, 1))
 
 
 def describe(model_cfg, mesh) -> str:

@@ -1,19 +1,23 @@
-"""What every model family is made of: stacked parameters, dropout, the weights' compute layout,
-the residual stream's layout, the masked lm_head logits and the loss.
+"""What every model family is made of: dropout, the weights' compute layout, the residual stream's
+layout, attention (causal, or against a KV cache while decoding), the masked lm_head logits and the
+loss.
 
 Layers are stacked on a leading 'layers' axis; the code names logical axes only.
 """
 
+import math
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.core.axes import zigzag_permutation
 from jaxpar.core.sharding import constrain, per_device, sequence_ring
 from jaxpar.models.attention import apply_dropout, causal_attention
 from jaxpar.models.kernels import KV_AXES, Q_AXES, active_kernel, fused_attention
 from jaxpar.models.matmul import project
-from jaxpar.models.ring_attention import ring_attention, zigzag_permutation
+from jaxpar.models.ring_attention import ring_attention
 
 VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
@@ -22,29 +26,6 @@ STREAM = ("batch", "stream_seq", "embed")  # the residual stream's logical axes 
 
 def padded_vocab(vocab_size: int) -> int:
     return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-
-
-def normal_param(rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple) -> nnx.Param:
-    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
-
-
-class StackedDense(nnx.Module):
-    """A linear layer per block: kernel (layers, *in, *out), bias (layers, *out).
-
-    With `out_first` (one in and one out axis) the kernel is stored as (layers, out, in), as
-    torch's nn.Linear stores it; it is drawn as (in, out) all the same, so a seed gives the same
-    weights in either layout.
-    """
-
-    def __init__(self, rngs: nnx.Rngs, std: float, shape: tuple, axes: tuple, n_out_dims: int,
-                 bias: bool, out_first: bool = False):
-        kernel = normal_param(rngs, std, shape, axes)
-        if out_first:
-            kernel = nnx.Param(jnp.swapaxes(kernel[...], 1, 2), axes=(axes[0], axes[2], axes[1]))
-        self.kernel = kernel
-        if bias:
-            self.bias = nnx.Param(jnp.zeros(shape[:1] + shape[-n_out_dims:], jnp.float32),
-                                  axes=axes[:1] + axes[-n_out_dims:])
 
 
 def dropout(x: jax.Array, rate: float, key) -> jax.Array:
@@ -87,6 +68,52 @@ def sequence_positions(seq_len: int) -> jax.Array | None:
     jaxpar.models.ring_attention), or None when it is in order."""
     _, ring = sequence_ring()
     return None if ring == 1 else jnp.asarray(zigzag_permutation(seq_len, ring))
+
+
+class KVCache(NamedTuple):
+    """One layer's cache while decoding: k and v (batch, kv_heads, block_size, head_dim) of every
+    position so far, and `pos`, the position of the first token being fed."""
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+
+    def write(self, k: jax.Array, v: jax.Array) -> "KVCache":
+        """The cache with k, v (batch, kv_heads, tokens, head_dim) written at pos..pos+tokens-1."""
+        at = (0, 0, self.pos, 0)
+        return KVCache(jax.lax.dynamic_update_slice(self.k, k, at), jax.lax.dynamic_update_slice(self.v, v, at),
+                       self.pos)
+
+
+def token_positions(seq_len: int, cache: KVCache | None) -> jax.Array:
+    """Each token's position: after the cache's, while decoding; else in the sequence's layout."""
+    if cache is not None:
+        return cache.pos + jnp.arange(seq_len)
+    positions = sequence_positions(seq_len)
+    return jnp.arange(seq_len) if positions is None else positions
+
+
+def attention(q, k, v, rate: float, key, cache: KVCache | None = None):
+    """(causal attention of q with k, v as `attend` computes it, or with a cache: q against every
+    cached position up to its own after k and v are written in; the cache, or None)."""
+    if cache is None:
+        return attend(q, k, v, rate, key), None
+    cache = cache.write(k, v)
+    return cached_attention(q, cache), cache
+
+
+def cached_attention(q: jax.Array, cache: KVCache) -> jax.Array:
+    """q (B, H, T, D) for positions pos..pos+T-1 against the cache (B, K, T_max, D) -> (B, T, H, D);
+    query head h reads KV head h // (H / K)."""
+    B, H, T, D = q.shape
+    K, T_max = cache.k.shape[1], cache.k.shape[2]
+    q = q.reshape(B, K, H // K, T, D)
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q, cache.k, preferred_element_type=jnp.float32)
+    # A query sees the cached positions up to its own; later slots are empty or stale.
+    visible = jnp.arange(T_max)[None, :] <= cache.pos + jnp.arange(T)[:, None]
+    scores = jnp.where(visible, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    y = jnp.einsum("bkgts,bksd->btkgd", probs.astype(cache.v.dtype), cache.v)
+    return y.reshape(B, T, H, D)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key) -> jax.Array:

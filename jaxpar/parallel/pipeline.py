@@ -11,21 +11,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.core.axes import DATA, PIPE, pipeline_microbatches
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import DATA, constrain, rules_without, sequence_ring, traced_with_rules
-from jaxpar.models.family import apply_blocks, family_of, split_layers
+from jaxpar.core.sharding import constrain, sequence_ring
+from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.models.layers import STREAM, cross_entropy
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
-from jaxpar.parallel.schedule import Schedule, resolve_microbatches
-
-PIPE = "pipe"
+from jaxpar.parallel.schedule import Schedule
 
 
 def schedule_for(cfg: Config, mesh, forward_only: bool = False) -> Schedule:
     """Evaluation runs the layers in order (a forward per stage); training runs cfg's schedule."""
     pp = mesh.shape[PIPE]
-    M = resolve_microbatches(cfg, mesh.shape["data"], pp)
+    M = pipeline_microbatches(cfg, mesh.shape[DATA], pp)
     if forward_only:
         return Schedule("forward", pp, M)
     return Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
@@ -58,13 +57,14 @@ class StageOps:
     ops a tick can run (idle, F, B, W), each (carry, tick) -> (carry, to next stage, to previous).
 
     The carry holds the stage's buffers: inputs and output gradients in their slots, the losses,
-    and the gradients summed so far.
+    each auxiliary loss of its own layers, and the gradients summed so far. A backward's output
+    gradient is the loss's for the stage's output, and each auxiliary loss's weight for its part.
     """
 
-    def __init__(self, cfg: Config, vocab_size: int, layer_axes: dict, schedule: Schedule, table: dict,
+    def __init__(self, model: Transformer, layer_axes: dict, schedule: Schedule, table: dict,
                  layer_params, head, x0, targets, layer_keys):
-        self.cfg, self.vocab_size, self.layer_axes, self.schedule = cfg, vocab_size, layer_axes, schedule
-        self.family = family_of(cfg.model)
+        self.model, self.layer_axes, self.schedule = model, layer_axes, schedule
+        self.weights = {name: jnp.float32(w) for name, w in model.family.loss_weights().items()}
         self.head, self.x0, self.targets = head, x0, targets
         self.V, self.train = schedule.virtual, schedule.name != "forward"
         self.split_backward = schedule.name == "zb-h1"  # B the input gradient only; W the weights
@@ -84,11 +84,13 @@ class StageOps:
         return jax.tree.map(lambda a: a[chunk], self.chunks)
 
     def run_chunk(self, params, x, k, chunk):
+        """(the chunk's output, its layers' auxiliary losses) for microbatch k."""
         keys = None if self.key_chunks is None else self.key_chunks[k, chunk]
-        return apply_blocks(params, self.layer_axes, x, self.cfg.model, keys)
+        y, aux, _ = self.model.run_layers(params, self.layer_axes, x, keys)
+        return y, aux
 
     def loss_of(self, head, y, k):
-        return cross_entropy(self.family.logits(head, y, self.vocab_size), self.targets[k])
+        return cross_entropy(self.model.family.logits(head, y, self.model.vocab_size), self.targets[k])
 
     def op_input(self, c, t):
         """(microbatch, chunk, its input, its output gradient) for the op at tick t."""
@@ -101,7 +103,8 @@ class StageOps:
 
     def forward(self, c, t):
         k, chunk, x, _ = self.op_input(c, t)
-        y = self.run_chunk(self.chunk_params(chunk), x, k, chunk)
+        y, aux = self.run_chunk(self.chunk_params(chunk), x, k, chunk)
+        c = {**c, "aux": {name: c["aux"][name].at[k].add(value) for name, value in aux.items()}}
 
         def loss_here(c):  # the last chunk's output goes into the loss; its gradient starts B
             if not self.train:
@@ -121,10 +124,10 @@ class StageOps:
         k, chunk, x, dy = self.op_input(c, t)
         if self.split_backward:
             _, vjp = jax.vjp(lambda x: self.run_chunk(self.chunk_params(chunk), x, k, chunk), x)
-            (dx,) = vjp(dy)
+            (dx,) = vjp((dy, self.weights))
         else:
             _, vjp = jax.vjp(lambda params, x: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk), x)
-            d_params, dx = vjp(dy)
+            d_params, dx = vjp((dy, self.weights))
             c = self.add_weight_grads(c, chunk, d_params)
         dx0 = c["dx0"].at[k].set(jnp.where(self.is_first & (chunk == 0), dx, c["dx0"][k]))
         return {**c, "dx0": dx0}, jnp.zeros_like(dx), dx
@@ -133,7 +136,7 @@ class StageOps:
         """ZB-H1's W: the weight gradient, rerunning the chunk from its saved input."""
         k, chunk, x, dy = self.op_input(c, t)
         _, vjp = jax.vjp(lambda params: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk))
-        (d_params,) = vjp(dy)
+        (d_params,) = vjp((dy, self.weights))
         return self.add_weight_grads(c, chunk, d_params), jnp.zeros_like(x), jnp.zeros_like(x)
 
     def tick(self, c, t, to_next, to_previous):
@@ -162,8 +165,9 @@ class StageOps:
         def buffer(slots):
             return constrain(jnp.zeros((slots,) + self.x0.shape[1:], self.x0.dtype), ("microbatch",) + STREAM)
 
-        carry = {"inputs": buffer(self.schedule.input_slots),
-                 "losses": jnp.zeros((self.schedule.microbatches,), jnp.float32)}
+        per_microbatch = jnp.zeros((self.schedule.microbatches,), jnp.float32)
+        carry = {"inputs": buffer(self.schedule.input_slots), "losses": per_microbatch,
+                 "aux": {name: per_microbatch for name in self.weights}}
         if self.train:
             carry |= {"grads_in": buffer(self.schedule.grad_slots), "dx0": jnp.zeros_like(self.x0),
                       "layer_grads": jax.tree.map(jnp.zeros_like, self.chunks),
@@ -177,13 +181,14 @@ def store(buffer, slot, value):
     return buffer.at[i].set(jnp.where(slot >= 0, value, buffer[i]))
 
 
-def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Schedule, mesh):
-    """run(layer_params, head, x0, targets, layer_keys) -> (losses, layer_grads, head_grads, dx0).
+def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: Schedule, mesh):
+    """run(layer_params, head, x0, targets, layer_keys) -> (losses, aux, layer_grads, head_grads, dx0).
 
     x0 (M, rows, seq, embed) is the embedded input of every microbatch; losses (M,) are each
-    microbatch's mean loss; the gradients are summed over microbatches (in order, as one device's
-    gradient accumulation sums them). A forward-only schedule returns the losses alone. With V
-    layer chunks per stage, layer_params and layer_keys come in chunk_major order.
+    microbatch's mean loss, aux each auxiliary loss's (M,) over every stage's layers; the gradients
+    are summed over microbatches (in order, as one device's gradient accumulation sums them). A
+    forward-only schedule returns the losses alone. With V layer chunks per stage, layer_params and
+    layer_keys come in chunk_major order.
     """
     pp, train = schedule.pp, schedule.name != "forward"
     table = schedule.executor_arrays()
@@ -199,27 +204,27 @@ def make_executor(cfg: Config, vocab_size: int, layer_axes: dict, schedule: Sche
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
 
     def per_stage(layer_params, head, x0, targets, layer_keys):
-        ops = StageOps(cfg, vocab_size, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys)
+        ops = StageOps(model, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys)
         carry, _ = jax.lax.scan(lambda c, t: ops.tick(c, t, to_next, to_previous), ops.initial_carry(),
                                 jnp.arange(schedule.ticks))
         # Only the last stage has losses and head gradients, only the first has dx0: psum shares them.
-        losses = jax.lax.psum(carry["losses"], PIPE)
+        losses, aux = jax.lax.psum((carry["losses"], carry["aux"]), PIPE)
         if not train:
             return losses
         layer_grads = jax.tree.map(lambda g, p: g.reshape(p.shape), carry["layer_grads"], layer_params)
         head_grads = jax.lax.psum(carry["head_grads"], PIPE)
         dx0 = jax.lax.psum(carry["dx0"], PIPE)
         if local:  # a device's loss is the mean over its own rows: the batch's is the mean of those
-            losses, layer_grads, head_grads = jax.lax.pmean((losses, layer_grads, head_grads), DATA)
+            losses, aux, layer_grads, head_grads = jax.lax.pmean((losses, aux, layer_grads, head_grads), DATA)
             dx0 = dx0 / mesh.shape[DATA]
-        return losses, layer_grads, head_grads, dx0
+        return losses, aux, layer_grads, head_grads, dx0
 
     def run(layer_params, head, x0, targets, layer_keys=None):
-        out_specs = (P(), P(PIPE), P(), rows) if train else P()
+        out_specs = (P(), P(), P(PIPE), P(), rows) if train else P()
         in_specs = (P(PIPE), P(), rows, rows, None if layer_keys is None else P(None, PIPE))
-        body = traced_with_rules(per_stage, rules_without(DATA)) if local else per_stage
         # check_vma=False: nothing differentiates through this map (backwards are explicit vjps).
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+        # Inside it the rule table leaves out the manual axes (pipe, and data when local).
+        return jax.shard_map(per_stage, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=manual, check_vma=False)(
             layer_params, head, x0, targets, layer_keys)
 
@@ -235,45 +240,47 @@ def dropout_keys(cfg: Config, round_key, M: int):
     return keys[:, 0], keys[:, 1:]
 
 
-def make_round_fn(cfg: Config, vocab_size: int, axes: dict, mesh, forward_only: bool = False):
-    """f(params, inputs, targets, round_key) -> (mean loss, grads) for one round of M microbatches.
+def make_round_fn(cfg: Config, model: Transformer, mesh, forward_only: bool = False):
+    """f(params, inputs, targets, round_key) -> (metrics, grads) for one round of M microbatches:
+    the metrics are the mean cross-entropy `loss` and each auxiliary loss, means over the round.
 
     inputs/targets are (M, rows, seq). The embedding runs before the pipeline and the head's loss
     on the last stage; the embedding's backward is a vjp of the first stage's input gradients.
     round_key is (step key, round index) when dropout is on, else None. forward_only: loss only.
     """
     schedule = schedule_for(cfg, mesh, forward_only)
-    rate, family = cfg.model.dropout, family_of(cfg.model)
+    family = model.family
 
     def round_fn(params, inputs, targets, round_key=None):
-        top, _, layer_params, layer_axes = split_layers(params, axes)
-        run = make_executor(cfg, vocab_size, layer_axes, schedule, mesh)
+        top, _, layer_params, layer_axes = split_layers(params, model.axes())
+        run = make_executor(cfg, model, layer_axes, schedule, mesh)
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
         head = {name: top[name] for name in family.head_names}
 
         def embed_all(top):
             if embed_keys is None:
-                return jax.vmap(lambda tokens: family.embed(top, tokens, rate, None))(inputs)
-            return jax.vmap(lambda tokens, key: family.embed(top, tokens, rate, key))(inputs, embed_keys)
+                return jax.vmap(lambda tokens: family.embed(top, tokens))(inputs)
+            return jax.vmap(lambda tokens, key: family.embed(top, tokens, key))(inputs, embed_keys)
 
         if forward_only:
             return run(layer_params, head, embed_all(top), targets, layer_keys).mean()
         x0, embed_vjp = jax.vjp(embed_all, top)
         pp, V = schedule.pp, schedule.virtual
-        losses, layer_grads, head_grads, dx0 = run(
+        losses, aux, layer_grads, head_grads, dx0 = run(
             chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1))
         layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
         (top_grads,) = embed_vjp(dx0)
         grads = {**top_grads, **{name: tree_add(top_grads[name], head_grads[name]) for name in family.head_names},
                  "blocks": layer_grads}
-        return losses.mean(), jax.tree.map(lambda g: g / schedule.microbatches, grads)
+        metrics = {"loss": losses.mean(), **{name: values.mean() for name, values in aux.items()}}
+        return metrics, jax.tree.map(lambda g: g / schedule.microbatches, grads)
 
     return round_fn
 
 
 def summary(cfg: Config, mesh, vocab_size: int) -> dict:
     """The schedule's shape and theoretical bubble; a bubble of 0 without a pipeline."""
-    if mesh.shape["pipe"] == 1:
+    if mesh.shape[PIPE] == 1:
         return {"bubble_fraction": 0.0}
     schedule = schedule_for(cfg, mesh)
     model_flops = flops_per_token(cfg.model, vocab_size)

@@ -12,7 +12,6 @@ from functools import cached_property
 
 import numpy as np
 
-from jaxpar.core.errors import UserError
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT, Op, needs, stage_orders, zb_h1_table
 
 NO_SLOT = -1  # a tick at which a stage stores nothing
@@ -191,43 +190,3 @@ class Schedule:
             cells = [(row[s].label(chunks) if row[s] is not None else ".").rjust(width) for row in self.table]
             lines.append(f"stage {s}: " + " ".join(cells))
         return "\n".join(lines)
-
-
-def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> None:
-    """Refuse a schedule that cannot run (its name is checked with the config); name the fix."""
-    if microbatches < 1:
-        raise UserError(f"pipeline.microbatches must be positive, got {microbatches}")
-    if name == "interleaved" and (virtual < 2 or microbatches % pp):
-        raise UserError(f"interleaved needs --virtual >= 2 layer chunks per stage and microbatches in "
-                        f"whole groups of pp={pp}, got V={virtual} and {microbatches} microbatches")
-    if name == "1f1b" and microbatches < pp:
-        raise UserError(f"1f1b needs at least pp={pp} microbatches, got {microbatches}; "
-                        f"raise pipeline.microbatches or use --pipeline.schedule=gpipe")
-
-
-def resolve_microbatches(cfg, dp: int, pp: int) -> int:
-    """The pipeline's microbatch count M for this config and mesh, after checking it can run."""
-    n_layer, rows = cfg.model.n_layer, cfg.train.batch_size // cfg.train.grad_accum
-    if n_layer % pp:
-        raise UserError(f"pp={pp} does not divide model.n_layer={n_layer}; every stage needs the "
-                        f"same number of layers")
-    V = cfg.pipeline.virtual if pp > 1 else 1
-    if n_layer % (pp * V):
-        raise UserError(f"pp={pp} x pipeline.virtual={V} layer chunks do not divide model.n_layer="
-                        f"{n_layer}; every chunk needs the same number of layers")
-    if cfg.train.zero == 3:
-        raise UserError("ZeRO stage 3 with pipeline parallelism is not supported; use --zero 1 or 2 "
-                        "with pp > 1")
-    M = cfg.pipeline.microbatches
-    if M == 0:  # the largest multiple of pp up to 4*pp that splits the batch evenly over dp
-        M = next((m for m in range(4 * pp, 0, -pp) if rows % (m * dp) == 0), 0)
-        if M == 0:
-            raise UserError(f"cannot split {rows} sequences per step into dp={dp} x M microbatches "
-                            f"with M a multiple of pp={pp}; set --pipeline.microbatches=M or "
-                            f"change train.batch_size")
-    if rows % (M * dp):
-        raise UserError(f"train.batch_size / train.grad_accum = {rows} sequences do not split into "
-                        f"dp={dp} x {M} microbatches; change pipeline.microbatches or train.batch_size")
-    if pp > 1:
-        check_schedule(cfg.pipeline.schedule, pp, M, V)
-    return M

@@ -13,12 +13,10 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA = "data"
+from jaxpar.core.axes import DATA, PIPE
+from jaxpar.core.sharding import names_of
+
 BYTES_TOLERANCE = 0.02  # measured bytes/device may exceed the plan by 2% (rounding of shards)
-
-
-def _dim_axes(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def add_data_axis(spec: P, shape: tuple, mesh) -> P | None:
@@ -28,9 +26,9 @@ def add_data_axis(spec: P, shape: tuple, mesh) -> P | None:
     """
     entries = list(spec) + [None] * (len(shape) - len(spec))
     for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
-        axes = _dim_axes(entries[dim])
+        axes = names_of(entries[dim])
         ways = math.prod(mesh.shape[a] for a in axes) * mesh.shape[DATA]
-        if DATA not in axes and "pipe" not in axes and shape[dim] % ways == 0:
+        if DATA not in axes and PIPE not in axes and shape[dim] % ways == 0:
             new_axes = axes + (DATA,)
             entries[dim] = new_axes[0] if len(new_axes) == 1 else new_axes
             return P(*entries)

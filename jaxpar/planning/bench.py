@@ -16,10 +16,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from jaxpar.core.axes import KEYS
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config
 from jaxpar.core.errors import UserError, check_output_dir, exit_on_user_error
 from jaxpar.parallel.hlo import KINDS
-from jaxpar.parallel.mesh import CLI_AXES, parse_mesh_spec, resolve_mesh_shape
+from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
 from jaxpar.training.plots import mesh_label, plot_bench
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
@@ -53,7 +54,7 @@ def parse_layout(entry: str, config: str | None, overrides: dict[str, str], weak
     """One --layouts entry, validated as jaxpar.train would on that many devices."""
     try:
         mesh = parse_mesh_spec(entry)
-        sizes = {axis: int(mesh[f"mesh.{axis}"]) for axis in CLI_AXES}
+        sizes = {axis: int(mesh[f"mesh.{axis}"]) for axis in KEYS}
         if -1 in sizes.values():
             raise UserError("a bench layout needs every axis size; -1 (inferred) is not allowed")
         overrides = dict(overrides)

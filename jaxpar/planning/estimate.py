@@ -14,6 +14,9 @@ each chip sends 2(n-1)/n of an all-reduce's bytes, (n-1)/n of an all-gather's or
 result, n-1 times a reduce-scatter's shard; a collective-permute sends its bytes over one link.
 """
 
+import math
+
+from jaxpar.core.axes import AXES
 from jaxpar.core.config import Config
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.planning.hardware import Chip
@@ -42,10 +45,15 @@ def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
     return total
 
 
+def devices_of(layout: dict) -> int:
+    """The devices of a layout: the product of every mesh axis's size (by --mesh key)."""
+    return math.prod(layout.get(axis.key, 1) for axis in AXES)
+
+
 def compiled_step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, roof: dict, bubble: float) -> dict:
     """A compiled layout's estimate from its roofline (`roofline.estimate`): tokens/s and MFU at
     most. A pipeline's bubble is in the roofline already (idle ticks wait for the busy stages)."""
-    devices = layout["dp"] * layout["tp"] * layout["pp"] * layout.get("cp", 1)
+    devices = devices_of(layout)
     tokens = cfg.train.batch_size * cfg.model.block_size
     flops_per_chip = (hardware_flops_per_token(cfg.model, vocab, layout["pp"], cfg.pipeline.schedule)
                       * tokens / devices)
@@ -55,7 +63,7 @@ def compiled_step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, roof: 
 
 def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float) -> dict:
     """The cheap guess for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
-    devices = layout["dp"] * layout["tp"] * layout["pp"] * layout.get("cp", 1)
+    devices = devices_of(layout)
     tokens = cfg.train.batch_size * cfg.model.block_size
     flops_per_chip = (hardware_flops_per_token(cfg.model, vocab, layout["pp"], cfg.pipeline.schedule)
                       * tokens / devices)

@@ -7,18 +7,19 @@ way `jaxpar.plan` compiles it for a target.
 import math
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from jaxpar.core.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.core.config import Config
+from jaxpar.core.sharding import batch_sharding, split_ways
 from jaxpar.data.loader import load_dataset, model_vocab
 from jaxpar.models import kernels
-from jaxpar.models.family import abstract_model, family_of
+from jaxpar.models.family import build_model, family_of
 from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.parallel.pipeline import schedule_for
 from jaxpar.parallel.zero import expected_bytes_per_device
+from jaxpar.training import optimizers
 from jaxpar.training import step as steps
 
 
@@ -50,9 +51,9 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
     """Activation bytes per device by part. A pipeline stage holds the stage inputs and output
     gradients its schedule's table keeps in flight, and one layer chunk's activations while a
     backward reruns it; without a pipeline, one pass's saved activations."""
-    tp, pp = mesh.shape["tensor"], mesh.shape["pipe"]
+    tp, pp = mesh.shape[TENSOR], mesh.shape[PIPE]
     if pp == 1:
-        return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp, cp=mesh.shape["context"])}
+        return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp, cp=mesh.shape[CONTEXT])}
     schedule = schedule_for(cfg, mesh)
     held = schedule.input_slots + schedule.grad_slots
     split = tp if cfg.model.sequence_parallel else 1  # the buffers hold the stream's layout
@@ -65,62 +66,72 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
 def compile_abstract_step(cfg: Config, vocab: int, mesh):
     """The train step `jaxpar.train` runs, compiled for `mesh` from ShapeDtypeStructs (nothing is
     allocated, so the devices may be compile-only)."""
-    tx = steps.make_optimizer(cfg.train)
-    shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)  # eager work: outside the mesh
-    graphdef, shapes, _ = abstract_model(cfg, vocab)
+    model = build_model(cfg, vocab)
+    tx = steps.make_optimizer(cfg, model)
+    shardings, plan = steps.state_shardings(cfg, model, mesh, tx)  # eager work: outside the mesh
     micro = steps.microbatches_for(cfg, mesh)
-    batch_sharding = NamedSharding(mesh, P(None, "data", None))
+    rows = batch_sharding(mesh)
     batch = jax.ShapeDtypeStruct((micro, cfg.train.batch_size // micro, cfg.model.block_size),
-                                 "int32", sharding=batch_sharding)
+                                 "int32", sharding=rows)
+    shapes = model.shapes()
     abstract = steps.TrainState(jax.ShapeDtypeStruct((), "int32"), shapes,
                                 jax.eval_shape(tx.init, shapes))
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract, shardings)
-    step = steps.make_train_step(cfg, graphdef, tx, shardings, plan, batch_sharding)
+    step = steps.make_train_step(cfg, model, tx, shardings, plan, rows)
     with jax.set_mesh(mesh):
         return step.lower(abstract, (batch, batch)).compile()
+
+
+def tensor_rows(shapes: dict, plan, abstract_opt, opt_shardings) -> list[str]:
+    """A row per param: its shape, where it and its optimizer state live, and the bytes one
+    device holds of both (the state the optimizer really keeps for it)."""
+    flat = jax.tree_util.tree_leaves_with_path(shapes)
+    paths = [tuple(k.key for k in path) for path, _ in flat]
+    state = optimizers.state_bytes_by_param(abstract_opt, opt_shardings, paths)
+    rows = [f"{'tensor':28s} {'shape':>18s}  {'param spec':40s} {'moment spec':40s} {'bytes/device':>12s}"]
+    for (path, shape), key, p_sh, m_sh in zip(flat, paths, jax.tree.leaves(plan.params),
+                                              jax.tree.leaves(plan.moments)):
+        per_device = 4 * math.prod(p_sh.shard_shape(shape.shape)) + state[key]
+        rows.append(f"{jax.tree_util.keystr(path, simple=True, separator='.'):28s} "
+                    f"{shape.shape!s:>18s}  {p_sh.spec!s:40s} {m_sh.spec!s:40s} {per_device:>12,d}")
+    return rows
+
+
+def compiled_rows(cfg: Config, vocab: int, mesh) -> list[str]:
+    memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh))
+    if not memory:
+        return []
+    peak = memory["peak_memory_bytes"]  # the figure jaxpar.plan reports
+    return ["", "compiled train step, per device (XLA memory_analysis):",
+            f"  arguments {mib(memory['argument_bytes'])}, outputs {mib(memory['output_bytes'])} "
+            f"(aliased with arguments: {mib(memory['alias_bytes'])}), temporaries {mib(memory['temp_bytes'])}",
+            f"  peak per device: {mib(peak)} ({peak:,d} bytes)"]
 
 
 def dry_run(cfg: Config, devices=None) -> str:
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
     mesh = build_mesh(cfg, devices)
     with jax.set_mesh(mesh):
-        tx = steps.make_optimizer(cfg.train)
-        shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
-        graphdef, shapes, _ = abstract_model(cfg, vocab)
+        model = build_model(cfg, vocab)
+        tx = steps.make_optimizer(cfg, model)
+        shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
+        shapes = model.shapes()
+        abstract_opt = jax.eval_shape(tx.init, shapes)
         crossing = ", ".join(axes_crossing_processes(mesh)) or "none"
         rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}",
                 f"attention kernel: {kernels.describe(cfg.model, mesh)}", "",
-                f"{'tensor':28s} {'shape':>18s}  {'param spec':40s} {'moment spec':40s} {'bytes/device':>12s}"]
-        flat = jax.tree_util.tree_leaves_with_path(shapes)
-        for (path, shape), p_sh, m_sh in zip(flat, jax.tree.leaves(plan.params),
-                                             jax.tree.leaves(plan.moments)):
-            per_device = 4 * (math.prod(p_sh.shard_shape(shape.shape))
-                              + 2 * math.prod(m_sh.shard_shape(shape.shape)))
-            rows.append(f"{jax.tree_util.keystr(path, simple=True, separator='.'):28s} "
-                        f"{shape.shape!s:>18s}  {p_sh.spec!s:40s} {m_sh.spec!s:40s} "
-                        f"{per_device:>12,d}")
-
-        abstract_opt = jax.eval_shape(tx.init, shapes)
+                *tensor_rows(shapes, plan, abstract_opt, shardings.opt_state)]
         micro = steps.microbatches_for(cfg, mesh)
-        rows_per_pass = cfg.train.batch_size // micro // mesh.shape["data"]
+        rows_per_pass = cfg.train.batch_size // micro // split_ways(mesh, "batch")
         estimate = {
             "params": expected_bytes_per_device(plan.params, shapes),
             "gradients": expected_bytes_per_device(plan.grads, shapes),
-            "optimizer state": expected_bytes_per_device(shardings.opt_state, abstract_opt),
+            f"optimizer state ({cfg.optimizer.name})": expected_bytes_per_device(shardings.opt_state, abstract_opt),
             **activation_estimate(cfg, vocab, mesh, rows_per_pass),
         }
         rows += ["", "peak memory per device, by part:"]
         rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
-
-        memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh))
-        if memory:
-            peak = memory["peak_memory_bytes"]  # the figure jaxpar.plan reports
-            rows += ["", "compiled train step, per device (XLA memory_analysis):",
-                     f"  arguments {mib(memory['argument_bytes'])}, "
-                     f"outputs {mib(memory['output_bytes'])} "
-                     f"(aliased with arguments: {mib(memory['alias_bytes'])}), "
-                     f"temporaries {mib(memory['temp_bytes'])}",
-                     f"  peak per device: {mib(peak)} ({peak:,d} bytes)"]
+        rows += compiled_rows(cfg, vocab, mesh)
     return "\n".join(rows)

@@ -15,10 +15,12 @@ import re
 import sys
 from pathlib import Path
 
+from jaxpar.core.axes import AXES, DATA_AXIS, KEYS, PIPE_AXIS
 from jaxpar.core.config import REMAT_KINDS, Config, load_config, valid_keys, validate
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
-from jaxpar.parallel.mesh import CLI_AXES, infer_axis, parse_mesh_spec, resolve_mesh_shape
+from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import parse_target
+from jaxpar.planning.layouts import int_list, parse_layouts
 
 DEFAULT_MAX_COMPILES = 32
 # XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
@@ -36,36 +38,9 @@ class Candidate:
     fits: bool | None = None
 
     def mesh_spec(self) -> str:
-        """dp, tp and pp always; cp where the layout uses it."""
-        return ",".join(f"{a}={self.layout[a]}" for a in CLI_AXES if a != "cp" or self.layout.get(a, 1) > 1)
-
-
-def mesh_triples(devices: int) -> list[tuple[int, int, int]]:
-    return [(dp, tp, devices // (dp * tp)) for dp in range(1, devices + 1) if devices % dp == 0
-            for tp in range(1, devices // dp + 1) if (devices // dp) % tp == 0]
-
-
-def parse_layouts(spec: str, devices: int, cps=(1,)) -> list[tuple[int, int, int, int]]:
-    """(dp, tp, pp, cp) of every layout asked for: "auto" is every dp x tp x pp of the devices
-    left by each cp in `cps`."""
-    if spec == "auto":
-        return [(*triple, cp) for cp in cps if devices % cp == 0 for triple in mesh_triples(devices // cp)]
-    layouts = []
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
-        sizes = [int(v) for v in parse_mesh_spec(part).values()]  # dp, tp, pp, cp
-        try:  # a -1 axis is inferred from the target's device count, as --mesh infers it
-            sizes = infer_axis(sizes, devices)
-        except UserError:
-            pass  # left at -1: the trainer's own check lists the layout as skipped, saying why
-        layouts.append(tuple(sizes))
-    return layouts
-
-
-def int_list(text: str, flag: str) -> list[int]:
-    try:
-        return sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
+        """The axes the planner searches always; the others where the layout uses them."""
+        return ",".join(f"{a.key}={self.layout[a.key]}" for a in AXES
+                        if a.planned or self.layout.get(a.key, 1) > 1)
 
 
 def micro_batch_options(cfg: Config, dp: int, pp: int, asked: str) -> list[int]:
@@ -85,26 +60,26 @@ def micro_batch_options(cfg: Config, dp: int, pp: int, asked: str) -> list[int]:
 
 def layout_config(cfg: Config, layout: dict) -> Config:
     c = copy.deepcopy(cfg)
-    c.mesh.dp, c.mesh.tp, c.mesh.pp, c.mesh.cp = layout["dp"], layout["tp"], layout["pp"], layout.get("cp", 1)
+    for axis in AXES:
+        setattr(c.mesh, axis.key, layout.get(axis.key, 1))
     c.train.zero, c.train.micro_batch, c.model.remat = layout["zero"], layout["micro_batch"], layout["remat"]
     return c
 
 
 def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros=(0, 1, 2, 3),
-                         micro: str = "auto", remats=REMAT_KINDS, cps=(1,)) -> list[Candidate]:
+                         micro: str = "auto", remats=REMAT_KINDS, fixed: dict | None = None) -> list[Candidate]:
     """Every layout asked for; those the trainer would refuse are 'skipped' with its reason."""
     found = []
-    for dp, tp, pp, cp in parse_layouts(layouts, devices, cps):
+    for sizes in parse_layouts(layouts, devices, fixed):
         for zero in zeros:
-            for micro_batch in micro_batch_options(cfg, dp, pp, micro):
+            for micro_batch in micro_batch_options(cfg, sizes[DATA_AXIS.key], sizes[PIPE_AXIS.key], micro):
                 for remat in remats:
-                    layout = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "zero": zero,
-                              "micro_batch": micro_batch, "remat": remat}
+                    layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat}
                     c = Candidate(layout, layout_config(cfg, layout))
                     try:
                         validate(c.cfg)
                         resolve_mesh_shape(c.cfg, devices)
-                        if dp == 1 and zero > 0:
+                        if sizes[DATA_AXIS.key] == 1 and zero > 0:
                             raise UserError("with dp=1 every ZeRO stage is the same program as zero 0")
                     except UserError as why:
                         c.status, c.reason = "skipped", str(why)
@@ -113,20 +88,22 @@ def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros
 
 
 def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
-    from jaxpar.parallel.schedule import Schedule, resolve_microbatches
+    from jaxpar.core.axes import pipeline_microbatches
+    from jaxpar.parallel.schedule import Schedule
     from jaxpar.planning import estimate
     from jaxpar.training import step as steps
     cfg, lay = c.cfg, c.layout
-    if lay["pp"] > 1:
-        M = resolve_microbatches(cfg, lay["dp"], lay["pp"])
-        schedule = Schedule(cfg.pipeline.schedule, lay["pp"], M, cfg.pipeline.virtual)
+    dp, pp = lay[DATA_AXIS.key], lay[PIPE_AXIS.key]
+    if pp > 1:
+        M = pipeline_microbatches(cfg, dp, pp)
+        schedule = Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
         passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
     else:
-        passes, in_flight, bubble = steps.num_microbatches(cfg.train, lay["dp"]), 1, 0.0
-    rows = cfg.train.batch_size // passes // lay["dp"]
+        passes, in_flight, bubble = steps.num_microbatches(cfg.train, dp), 1, 0.0
+    rows = cfg.train.batch_size // passes // dp
     ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows)
-    devices = lay["dp"] * lay["tp"] * lay["pp"] * lay.get("cp", 1)
-    time = estimate.step_time(cfg, vocab, lay, chip, estimate.collective_seconds(ops, chip, devices), bubble)
+    comm_s = estimate.collective_seconds(ops, chip, estimate.devices_of(lay))
+    time = estimate.step_time(cfg, vocab, lay, chip, comm_s, bubble)
     return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight),
             "rows_per_pass": rows, **time}
 
@@ -182,12 +159,12 @@ def take_turns(ordered: list[Candidate]) -> list[Candidate]:
 
 def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
     """The `jaxpar.train` command line that runs layout c."""
-    set_here = {"mesh.dp", "mesh.tp", "mesh.pp", "mesh.cp", "train.zero", "train.micro_batch", "model.remat"}
+    set_here = {f"mesh.{key}" for key in KEYS} | {"train.zero", "train.micro_batch", "model.remat"}
     parts = ["python -m jaxpar.train"] + ([f"--config {config}"] if config else [])
     parts += [f"--{k}={v}" for k, v in overrides.items() if k not in set_here]
     lay = c.layout
     parts += [f"--mesh {c.mesh_spec()}", f"--zero {lay['zero']}"]
-    if lay["pp"] == 1:
+    if lay[PIPE_AXIS.key] == 1:
         parts.append(f"--train.micro_batch={lay['micro_batch']}")
     if lay["remat"] != "none":
         parts.append(f"--model.remat={lay['remat']}")
@@ -202,10 +179,15 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--target", required=True, help="tpu:v5e-256, tpu:v5p-128, tpu:v4-64, "
                         "tpu:v6e-64 (Cloud TPU accelerator types), gpu:h100-8 (one node of 1, 2, 4 "
                         "or 8 H100s), or cpu:N (N host devices)")
-    parser.add_argument("--layouts", default="auto", help='"auto" (every dp x tp x pp of the target, '
-                        'for each --cp), or meshes separated by ";", e.g. "dp=8,tp=4;dp=16,tp=2;dp=4,cp=4"')
-    parser.add_argument("--cp", default="1", help="context-parallel sizes to try with --layouts auto "
-                        "(default 1), e.g. 1,2,4,8 for a long block")
+    searched = " x ".join(a.key for a in AXES if a.planned)
+    others = ", ".join(f"--{a.key}" for a in AXES if not a.planned)
+    parser.add_argument("--layouts", default="auto", help=f'"auto" (every {searched} of the target, '
+                        f'for each size of {others}), or meshes separated by ";", e.g. '
+                        '"dp=8,tp=4;dp=16,tp=2;dp=4,cp=4"')
+    for axis in AXES:
+        if not axis.planned:
+            parser.add_argument(f"--{axis.key}", default="1", help=f"{axis.about}: the {axis.key} sizes "
+                                "to try with --layouts auto (default 1), e.g. 1,2,4,8")
     parser.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
     parser.add_argument("--micro-batch", default="auto", help="train.micro_batch values to try; "
                         "auto: powers of two up to the rows each device holds")
@@ -237,13 +219,16 @@ def parse_args(argv: list[str]):
         raise UserError("--max-compiles must be at least 1")
     if args.micro_batch != "auto" and min(int_list(args.micro_batch, "--micro-batch")) < 1:
         raise UserError("--micro-batch values must be positive")
-    cps = int_list(args.cp, "--cp")
-    if not cps or min(cps) < 1:
-        raise UserError(f"--cp takes positive sizes, got {args.cp!r}")
-    parse_layouts(args.layouts, target.chips, cps)  # a bad --layouts fails before any work
+    fixed = {}
+    for axis in AXES:
+        if not axis.planned:
+            fixed[axis.key] = int_list(getattr(args, axis.key), f"--{axis.key}")
+            if not fixed[axis.key] or min(fixed[axis.key]) < 1:
+                raise UserError(f"--{axis.key} takes positive sizes, got {getattr(args, axis.key)!r}")
+    parse_layouts(args.layouts, target.chips, fixed)  # a bad --layouts fails before any work
     out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
     check_output_dir(out)
-    args.zero, args.remat, args.out, args.cp = zeros, remats, out, cps
+    args.zero, args.remat, args.out, args.fixed = zeros, remats, out, fixed
     return cfg, target, args, overrides
 
 
@@ -261,7 +246,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     _, shapes, _ = abstract_model(cfg, vocab)
     n_params = sum(int(s.size) for s in jax.tree.leaves(shapes))
     candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
-                                      args.remat, args.cp)
+                                      args.remat, args.fixed)
     for c in candidates:
         if c.status == "pending":
             c.guess = guess(c, vocab, n_params, chip)

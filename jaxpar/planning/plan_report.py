@@ -4,6 +4,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from jaxpar.core.axes import PIPE_AXIS
 from jaxpar.planning import roofline
 
 GiB = 2**30
@@ -23,7 +24,7 @@ def ranked(candidates: list) -> list:
 
 def layout_cell(c) -> str:
     lay = c.layout
-    micro = f" mb={lay['micro_batch']}" if lay["pp"] == 1 else ""
+    micro = f" mb={lay['micro_batch']}" if lay[PIPE_AXIS.key] == 1 else ""
     remat = " remat" if lay["remat"] != "none" else ""
     return f"{c.mesh_spec()} z{lay['zero']}{micro}{remat}"
 

@@ -1,7 +1,10 @@
 """Orbax checkpoints in `<out>/checkpoints`: async saves, and restores onto any mesh and ZeRO stage.
 
 Each checkpoint holds three items: `params`, `opt_state`, and `meta` (JSON: the step, the RNG
-state, the resolved config and the tokenizer), so sampling reads only `params` and `meta`.
+state, the resolved config, the tokenizer and the optimizer's name), so sampling reads only
+`params` and `meta`. `opt_state` is the optimizer's own state: gradient clipping, which keeps
+none, is not in it. A checkpoint from before the optimizer registry holds optax's chain of
+clipping and AdamW; it restores into the same AdamW state.
 """
 
 import contextlib
@@ -22,10 +25,9 @@ from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import model_vocab
 from jaxpar.data.tokenizer import from_meta
+from jaxpar.models.family import build_model, family_of
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
-# The params' shapes follow these (a checkpoint from before a field has its default).
-MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "n_kv_head", "mlp_dim", "tie_embeddings")
 # Bumped whenever a param's shape or axis order changes, so that an older checkpoint is named as
 # such rather than reported as damaged. 2: mlp_out's kernel is (layers, embed, mlp).
 PARAM_LAYOUT = 2
@@ -43,8 +45,8 @@ def find_checkpoints(path) -> Path:
 
 def make_meta(cfg: Config, tokenizer, step: int) -> dict:
     # Data order and dropout keys are pure functions of (seed, step): that is the whole RNG state.
-    return {"step": step, "rng": {"seed": cfg.train.seed, "step": step},
-            "config": cfg.to_dict(), "tokenizer": tokenizer.to_meta(), "param_layout": PARAM_LAYOUT}
+    return {"step": step, "rng": {"seed": cfg.train.seed, "step": step}, "config": cfg.to_dict(),
+            "tokenizer": tokenizer.to_meta(), "param_layout": PARAM_LAYOUT, "optimizer": cfg.optimizer.name}
 
 
 def check_layout(meta: dict, where: Path) -> None:
@@ -164,8 +166,11 @@ class Checkpoints:
 
 
 def model_shape(model: dict, vocab_size: int) -> str:
+    """The model config fields its family's params' shapes follow, as 'n_layer=2, ...' (a
+    checkpoint from before a field has its default)."""
     defaults = dataclasses.asdict(ModelConfig())
-    return ", ".join(f"{k}={model.get(k, defaults[k])}" for k in MODEL_FIELDS) + f", vocab_size={vocab_size}"
+    fields = family_of(ModelConfig(family=model.get("family", "gpt2"))).shape_fields
+    return ", ".join(f"{k}={model.get(k, defaults[k])}" for k in fields) + f", vocab_size={vocab_size}"
 
 
 def saved_vocab(meta: dict) -> tuple[object, int]:
@@ -191,7 +196,8 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
                         f"(--model.family={family}), {fresh}")
     have = model_shape(saved["model"], vocab)
     want = model_shape(dataclasses.asdict(cfg.model), model_vocab(cfg, tokenizer))
-    if have != want:
+    saved_shapes = build_model(Config.from_dict(saved), vocab).shapes()
+    if have != want or saved_shapes != build_model(cfg, model_vocab(cfg, tokenizer)).shapes():
         raise UserError(f"the checkpoint in '{directory}' has model shape ({have}) but the config "
                         f"and data ask for ({want}); use the checkpoint's model settings and "
                         f"data, {fresh}")
@@ -207,33 +213,31 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
 
 def restore_train_state(ckpt: Checkpoints, cfg: Config, tokenizer, tx, shardings):
     """(TrainState on the mesh and ZeRO stage of `shardings`, meta, skipped steps), or None."""
-    from jaxpar.models.family import abstract_model
     from jaxpar.training import step as steps
-    _, shapes, _ = abstract_model(cfg, model_vocab(cfg, tokenizer))
+    shapes = build_model(cfg, model_vocab(cfg, tokenizer)).shapes()
     targets = {"params": abstract_tree(shapes, shardings.params),
                "opt_state": abstract_tree(jax.eval_shape(tx.init, shapes), shardings.opt_state)}
 
     def targets_for(meta: dict) -> dict:
         check_fits(meta, cfg, tokenizer, ckpt.directory)
-        clipped = meta["config"]["train"]["grad_clip"] > 0
-        return {**targets, "opt_state": with_clip_entry(targets["opt_state"], clipped)}
+        return {**targets, "opt_state": as_saved(targets["opt_state"], meta)}
 
     found = ckpt.restore_latest(targets_for)
     if found is None:
         return None
     step, meta, items, skipped = found
     counter = jax.device_put(np.int32(meta["step"]), shardings.step)
-    opt_state = with_clip_entry(items.opt_state, cfg.train.grad_clip > 0)
+    opt_state = items.opt_state if "optimizer" in meta else items.opt_state[-1]
     return steps.TrainState(counter, items.params, opt_state), meta, skipped
 
 
-def with_clip_entry(opt_state: tuple, clipped: bool) -> tuple:
-    """The optimizer chain's state with or without gradient clipping's entry in front. Clipping
-    keeps no state (an EmptyState), so a run may turn train.grad_clip on or off when it resumes."""
-    has_entry = isinstance(opt_state[0], optax.EmptyState)
-    if has_entry == clipped:
+def as_saved(opt_state, meta: dict):
+    """The optimizer state's tree as the checkpoint holds it. One from before the optimizer
+    registry holds optax's chain: clipping's stateless entry (when it clipped), then AdamW's."""
+    if "optimizer" in meta:
         return opt_state
-    return (optax.EmptyState(), *opt_state) if clipped else tuple(opt_state[1:])
+    clipped = meta["config"]["train"]["grad_clip"] > 0
+    return (optax.EmptyState(), opt_state) if clipped else (opt_state,)
 
 
 SYNC_EVERY = 10  # steps between the processes' comparisons of their stop flags

@@ -7,6 +7,7 @@ to metrics.jsonl (strict JSON: non-finite values as null), TensorBoard and, if a
 
 import json
 import math
+import statistics
 import time
 import uuid
 from pathlib import Path
@@ -78,8 +79,9 @@ class StepLogger:
         tokens_per_s = self.tokens_per_step / step_time
         steps, self.pending = [step for step, _ in self.pending], []
         for step, metrics in zip(steps, fetched):
+            aux = {name: float(value) for name, value in metrics.items() if name not in ("loss", "grad_norm")}
             record = {"step": step, "loss": float(metrics["loss"]), "lr": self.lr_at(step),
-                      "grad_norm": float(metrics["grad_norm"]),
+                      "grad_norm": float(metrics["grad_norm"]), **aux,
                       "step_time_ms": round(1e3 * step_time, 3),
                       "tokens_per_s": round(tokens_per_s, 1),
                       "mfu": tokens_per_s * self.flops_per_token / self.peak, **self.constants}
@@ -123,6 +125,9 @@ class MetricsWriters:
     """
 
     def __init__(self, out_dir: Path, resume_step: int, cfg):
+        from jaxpar.models.family import family_of
+        # Each auxiliary loss the model logs is a train/ scalar too.
+        self.scalars = SCALARS | {name: f"train/{name}" for name in family_of(cfg.model).loss_weights()}
         self.jsonl = open_metrics(out_dir / "metrics.jsonl", resume_step)
         self.tensorboard = self.wandb = None
         if cfg.log.tensorboard:
@@ -138,7 +143,7 @@ class MetricsWriters:
         self.jsonl.write(strict_json(record) + "\n")
         self.jsonl.flush()
         # A diverged step's non-finite values stay out of the curves (metrics.jsonl has them).
-        scalars = {SCALARS[k]: v for k, v in record.items() if k in SCALARS and math.isfinite(v)}
+        scalars = {self.scalars[k]: v for k, v in record.items() if k in self.scalars and math.isfinite(v)}
         if self.tensorboard is not None:
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, record["step"])
@@ -172,3 +177,16 @@ def start_wandb(cfg, out_dir: Path):
     id_file.write_text(run_id + "\n")
     return wandb.init(project=cfg.log.wandb, id=run_id, resume="allow", dir=str(out_dir),
                       config=cfg.to_dict(), name=out_dir.name)
+
+
+def summarise(info: dict, losses: dict, val_losses: dict, step_times: list[float]) -> dict:
+    """A run's summary for run.json (medians, as the first interval can include one-off work)."""
+    median = statistics.median(step_times) if step_times else float("nan")
+    tokens_per_s = info["tokens_per_step"] / median
+    return {
+        "final_loss": losses[max(losses)] if losses else None,
+        "final_val_loss": val_losses[max(val_losses)] if val_losses else None,
+        "step_time_ms_median": round(1e3 * median, 3),
+        "tokens_per_s_median": round(tokens_per_s, 1),
+        "mfu_median": tokens_per_s * info["flops_per_token"] / info["peak_flops"],
+    }

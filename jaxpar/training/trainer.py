@@ -1,5 +1,5 @@
 """One training run, in four phases: `prepare` the data, mesh and state (new or restored);
-`compile_run` and describe it; `train_loop`; `summarise`. `run` strings them together.
+`compile_run` and describe it; `train_loop`; `summarise` (jaxpar.training.metrics). `run` strings them together.
 
 Nothing is written before the compiled step is known to fit in memory. A non-finite loss or
 gradient norm stops the run with a UserError, leaving the last good checkpoint in place.
@@ -7,7 +7,6 @@ gradient norm stops the run with a UserError, leaving the last good checkpoint i
 
 import json
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,13 +20,22 @@ from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, model_vocab
 from jaxpar.models import flops, kernels
-from jaxpar.models.family import abstract_model
+from jaxpar.models.family import Transformer, build_model
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.training import step as steps
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
-from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, strict_json
+from jaxpar.training.metrics import (
+    FETCH_EVERY,
+    Diverged,
+    MetricsWriters,
+    StepLogger,
+    check_wandb,
+    strict_json,
+    summarise,
+)
+from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
 
 
@@ -35,6 +43,7 @@ from jaxpar.training.profiling import StepProfiler
 class RunResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> train loss before its update
     val_losses: dict[int, float] = field(default_factory=dict)  # updates applied -> val loss
+    aux: dict[int, dict] = field(default_factory=dict)  # step -> {auxiliary loss: its value}
     params: dict | None = None
     info: dict = field(default_factory=dict)
 
@@ -47,7 +56,7 @@ class Prepared:
     mesh: jax.sharding.Mesh
     ckpt: Checkpoints | None
     tx: object  # the optax optimizer
-    graphdef: object
+    model: Transformer
     shardings: steps.TrainState
     plan: zero.ZeroPlan
     state: steps.TrainState
@@ -78,28 +87,27 @@ def versions() -> dict:
 def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
     """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
     under `jax.set_mesh(mesh)`."""
-    vocab = model_vocab(cfg, dataset.tokenizer)
+    model = build_model(cfg, model_vocab(cfg, dataset.tokenizer))
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
-    tx = steps.make_optimizer(cfg.train)
-    graphdef, _, _ = abstract_model(cfg, vocab)
-    shardings, plan = steps.state_shardings(cfg, vocab, mesh, tx)
+    tx = steps.make_optimizer(cfg, model)
+    shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
     restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, dataset.tokenizer,
                                                                        tx, shardings)
-    state, meta, damaged = restored or (initial_state(cfg, vocab, tx, shardings), None, [])
+    state, meta, damaged = restored or (initial_state(cfg, model, tx, shardings), None, [])
     start = meta["step"] if meta else 0
     if start > cfg.train.steps:
         raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
                         f"{cfg.train.steps}; pass --steps {start} or more, or start over with --fresh")
-    return Prepared(cfg, dataset, mesh, ckpt, tx, graphdef, shardings, plan, state, start, damaged)
+    return Prepared(cfg, dataset, mesh, ckpt, tx, model, shardings, plan, state, start, damaged)
 
 
-def initial_state(cfg: Config, vocab: int, tx, shardings: steps.TrainState) -> steps.TrainState:
+def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainState) -> steps.TrainState:
     """A new state: random params, or train.init_from's Hugging Face weights, each placed
     straight into its shards."""
     if not cfg.train.init_from:
-        return steps.init_state(cfg, vocab, tx, shardings)
+        return steps.init_state(cfg, model, tx, shardings)
     from jaxpar.interop.hf import load_hf_params
-    params = load_hf_params(cfg.train.init_from, cfg, vocab, shardings.params)
+    params = load_hf_params(cfg.train.init_from, cfg, model.vocab_size, shardings.params)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
 
@@ -117,9 +125,8 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
                                        microbatches, cfg.model.block_size, mesh)
     train_batches, val_loader = loader("train"), loader("val")
     val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
-    train_step = steps.make_train_step(cfg, p.graphdef, p.tx, p.shardings, p.plan,
-                                       train_batches.sharding)
-    eval_step = steps.make_eval_step(cfg, p.graphdef, p.shardings.params, val_loader.sharding)
+    train_step = steps.make_train_step(cfg, p.model, p.tx, p.shardings, p.plan, train_batches.sharding)
+    eval_step = steps.make_eval_step(cfg, p.model, p.shardings.params, val_loader.sharding)
 
     compile_start = time.perf_counter()
     compiled = train_step.lower(p.state, train_batches(0)).compile()
@@ -164,9 +171,12 @@ def open_outputs(p: Prepared, info: dict, out_dir: Path | None, fresh: bool) -> 
 def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult, bar) -> StepLogger:
     """The step logger: each record into result.losses, the writers and the progress bar."""
     t, info = p.cfg.train, c.info
+    aux_names = p.model.family.loss_weights()
 
     def on_record(record: dict):
         result.losses[record["step"]] = record["loss"]
+        if aux_names:
+            result.aux[record["step"]] = {name: record[name] for name in aux_names}
         if writers:
             writers.write(record)
         # No redraw here: a fetch delivers 10 records at once, and the bar shows the newest.
@@ -174,7 +184,7 @@ def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result
                         refresh=False)
 
     return StepLogger(on_record, lambda s: s % t.log_every == 0 or s == t.steps - 1,
-                      lambda s: float(steps.learning_rate(s, t, xp=np)), info["tokens_per_step"],
+                      lambda s: float(learning_rate(s, p.cfg.optimizer, xp=np)), info["tokens_per_step"],
                       info["flops_per_token"], info["peak_flops"],
                       {"bubble": info["pipeline"]["bubble_fraction"]})
 
@@ -246,19 +256,6 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
     return state, logger.step_times
 
 
-def summarise(info: dict, result: RunResult, step_times: list[float]) -> dict:
-    """Phase 4: the run's summary (medians, as the first interval can include one-off work)."""
-    median = statistics.median(step_times) if step_times else float("nan")
-    tokens_per_s = info["tokens_per_step"] / median
-    return {
-        "final_loss": result.losses[max(result.losses)] if result.losses else None,
-        "final_val_loss": result.val_losses[max(result.val_losses)] if result.val_losses else None,
-        "step_time_ms_median": round(1e3 * median, 3),
-        "tokens_per_s_median": round(tokens_per_s, 1),
-        "mfu_median": tokens_per_s * info["flops_per_token"] / info["peak_flops"],
-    }
-
-
 def stop_diverged(p: Prepared, info: dict, out_dir: Path | None, diverged: Diverged) -> UserError:
     """The one-line error for a diverged run, after recording it in run.json."""
     kept = p.ckpt.steps() if p.ckpt is not None else []
@@ -267,7 +264,7 @@ def stop_diverged(p: Prepared, info: dict, out_dir: Path | None, diverged: Diver
                                                for k in ("step", "loss", "grad_norm")}))
     if out_dir is not None and is_main_process():
         (out_dir / "run.json").write_text(json.dumps(info, indent=2))
-    return UserError(diverged.explain(last_good, p.cfg.train.grad_clip))
+    return UserError(diverged.explain(last_good, p.cfg.optimizer.grad_clip))
 
 
 def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True, *,
@@ -304,7 +301,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         finally:
             if writers:
                 writers.close()
-        c.info["summary"] = summarise(c.info, result, step_times)
+        c.info["summary"] = summarise(c.info, result.losses, result.val_losses, step_times)
         zero.check_state(state, p.shardings)  # out_shardings pin them; this proves it after training
         if writers:
             (out_dir / "run.json").write_text(json.dumps(c.info, indent=2))

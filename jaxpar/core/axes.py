@@ -1,0 +1,216 @@
+"""The device mesh's axes as data: one entry per parallelism, and the one rule table built from them.
+
+Each entry names its `--mesh` key (`dp`), its mesh axis (`data`), its place in the device order,
+the logical axes it splits, and its checks. The mesh, `--help`, `run.json`, `--dry-run`, the
+planner, ZeRO and the rule table read this table; adding a parallelism is one more entry here,
+plus the code that is truly new for it (its collective and its model-side op).
+
+The rule table maps each logical axis to the mesh axes whose entries split it, ordered from the
+most spread to the most local (`locality`): under context parallelism the tokens split over
+('data', 'context'). A size-1 axis splits nothing, so every layout reads the same table.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpar.core.errors import UserError
+
+DATA, TENSOR, PIPE, CONTEXT = "data", "tensor", "pipe", "context"
+
+# Logical axes that no mesh axis splits (the rule table maps them to None).
+UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch")
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One parallelism. `locality`: its place in the device order; a higher one is kept on fewer
+    hosts (jax.make_mesh puts its last axis on the closest devices). `splits`: the logical axes it
+    splits. `planned`: jaxpar.plan tries its sizes in `--layouts auto` (else only those of --KEY)."""
+    key: str
+    name: str
+    locality: int
+    splits: tuple[str, ...]
+    about: str
+    planned: bool = True
+
+    def logical_axes(self, sequence_parallel: bool) -> tuple[str, ...]:
+        return self.splits
+
+    def check(self, cfg, size: int, sizes: dict[str, int]) -> None:
+        """Refuse a config this axis cannot run at `size` (sizes: every axis's, by key)."""
+
+    def lay_out(self, tokens, size: int):
+        """A batch of (..., seq) tokens in the layout this axis computes it in."""
+        return tokens
+
+
+class Data(MeshAxis):
+    """Data parallelism: the batch split by rows. ZeRO shards the optimizer state, gradients and
+    params over it."""
+
+    def check(self, cfg, size, sizes):
+        micro_batch = cfg.train.batch_size // cfg.train.grad_accum
+        if micro_batch % size:
+            raise UserError(f"dp={size} does not divide the batch of {micro_batch} sequences per "
+                            f"microbatch (train.batch_size / train.grad_accum); change one of them")
+
+
+class Tensor(MeshAxis):
+    """Megatron tensor parallelism: heads, the MLP's width and the vocabulary split; with
+    sequence parallelism the residual stream's sequence too."""
+
+    def logical_axes(self, sequence_parallel):
+        return self.splits + (("stream_seq",) if sequence_parallel else ())
+
+    def check(self, cfg, size, sizes, origin: str | None = None):
+        """origin: where the model's shape comes from (a Hugging Face config.json), if not cfg."""
+        m = cfg.model
+        for field, heads in (("n_head", m.n_head), ("n_kv_head", m.kv_heads)):
+            if heads % size == 0:
+                continue
+            if origin is not None:
+                raise UserError(f"tp={size} does not divide {field}={heads} of the model in {origin}; "
+                                f"choose tp from the divisors of {heads}, and put the other devices on "
+                                "dp (with --zero 3 to split the weights too)")
+            if field == "n_head":
+                raise UserError(f"tp={size} does not divide model.n_head={heads}; "
+                                f"choose tp from the divisors of n_head")
+            raise UserError(f"tp={size} does not divide model.n_kv_head={heads}: tensor parallelism "
+                            f"splits the KV heads; use tp from the divisors of {heads} and put "
+                            f"the other devices on dp (with --zero 3 to split the weights too)")
+        if m.sequence_parallel and m.block_size % size:
+            raise UserError(f"tp={size} does not divide model.block_size={m.block_size}, which "
+                            f"sequence parallelism splits over it; choose a block size divisible by tp "
+                            f"or pass --model.sequence_parallel=false")
+
+
+class Pipe(MeshAxis):
+    """Pipeline parallelism: the stacked layers split into stages (jaxpar.parallel.pipeline)."""
+
+    def check(self, cfg, size, sizes):
+        if size > 1:
+            if cfg.train.zero == 3:
+                raise UserError("ZeRO stage 3 with pipeline parallelism is not supported; use --zero 1 or 2 "
+                                "with pp > 1")
+            pipeline_microbatches(cfg, sizes[DATA_AXIS.key], size)
+
+
+class Context(MeshAxis):
+    """Context parallelism: every activation's sequence split over a ring of devices, attention as
+    a ring (jaxpar.models.ring_attention), the batch laid out in the ring's zigzag order."""
+
+    def check(self, cfg, size, sizes):
+        m, tp = cfg.model, sizes[TENSOR_AXIS.key]
+        if size == 1:
+            return
+        if m.block_size % (2 * size):
+            raise UserError(f"cp={size} needs model.block_size divisible by 2*cp={2 * size} (the sequence is "
+                            f"cut into 2*cp chunks, two per device); got {m.block_size}")
+        if m.dropout > 0:
+            raise UserError(f"model.dropout={m.dropout} with cp={size}: ring attention has no attention "
+                            "dropout; pass --model.dropout=0 or drop cp")
+        if m.sequence_parallel and m.block_size % (size * tp):
+            raise UserError(f"sequence parallelism with cp={size} splits the stream over cp*tp={size * tp}; "
+                            f"model.block_size={m.block_size} does not divide by it")
+
+    def lay_out(self, tokens, size):
+        """Once per batch, tokens and targets alike (the targets were shifted before), never per
+        layer: each device's two zigzag chunks side by side."""
+        return tokens if size == 1 else tokens[..., zigzag_permutation(tokens.shape[-1], size)]
+
+
+DATA_AXIS = Data("dp", DATA, 0, ("batch", "tokens"), "data parallelism: the batch split by rows")
+TENSOR_AXIS = Tensor("tp", TENSOR, 3, ("vocab", "heads", "kv_heads", "mlp"),
+                     "tensor parallelism: heads, MLP width and vocabulary split (Megatron)")
+PIPE_AXIS = Pipe("pp", PIPE, 1, ("layers",), "pipeline parallelism: the layers split into stages")
+CONTEXT_AXIS = Context("cp", CONTEXT, 2, ("seq", "stream_seq", "tokens"),
+                       "context parallelism: the sequence split over a ring", planned=False)
+# In the mesh's axis order (new axes go last); `locality` gives the device order.
+AXES: tuple[MeshAxis, ...] = (DATA_AXIS, TENSOR_AXIS, PIPE_AXIS, CONTEXT_AXIS)
+BY_KEY = {a.key: a for a in AXES}
+BY_NAME = {a.name: a for a in AXES}
+KEYS = tuple(a.key for a in AXES)
+NAMES = tuple(a.name for a in AXES)
+
+
+def rule_table(sequence_parallel: bool = False) -> dict[str, str | tuple | None]:
+    """Logical axis -> the mesh axes that split it (None: none; one name; or a tuple, most spread
+    first). `sequence_parallel` adds the stream's sequence to 'tensor' (Megatron's SP)."""
+    split_by: dict[str, list[MeshAxis]] = {name: [] for name in UNSPLIT}
+    for axis in AXES:
+        for logical in axis.logical_axes(sequence_parallel):
+            split_by.setdefault(logical, []).append(axis)
+    table = {}
+    for logical, axes in split_by.items():
+        names = tuple(a.name for a in sorted(axes, key=lambda a: a.locality))
+        table[logical] = None if not names else names[0] if len(names) == 1 else names
+    return table
+
+
+def sizes_of(mesh_cfg) -> dict[str, int]:
+    """{'dp': .., 'tp': .., ...} of a MeshConfig (-1 where an axis is inferred)."""
+    return {key: getattr(mesh_cfg, key) for key in KEYS}
+
+
+def check_axes(cfg, sizes: dict[str, int]) -> None:
+    """Every axis's checks, at the sizes of a resolved mesh."""
+    for axis in AXES:
+        axis.check(cfg, sizes[axis.key], sizes)
+
+
+def zigzag_permutation(seq_len: int, ring: int) -> np.ndarray:
+    """Global positions in zigzag order: device 0's tokens first (chunks 0 and 2*ring - 1 of the
+    2*ring equal chunks), then device 1's (chunks 1 and 2*ring - 2), and so on; `x[:, perm]` lays
+    a batch out for a split of the sequence axis over `ring` devices."""
+    if seq_len % (2 * ring):
+        raise ValueError(f"zigzag ring attention needs seq_len divisible by 2 * ring: seq_len {seq_len}, "
+                         f"ring {ring}")
+    chunks = np.arange(seq_len).reshape(2 * ring, -1)
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
+
+
+def check_virtual(name: str, virtual: int) -> None:
+    """Interleaved 1F1B runs V >= 2 layer chunks per stage; every other schedule one."""
+    interleaved = name == "interleaved"
+    if interleaved and virtual < 2 or not interleaved and virtual != 1:
+        raise UserError(f"pipeline.virtual={virtual}: interleaved needs --pipeline.virtual >= 2 layer "
+                        "chunks per stage, every other schedule 1")
+
+
+def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> None:
+    """Refuse a schedule that cannot run with this many microbatches (`virtual` is checked by
+    check_virtual); name the fix."""
+    if microbatches < 1:
+        raise UserError(f"pipeline.microbatches must be positive, got {microbatches}")
+    if name == "interleaved" and microbatches % pp:
+        raise UserError(f"interleaved needs microbatches in whole groups of pp={pp}, got V={virtual} and "
+                        f"{microbatches} microbatches")
+    if name == "1f1b" and microbatches < pp:
+        raise UserError(f"1f1b needs at least pp={pp} microbatches, got {microbatches}; "
+                        f"raise pipeline.microbatches or use --pipeline.schedule=gpipe")
+
+
+def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
+    """The pipeline's microbatch count M for this config and mesh, after checking it can run."""
+    n_layer, rows = cfg.model.n_layer, cfg.train.batch_size // cfg.train.grad_accum
+    if n_layer % pp:
+        raise UserError(f"pp={pp} does not divide model.n_layer={n_layer}; every stage needs the "
+                        f"same number of layers")
+    V = cfg.pipeline.virtual if pp > 1 else 1
+    if n_layer % (pp * V):
+        raise UserError(f"pp={pp} x pipeline.virtual={V} layer chunks do not divide model.n_layer="
+                        f"{n_layer}; every chunk needs the same number of layers")
+    M = cfg.pipeline.microbatches
+    if M == 0:  # the largest multiple of pp up to 4*pp that splits the batch evenly over dp
+        M = next((m for m in range(4 * pp, 0, -pp) if rows % (m * dp) == 0), 0)
+        if M == 0:
+            raise UserError(f"cannot split {rows} sequences per step into dp={dp} x M microbatches "
+                            f"with M a multiple of pp={pp}; set --pipeline.microbatches=M or "
+                            f"change train.batch_size")
+    if rows % (M * dp):
+        raise UserError(f"train.batch_size / train.grad_accum = {rows} sequences do not split into "
+                        f"dp={dp} x {M} microbatches; change pipeline.microbatches or train.batch_size")
+    if pp > 1:
+        check_schedule(cfg.pipeline.schedule, pp, M, V)
+    return M

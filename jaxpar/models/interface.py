@@ -1,0 +1,54 @@
+"""The model-family interface: the class every family derives from.
+
+A family is one class (jaxpar.models.gpt.GPT2, jaxpar.models.llama.Llama) that declares its
+parameters and computes with them:
+
+    declare(vocab_size)                 every param's shape, logical axes, role and initialiser
+                                        (jaxpar.models.params); the stacked layers under "blocks",
+                                        each leading with 'layers'
+    shape_fields                        the model config fields `declare` reads
+    head_names                          the top-level params the loss needs after the last block
+    embed(top, tokens, key, positions)  (batch, seq) tokens -> the float32 residual stream
+    block(x, p, axes, key, cache)       one layer on its params -> (x, auxiliary losses, cache):
+                                        training's and cached decoding's one block (cache: None,
+                                        or the layer's jaxpar.models.layers.KVCache)
+    logits(head, x, vocab_size)         the stream -> float32 logits over the padded vocabulary
+    kv_heads, head_dim                  the KV cache's shape
+    matmul_params(vocab_size)           N in MFU's 6N
+    activation_units(tp, split)         saved activations per token and layer, 2-byte units
+
+The train step, the pipeline executor, ZeRO, remat, the KV-cache sampler, the FLOP count,
+`--dry-run`, `jaxpar.plan` and `jaxpar.bench` call these and nothing else, so a new family is one
+new module and one entry in FAMILIES.
+
+A block's auxiliary losses are a dict of scalars (empty for GPT-2 and Llama, unless the test-only
+model.test_activation_l2 asks for one); `loss_weights` gives each one's coefficient in the loss.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core.config import ModelConfig
+
+
+class Family:
+    """What the families share: their config and compute dtype, and the test-only auxiliary loss."""
+
+    name = ""
+    head_names: tuple[str, ...] = ()
+    shape_fields: tuple[str, ...] = ()
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg, self.dtype = cfg, jnp.dtype(cfg.dtype)
+
+    def block_losses(self, x: jax.Array) -> dict:
+        """A block's auxiliary losses of its output x. model.test_activation_l2 (tests only) adds
+        the mean square of the stream, to prove the auxiliary-loss path on every layout."""
+        if self.cfg.test_activation_l2 == 0:
+            return {}
+        return {"activation_l2": jnp.mean(jnp.square(x.astype(jnp.float32)))}
+
+    def loss_weights(self) -> dict[str, float]:
+        """Each auxiliary loss's coefficient in the training loss (summed over layers first)."""
+        weights = {"activation_l2": self.cfg.test_activation_l2}
+        return {name: w for name, w in weights.items() if w != 0}

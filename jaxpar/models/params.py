@@ -1,0 +1,115 @@
+"""Parameters declared once: each one's shape, logical axes, role and initialiser, in a nested dict
+that a model family returns from `declare`. The params, their shapes, their logical axes (for the
+rule table) and their roles (for the optimizer's groups, the checkpoint and the Hugging Face maps)
+are all read from it.
+
+Roles: `matrix` (a projection inside the blocks), `embedding` (a table indexed by token or
+position, or an lm_head over the vocabulary), `norm` (a norm's scale), `bias`.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+MATRIX, EMBEDDING, NORM, BIAS = "matrix", "embedding", "norm", "bias"
+ROLES = (MATRIX, EMBEDDING, NORM, BIAS)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter. Matrices and embeddings are drawn from N(0, std); a `transposed` stacked
+    matrix is drawn as (layers, in, out) and stored as (layers, out, in), so a seed gives the same
+    weights in either layout. Norm scales start at 1, biases at 0."""
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    role: str
+    std: float = 0.0
+    transposed: bool = False
+
+    @property
+    def random(self) -> bool:
+        return self.role in (MATRIX, EMBEDDING)
+
+    def initial(self, key) -> jax.Array:
+        if self.role == NORM:
+            return jnp.ones(self.shape, jnp.float32)
+        if self.role == BIAS:
+            return jnp.zeros(self.shape, jnp.float32)
+        if not self.transposed:
+            return self.std * jax.random.normal(key, self.shape, jnp.float32)
+        layers, out, inp = self.shape
+        return jnp.swapaxes(self.std * jax.random.normal(key, (layers, inp, out), jnp.float32), 1, 2)
+
+
+def dense(std: float, shape: tuple, axes: tuple, n_out_dims: int, bias: bool, transposed: bool = False) -> dict:
+    """A stacked linear layer: kernel (layers, *in, *out), or with `transposed` (one in and one out
+    axis) (layers, out, in) as torch's nn.Linear stores it; bias (layers, *out)."""
+    if transposed:
+        layers, inp, out = shape
+        kernel = Param((layers, out, inp), (axes[0], axes[2], axes[1]), MATRIX, std, transposed=True)
+    else:
+        kernel = Param(shape, axes, MATRIX, std)
+    declared = {"kernel": kernel}
+    if bias:
+        declared["bias"] = Param(shape[:1] + shape[-n_out_dims:], axes[:1] + axes[-n_out_dims:], BIAS)
+    return declared
+
+
+def norm(shape: tuple, axes: tuple, bias: bool = False) -> dict:
+    """A norm's scale, and with `bias` LayerNorm's bias."""
+    declared = {"scale": Param(shape, axes, NORM)}
+    if bias:
+        declared["bias"] = Param(shape, axes, BIAS)
+    return declared
+
+
+def is_param(node) -> bool:
+    return isinstance(node, Param)
+
+
+def in_order(declared: dict, prefix: tuple = ()):
+    """(path, Param) of every declared parameter, in declaration order (depth first)."""
+    for name, node in declared.items():
+        if is_param(node):
+            yield prefix + (name,), node
+        else:
+            yield from in_order(node, prefix + (name,))
+
+
+def tree_of(declared: dict, fn) -> dict:
+    """The nested dict of fn(Param) for every declared parameter."""
+    return {name: fn(node) if is_param(node) else tree_of(node, fn) for name, node in declared.items()}
+
+
+def initial_params(declared: dict, seed: int) -> dict:
+    """The params, each random one drawn with the next key of the seed's stream (key i is
+    fold_in(key(seed), i), in declaration order: Flax NNX's Rngs(seed).params() stream)."""
+    base, keys, count = jax.random.key(seed), {}, 0
+    for path, param in in_order(declared):
+        if param.random:
+            keys[path], count = jax.random.fold_in(base, count), count + 1
+    values = {path: param.initial(keys.get(path)) for path, param in in_order(declared)}
+    return unflatten(values)
+
+
+def unflatten(flat: dict[tuple, object]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def shapes_of(declared: dict) -> dict:
+    return tree_of(declared, lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32))
+
+
+def axes_of(declared: dict) -> dict:
+    return tree_of(declared, lambda p: p.axes)
+
+
+def roles_of(declared: dict) -> dict:
+    return tree_of(declared, lambda p: p.role)

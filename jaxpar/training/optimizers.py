@@ -1,0 +1,70 @@
+"""The optimizer registry: `[optimizer] name` picks an entry, which builds an optax transformation
+from its own hyper-parameters, the learning-rate schedule, and the params' roles (jaxpar.models.
+params), which give the parameter groups.
+
+Gradient clipping is applied by the train step before the update: it keeps no state, so the
+optimizer state is the entry's alone, and a run may turn clipping on or off when it resumes.
+
+Adding an optimizer: its name in jaxpar.core.optimizer_config.OPTIMIZERS, its own keys there
+(declared `only_for_optimizer`), and an entry here.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxpar.core.optimizer_config import OPTIMIZERS as OPTIMIZER_NAMES
+from jaxpar.core.optimizer_config import OptimizerConfig
+from jaxpar.models.params import EMBEDDING, MATRIX
+
+
+def learning_rate(step, o: OptimizerConfig, xp=jnp):
+    """nanoGPT's schedule: linear warmup, cosine decay to min_lr at decay_steps, then flat."""
+    warmup = o.lr * (step + 1) / (o.warmup_steps + 1)
+    progress = xp.clip((step - o.warmup_steps) / max(o.decay_steps - o.warmup_steps, 1), 0.0, 1.0)
+    cosine = o.min_lr + 0.5 * (1.0 + xp.cos(math.pi * progress)) * (o.lr - o.min_lr)
+    return xp.where(step < o.warmup_steps, warmup, cosine)
+
+
+def decayed(roles: dict) -> dict:
+    """Which params weight decay applies to: matrices and embeddings (nanoGPT decays every weight
+    of two or more dims), not norm scales or biases."""
+    return jax.tree.map(lambda role: role in (MATRIX, EMBEDDING), roles)
+
+
+def adamw(o: OptimizerConfig, schedule, roles: dict) -> optax.GradientTransformation:
+    """AdamW, decoupled weight decay on the decayed roles."""
+    return optax.adamw(schedule, b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
+                       mask=decayed(roles))
+
+
+OPTIMIZERS = {"adamw": adamw}
+assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "jaxpar.core.optimizer_config names the same optimizers"
+
+
+def make_optimizer(o: OptimizerConfig, roles: dict) -> optax.GradientTransformation:
+    """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles."""
+    return OPTIMIZERS[o.name](o, lambda step: learning_rate(step, o), roles)
+
+
+def clip(grads, o: OptimizerConfig):
+    """The gradients with their global norm clipped to o.grad_clip (as they are when it is 0)."""
+    if o.grad_clip <= 0:
+        return grads
+    return optax.clip_by_global_norm(o.grad_clip).update(grads, optax.EmptyState())[0]
+
+
+def state_bytes_by_param(opt_state, shardings, param_paths: list[tuple]) -> dict[tuple, int]:
+    """Bytes of optimizer state one device holds for each param: every state leaf under a
+    param-shaped subtree (AdamW's two moments, or a factored optimizer's rows and columns), found
+    by the param's path at the end of the leaf's."""
+    wanted = {path: 0 for path in param_paths}
+    leaves = jax.tree_util.tree_leaves_with_path(opt_state)
+    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings)):
+        names = tuple(getattr(k, "key", None) for k in path)
+        for param in wanted:
+            if names[-len(param):] == param:
+                wanted[param] += math.prod(sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    return wanted

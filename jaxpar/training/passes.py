@@ -1,0 +1,134 @@
+"""A step's loss and gradients, from its passes.
+
+A pass is one forward and backward: of the model on one microbatch, or with a pipeline (pp > 1),
+of one round of M microbatches through the schedule (jaxpar.parallel.pipeline). A pass returns
+its metrics (the cross-entropy `loss` and each auxiliary loss, means over its rows) and the
+gradients of its training loss: the cross-entropy plus each auxiliary loss times its weight.
+
+The step's gradients are the passes' mean. Each data-parallel device sums its own passes'
+gradients and they are reduced over 'data' once (`accumulate_locally`), unless a pass reduces its
+own (a pipeline round) or dropout draws each pass's masks over the whole batch, as one device does
+(`accumulate`, which reduces after every pass).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core.axes import AXES, DATA, PIPE
+from jaxpar.core.config import Config
+from jaxpar.core.sharding import rules_for, traced_with_rules, with_axes_unsplit, without_axis
+from jaxpar.models.family import Transformer
+from jaxpar.models.kernels import traced_with_attention
+from jaxpar.models.layers import cross_entropy
+from jaxpar.parallel import pipeline
+
+
+def make_loss_fn(model: Transformer):
+    """loss_fn(params, inputs, targets, dropout_key) -> (training loss, metrics)."""
+    weights = model.family.loss_weights()
+
+    def loss_fn(params, inputs, targets, dropout_key=None):
+        logits, aux = model.apply(params, inputs, dropout_key)
+        loss = cross_entropy(logits, targets)
+        total = loss + sum(weights[name] * value for name, value in aux.items()) if aux else loss
+        return total, {"loss": loss, **aux}
+    return loss_fn
+
+
+def make_pass(cfg: Config, model: Transformer, mesh):
+    """(one_pass(params, inputs, targets, step_key, i) -> (metrics, grads), rounds): one model
+    pass per microbatch, or with a pipeline a round per `rounds` group of microbatches (None: one
+    microbatch a pass). step_key is None without dropout."""
+    if mesh.shape[PIPE] > 1:
+        round_fn = pipeline.make_round_fn(cfg, model, mesh)
+
+        def one_round(params, inputs, targets, step_key, i):
+            return round_fn(params, inputs, targets, None if step_key is None else (step_key, i))
+        return one_round, cfg.train.grad_accum
+
+    loss_and_grad = jax.value_and_grad(make_loss_fn(model), has_aux=True)
+
+    def one_pass(params, inputs, targets, step_key, i):
+        key = None if step_key is None else jax.random.fold_in(step_key, i)
+        (_, metrics), grads = loss_and_grad(params, inputs, targets, key)
+        return metrics, grads
+    return one_pass, None
+
+
+def make_grad_fn(cfg: Config, model: Transformer, grad_shardings: dict):
+    """(params, inputs, targets, step) -> (metrics, gradients), each the mean over the passes.
+
+    inputs/targets are (microbatches, rows, seq). Gradients are pinned to `grad_shardings`: under
+    ZeRO-2/3 that turns their all-reduce into a reduce-scatter.
+    """
+    use_dropout, seed = cfg.model.dropout > 0, cfg.train.seed
+
+    def grads_of(params, inputs, targets, step):
+        mesh = jax.sharding.get_abstract_mesh()
+        one_pass, rounds = make_pass(cfg, model, mesh)
+        if rounds is not None:
+            inputs, targets = (a.reshape(rounds, -1, *a.shape[1:]) for a in (inputs, targets))
+        step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
+
+        def run(i, x, y):
+            return one_pass(params, x, y, step_key, i)
+
+        passes, dp = inputs.shape[0], mesh.shape[DATA]
+        if passes == 1:  # one pass: its loss and gradients as they are
+            metrics, grads = run(0, inputs[0], targets[0])
+            return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
+        if dp == 1 or use_dropout or rounds is not None:
+            metrics, grads = accumulate(run, inputs, targets, params, grad_shardings)
+        else:
+            metrics, grads = accumulate_locally(run, inputs, targets, params, grad_shardings, dp)
+        return jax.tree.map(jnp.mean, metrics), jax.tree.map(lambda g: g / passes, grads)
+
+    return traced_for_mesh(grads_of, cfg)
+
+
+def accumulate(run, inputs, targets, params, grad_shardings):
+    """(each pass's metrics, the gradients summed over passes), each pass's pinned to grad_shardings."""
+    def add(total, batch):
+        metrics, grads = run(*batch)
+        return jax.tree.map(jnp.add, total, jax.lax.with_sharding_constraint(grads, grad_shardings)), metrics
+    zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grad_shardings)
+    grads, metrics = jax.lax.scan(add, zeros, (jnp.arange(inputs.shape[0]), inputs, targets))
+    return metrics, grads
+
+
+def accumulate_locally(run, inputs, targets, params, grad_shardings, dp: int):
+    """accumulate, with one reduction over 'data' per step instead of one per pass.
+
+    The rows of every pass are split into dp groups, one per data-parallel device as the batch is
+    laid out, and `jax.vmap(..., spmd_axis_name=DATA)` runs the passes of each group on its own
+    device: the groups' gradients stay apart (a leading axis over 'data'), so nothing is reduced
+    inside the loop. Averaging that axis is the one all-reduce, or reduce-scatter where
+    grad_shardings split over 'data' (ZeRO-2/3). Inside, the rule table leaves 'data' out: vmap
+    puts it on the groups' axis.
+    """
+    def grouped(a):  # (..., rows, seq) -> (..., dp, rows / dp, seq): group g is device g's rows
+        return a.reshape(*a.shape[:-2], dp, a.shape[-2] // dp, a.shape[-1])
+
+    def one_group(x, y):
+        return accumulate(run, x, y, params, without_axis(grad_shardings, DATA))
+
+    groups = jax.vmap(with_axes_unsplit(one_group, DATA), in_axes=inputs.ndim - 2, spmd_axis_name=DATA)
+    metrics, grads = groups(grouped(inputs), grouped(targets))
+    grads = jax.tree.map(lambda g: g.mean(0), grads)  # each group's loss is the mean over its rows
+    return jax.tree.map(lambda m: m.mean(0), metrics), jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+
+def traced_for_mesh(fn, cfg: Config):
+    """fn(params, inputs, targets, ...), traced under the model's rule table, with the batch in the
+    layout each mesh axis computes it in (a context ring's zigzag order)."""
+    @functools.wraps(fn)
+    def wrapped(params, inputs, targets, *rest):
+        mesh = jax.sharding.get_abstract_mesh()
+        for axis in AXES:
+            size = 1 if mesh.empty else mesh.shape[axis.name]
+            inputs, targets = axis.lay_out(inputs, size), axis.lay_out(targets, size)
+        traced = traced_with_attention(traced_with_rules(fn, rules_for(cfg.model)), cfg.model)
+        return traced(params, inputs, targets, *rest)
+    return wrapped

@@ -1,0 +1,141 @@
+"""Helpers shared by the test modules: the equivalence runs and their comparison, the one-line
+error check, the multi-process launcher, a stand-in tiktoken encoding and the model's forward.
+
+One-device reference runs are cached per test process (pytest-xdist runs each file in one), so
+files on the same worker share them.
+"""
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import mesh_overrides, tiny_config
+
+from jaxpar.data.tokenizer import EOT, TiktokenTokenizer
+from jaxpar.interop import hf
+from jaxpar.models.family import build_model
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.train import main as train_main
+from jaxpar.train import run
+from jaxpar.training import step as steps
+
+STEPS = 10
+LOSS_RTOL = 1e-5
+PARAM_TOL = 1e-5  # relative to each tensor's largest magnitude
+
+
+def train(spec: str = "dp=1", evaluate: bool = False, config: str = "tiny", **overrides):
+    """STEPS of the tiny config (or another named one) on `spec`. Evaluation is off unless asked:
+    most comparisons are of training, and those that evaluate compare the val losses too.
+    One-device runs are shared."""
+    overrides = {"train.steps": STEPS, "train.eval_every": 5 if evaluate else 0, **overrides}
+    if spec == "dp=1":
+        return one_device_run(config, tuple(sorted((k, str(v)) for k, v in overrides.items())))
+    cfg = tiny_config(config, **mesh_overrides(spec), **overrides)
+    return run(cfg, devices=jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False)
+
+
+@functools.cache
+def one_device_run(config: str, overrides: tuple):
+    """A reference run, once per test process: ZeRO 0-2 are the same program on one device."""
+    overrides = dict(overrides)
+    if overrides.get("train.zero") in ("0", "1", "2", None):
+        overrides["train.zero"] = "0"
+    return run(tiny_config(config, **overrides), devices=jax.devices()[:1], progress=False)
+
+
+def losses(result) -> np.ndarray:
+    return np.array([result.losses[s] for s in range(STEPS)])
+
+
+def param_errors(result, reference) -> dict[str, float]:
+    """Each param's max abs difference, as a fraction of the reference tensor's largest magnitude."""
+    def error(a, b):
+        a, b = np.asarray(a), np.asarray(b)
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    return {jax.tree_util.keystr(path): err for path, err in jax.tree_util.tree_leaves_with_path(
+        jax.tree.map(error, result.params, reference.params))}
+
+
+def assert_same_training(result, reference):
+    np.testing.assert_allclose(losses(result), losses(reference), rtol=LOSS_RTOL)
+    assert result.val_losses.keys() == reference.val_losses.keys()
+    np.testing.assert_allclose(list(result.val_losses.values()), list(reference.val_losses.values()),
+                               rtol=LOSS_RTOL)
+    worst = {k: e for k, e in param_errors(result, reference).items() if e > PARAM_TOL}
+    assert not worst, f"params differ beyond {PARAM_TOL} of their max magnitude: {worst}"
+
+
+def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(argv + ["--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("jaxpar.train: error: ")
+    for text in expected:
+        assert text in err, err
+    assert not out.exists(), "a failed run must write nothing"
+
+
+LAUNCH = Path(__file__).resolve().parent.parent / "scripts" / "launch_local.sh"
+LAUNCH_TIMEOUT_S = 300
+
+
+def launch(out: Path, *train_args: str, background: bool = False, devices_per_process: int = 2):
+    command = ["bash", str(LAUNCH), "2", str(devices_per_process), "--", "--config", "tiny", "--out", str(out),
+               *train_args]
+    env = {**os.environ, "PYTHON": sys.executable}
+    if background:
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def logged_values(out: Path, name: str) -> dict[int, float]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[name] for r in lines if name in r}
+
+
+def logged_losses(out: Path) -> dict[int, float]:
+    return logged_values(out, "loss")
+
+
+def fake_tiktoken(monkeypatch):
+    """A small byte-level tiktoken encoding under the name gpt2: tiktoken's real files need a
+    download, which the tests may not do."""
+    tiktoken = pytest.importorskip("tiktoken")
+    ranks = {bytes([b]): b for b in range(256)} | {b"th": 256, b"he": 257, b"the": 258}
+    pattern = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    encoding = tiktoken.Encoding("gpt2", pat_str=pattern, mergeable_ranks=ranks,
+                                 special_tokens={EOT: 259})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: encoding)
+    return TiktokenTokenizer("gpt2")
+
+
+def logits_of(cfg, vocab, mesh, params, ids) -> np.ndarray:
+    """The model's logits over the real vocabulary, computed on `mesh`."""
+    model = build_model(cfg, vocab)
+    with jax.set_mesh(mesh):
+        logits = jax.jit(model)(params, ids)
+    return np.asarray(logits)[..., :vocab]
+
+
+def placed(spec: str, zero: int, hf_dir: Path, **overrides):
+    """(cfg, vocab_size, mesh, param shardings) for the model in hf_dir on the mesh `spec`."""
+    cfg = tiny_config(**mesh_overrides(spec), **{"train.zero": zero}, **overrides)
+    vocab = hf.apply_hf_config(cfg, hf_dir, {})
+    mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
+    model = build_model(cfg, vocab)
+    shardings, _ = steps.state_shardings(cfg, model, mesh, steps.make_optimizer(cfg, model))
+    return cfg, vocab, mesh, shardings.params
