@@ -21,7 +21,7 @@ def test_train_forces_host_devices_and_writes_outputs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert not re.search("tpu|E0000|InitGoogle", proc.stderr, re.IGNORECASE), proc.stderr
     info = json.loads((out / "run.json").read_text())
-    assert info["mesh"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1}
+    assert info["mesh"] == {"dp": 2, "tp": 2, "pp": 1, "cp": 1, "ep": 1}
     assert info["devices"]["count"] == 4
     assert info["config"]["train"]["steps"] == 4
     assert {"jax", "flax", "optax"} <= set(info["versions"])

@@ -3,7 +3,10 @@
 import jax
 import numpy as np
 from conftest import mesh_overrides, tiny_config
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxpar.core.axes import rule_table
 from jaxpar.core.config import Config, DataConfig, load_config
 from jaxpar.data.loader import BatchLoader, CharTokenizer, batch_offsets, load_dataset
 from jaxpar.parallel.mesh import build_mesh
@@ -24,7 +27,8 @@ def test_batch_is_the_same_on_every_mesh():
         (x, y), loader = global_batch(spec, step=3)
         np.testing.assert_array_equal(x, x1)
         np.testing.assert_array_equal(y, y1)
-    assert loader.sharding.spec == ("data",) or tuple(loader.sharding.spec)[1] == "data"
+    assert tuple(loader.sharding.spec)[1] == rule_table()["batch"] == ("data", "expert")  # rows split as 'batch'
+    assert loader.sharding.is_equivalent_to(NamedSharding(loader.sharding.mesh, P(None, "data", None)), 3)  # ep=1
 
 
 def test_targets_are_inputs_shifted_by_one():

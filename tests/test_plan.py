@@ -31,7 +31,7 @@ def test_enumeration_keeps_valid_layouts_and_gives_the_trainers_reasons():
     for c in found:
         if c.status == "pending":
             assert resolve_mesh_shape(c.cfg, 8) == {"dp": c.layout["dp"], "tp": c.layout["tp"],
-                                                    "pp": c.layout["pp"], "cp": 1}
+                                                    "pp": c.layout["pp"], "cp": 1, "ep": 1}
     reasons = {(c.mesh_spec(), c.layout["zero"]): c.reason for c in found if c.status == "skipped"}
     with pytest.raises(UserError) as trainer:
         resolve_mesh_shape(tiny_config(**{"mesh.tp": 8}), 8)
@@ -240,8 +240,8 @@ def test_compile_order_puts_guessed_fits_first_and_lets_meshes_take_turns():
 
 def test_explicit_layouts_infer_a_minus_one_axis_from_the_target():
     from jaxpar.planning.layouts import parse_layouts
-    def sizes(dp, tp, pp, cp):
-        return {"dp": dp, "tp": tp, "pp": pp, "cp": cp}
+    def sizes(dp, tp, pp, cp, ep=1):
+        return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
     assert parse_layouts("dp=-1,tp=2;dp=3;pp=2,dp=-1", 8) == [sizes(4, 2, 1, 1), sizes(3, 1, 1, 1), sizes(4, 1, 2, 1)]
     assert parse_layouts("dp=2,cp=4", 8) == [sizes(2, 1, 1, 4)]
     assert sizes(2, 1, 1, 4) in parse_layouts("auto", 8, {"cp": [1, 4]})

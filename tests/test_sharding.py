@@ -26,8 +26,9 @@ def test_rule_table_maps_megatron_layout():
         P("pipe", None, None, "tensor", None)
     assert logical_to_spec(("layers", "mlp", "embed")) == P("pipe", "tensor", None)
     assert logical_to_spec(("vocab", "embed")) == P("tensor", None)
-    assert logical_to_spec(("batch", "seq", "embed")) == P("data", "context", None)
-    assert logical_to_spec(("tokens", "embed")) == P(("data", "context"), None)
+    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "expert"), "context", None)
+    assert logical_to_spec(("tokens", "embed")) == P(("data", "expert", "context"), None)
+    assert logical_to_spec(("layers", "experts", "mlp", "embed")) == P("pipe", "expert", "tensor", None)
 
 
 # The four tables jaxpar chose between before the mesh's axes became data (jaxpar.core.axes):
@@ -49,9 +50,11 @@ def test_the_one_table_splits_as_each_layout_s_own_table_did(spec, old, sequence
     cfg = tiny_config(**mesh_overrides(spec), **{"train.batch_size": 16})
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
     new = rule_table(sequence_parallel)
-    assert set(new) == set(old)
+    assert set(new) - set(old) == {"experts", "routes"}  # the mixture of experts' (ep=1 here)
     for name in old:
         assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P(old[name])), 1), name
+    for name in ("experts", "routes"):
+        assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P()), 1), name
 
 
 def test_a_context_axis_of_two_does_split_what_the_plain_table_left_whole():

@@ -10,16 +10,17 @@ most spread to the most local (`locality`): under context parallelism the tokens
 ('data', 'context'). A size-1 axis splits nothing, so every layout reads the same table.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from jaxpar.core.errors import UserError
 
-DATA, TENSOR, PIPE, CONTEXT = "data", "tensor", "pipe", "context"
+DATA, TENSOR, PIPE, CONTEXT, EXPERT = "data", "tensor", "pipe", "context", "expert"
 
 # Logical axes that no mesh axis splits (the rule table maps them to None).
-UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch")
+UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch", "routes")
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class Pipe(MeshAxis):
             if cfg.train.zero == 3:
                 raise UserError("ZeRO stage 3 with pipeline parallelism is not supported; use --zero 1 or 2 "
                                 "with pp > 1")
-            pipeline_microbatches(cfg, sizes[DATA_AXIS.key], size)
+            pipeline_microbatches(cfg, batch_ways(sizes), size)
 
 
 class Context(MeshAxis):
@@ -120,14 +121,35 @@ class Context(MeshAxis):
         return tokens if size == 1 else tokens[..., zigzag_permutation(tokens.shape[-1], size)]
 
 
+class Expert(MeshAxis):
+    """Expert parallelism: a mixture of experts' experts split over devices (jaxpar.models.moe),
+    and everywhere else more data parallelism, the batch's rows split over (data, expert)."""
+
+    def check(self, cfg, size, sizes):
+        if size == 1:
+            return
+        experts = getattr(cfg.model, "n_experts", 0)
+        if not experts:
+            raise UserError(f"ep={size} splits a mixture of experts, and this model has none; set "
+                            f"--model.n_experts (a llama-family model), or drop ep")
+        if experts % size:
+            raise UserError(f"ep={size} does not divide model.n_experts={experts}; choose ep from its divisors")
+        micro_batch, rows = cfg.train.batch_size // cfg.train.grad_accum, batch_ways(sizes)
+        if micro_batch % rows:
+            raise UserError(f"dp x ep = {rows} does not divide the batch of {micro_batch} sequences per "
+                            f"microbatch (train.batch_size / train.grad_accum); change one of them")
+
+
 DATA_AXIS = Data("dp", DATA, 0, ("batch", "tokens"), "data parallelism: the batch split by rows")
-TENSOR_AXIS = Tensor("tp", TENSOR, 3, ("vocab", "heads", "kv_heads", "mlp"),
+TENSOR_AXIS = Tensor("tp", TENSOR, 4, ("vocab", "heads", "kv_heads", "mlp"),
                      "tensor parallelism: heads, MLP width and vocabulary split (Megatron)")
 PIPE_AXIS = Pipe("pp", PIPE, 1, ("layers",), "pipeline parallelism: the layers split into stages")
-CONTEXT_AXIS = Context("cp", CONTEXT, 2, ("seq", "stream_seq", "tokens"),
+CONTEXT_AXIS = Context("cp", CONTEXT, 3, ("seq", "stream_seq", "tokens"),
                        "context parallelism: the sequence split over a ring", planned=False)
+EXPERT_AXIS = Expert("ep", EXPERT, 2, ("batch", "tokens", "experts"),
+                     "expert parallelism: a mixture's experts split, the batch too", planned=False)
 # In the mesh's axis order (new axes go last); `locality` gives the device order.
-AXES: tuple[MeshAxis, ...] = (DATA_AXIS, TENSOR_AXIS, PIPE_AXIS, CONTEXT_AXIS)
+AXES: tuple[MeshAxis, ...] = (DATA_AXIS, TENSOR_AXIS, PIPE_AXIS, CONTEXT_AXIS, EXPERT_AXIS)
 BY_KEY = {a.key: a for a in AXES}
 BY_NAME = {a.name: a for a in AXES}
 KEYS = tuple(a.key for a in AXES)
@@ -151,6 +173,11 @@ def rule_table(sequence_parallel: bool = False) -> dict[str, str | tuple | None]
 def sizes_of(mesh_cfg) -> dict[str, int]:
     """{'dp': .., 'tp': .., ...} of a MeshConfig (-1 where an axis is inferred)."""
     return {key: getattr(mesh_cfg, key) for key in KEYS}
+
+
+def batch_ways(sizes: dict[str, int]) -> int:
+    """How many ways a batch's rows are split: the product of the axes that split 'batch'."""
+    return math.prod(sizes[a.key] for a in AXES if "batch" in a.splits)
 
 
 def check_axes(cfg, sizes: dict[str, int]) -> None:
@@ -192,7 +219,8 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> N
 
 
 def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
-    """The pipeline's microbatch count M for this config and mesh, after checking it can run."""
+    """The pipeline's microbatch count M for this config and mesh, after checking it can run; dp:
+    the ways the rows split (batch_ways)."""
     n_layer, rows = cfg.model.n_layer, cfg.train.batch_size // cfg.train.grad_accum
     if n_layer % pp:
         raise UserError(f"pp={pp} does not divide model.n_layer={n_layer}; every stage needs the "

@@ -14,6 +14,7 @@ ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn")  # jaxpar.models.kernels
 SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
 FAMILIES = ("gpt2", "llama")  # model.family: a module each in jaxpar/models (jaxpar.models.family)
 ROPE_TYPES = ("default", "llama3")
+MOE_DISPATCHES = ("auto", "all_to_all", "ragged")  # jaxpar.models.moe
 
 
 def only_for(family: str, default):
@@ -69,6 +70,19 @@ class ModelConfig:
     # Positions the model is made for (HF's max_position_embeddings), kept through fine-tuning at a
     # shorter block_size so an export says what the model was; 0: block_size.
     max_positions: int = only_for("llama", 0)
+    # A mixture of experts in every layer's MLP (jaxpar.models.moe; 0: a dense MLP): n_experts SwiGLU
+    # experts moe_mlp_dim wide (0: mlp_dim's rule), experts_per_token chosen per token by a float32
+    # router, their weights renormalised to sum to 1 unless moe_renormalize is false (Mixtral: true;
+    # Qwen3-MoE's norm_topk_prob). Dropless. router_aux_coef weights the load-balancing loss and
+    # router_z_coef the z-loss. moe_dispatch: how tokens reach experts on other devices of 'expert'
+    # (auto: ragged_all_to_all on TPU and GPU, all_to_all on CPU).
+    n_experts: int = only_for("llama", 0)
+    experts_per_token: int = only_for("llama", 2)
+    moe_mlp_dim: int = only_for("llama", 0)
+    moe_renormalize: bool = only_for("llama", True)
+    router_aux_coef: float = only_for("llama", 0.01)
+    router_z_coef: float = only_for("llama", 0.001)
+    moe_dispatch: str = only_for("llama", "auto")
 
     @property
     def kv_heads(self) -> int:
@@ -80,6 +94,11 @@ class ModelConfig:
         if self.family != "llama":
             return 4 * self.n_embd
         return self.mlp_dim or -(-8 * self.n_embd // 3 // 64) * 64
+
+    @property
+    def expert_width(self) -> int:
+        """Each expert's hidden width: moe_mlp_dim, or the dense MLP's."""
+        return self.moe_mlp_dim or self.mlp_width
 
 
 def check_family_keys(m: ModelConfig, explicit: set[str]) -> None:
@@ -135,9 +154,24 @@ def validate_model(m: ModelConfig) -> None:
     if m.mlp_dim < 0 or m.norm_eps <= 0 or m.rope_theta <= 0:
         raise UserError(f"model.mlp_dim must be >= 0 and model.norm_eps, model.rope_theta > 0; got "
                         f"{m.mlp_dim}, {m.norm_eps}, {m.rope_theta}")
+    check_experts(m)
     if m.rope_type not in ROPE_TYPES:
         raise UserError(f"model.rope_type must be one of {', '.join(ROPE_TYPES)}, got '{m.rope_type}'")
     if m.rope_type == "llama3" and not (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
                                         and m.rope_original_max_position > 0):
         raise UserError("llama3 rope scaling needs model.rope_factor > 0, model.rope_high_freq_factor > "
                         "model.rope_low_freq_factor > 0 and model.rope_original_max_position > 0")
+
+
+def check_experts(m: ModelConfig) -> None:
+    """The mixture of experts' keys (jaxpar.models.moe)."""
+    if m.n_experts < 0 or m.moe_mlp_dim < 0:
+        raise UserError(f"model.n_experts and model.moe_mlp_dim must be >= 0, got {m.n_experts} and {m.moe_mlp_dim}")
+    if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
+        raise UserError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
+                        f"model.n_experts={m.n_experts}; choose fewer experts per token or more experts")
+    for name in ("router_aux_coef", "router_z_coef"):
+        if getattr(m, name) < 0:
+            raise UserError(f"model.{name} must be >= 0, got {getattr(m, name)}")
+    if m.moe_dispatch not in MOE_DISPATCHES:
+        raise UserError(f"model.moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got '{m.moe_dispatch}'")

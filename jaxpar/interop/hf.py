@@ -91,9 +91,16 @@ def declared_params(cfg: Config, vocab_size: int) -> dict:
     return dict(in_order(build_model(cfg, vocab_size).declared))
 
 
+def refuse_experts(cfg: Config, verb: str) -> None:
+    if cfg.model.n_experts:
+        raise UserError(f"this model is a mixture of {cfg.model.n_experts} experts, and jaxpar does not yet {verb} "
+                        "Mixtral or Qwen3-MoE checkpoints; drop model.n_experts, or train it from scratch")
+
+
 def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) -> dict:
     """The model in hf_dir as jaxpar's params (the model's pure dict), each leaf made in its
     sharding from the slices its devices hold. cfg comes from apply_hf_config."""
+    refuse_experts(cfg, "read")
     tensors, path = open_weights(hf_dir)
     declared = declared_params(cfg, vocab_size)
     readers = BY_FAMILY[cfg.model.family].readers(tensors, cfg, vocab_size, declared, path)  # all checked first
@@ -105,6 +112,7 @@ def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) 
 
 def hf_state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params under save_pretrained's names and shapes, in `dtype`."""
+    refuse_experts(cfg, "write")
     return BY_FAMILY[cfg.model.family].state_dict(params, declared_params(cfg, vocab_size), cfg, vocab_size, dtype)
 
 

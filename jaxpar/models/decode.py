@@ -8,7 +8,7 @@ New tokens enter at any position: k and v of earlier positions come from the cac
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.axes import CONTEXT, DATA
+from jaxpar.core.axes import CONTEXT, DATA, EXPERT
 from jaxpar.core.sharding import with_axes_unsplit
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.layers import KVCache, weights_for_compute
@@ -23,7 +23,7 @@ def empty_cache(model: Transformer, batch: int) -> KVCache:
 def forward(model: Transformer, params: dict, tokens, cache: KVCache, pos):
     """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, padded vocab) f32, new cache).
     Every device of the mesh's data and context axes computes every sample whole."""
-    return with_axes_unsplit(cached_forward, DATA, CONTEXT)(model, params, tokens, cache, pos)
+    return with_axes_unsplit(cached_forward, DATA, CONTEXT, EXPERT)(model, params, tokens, cache, pos)
 
 
 def cached_forward(model: Transformer, params: dict, tokens, cache: KVCache, pos):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.sharding import constrain
-from jaxpar.models import rope
+from jaxpar.models import moe, rope
 from jaxpar.models.interface import Family
 from jaxpar.models.layers import (
     STREAM,
@@ -28,7 +28,7 @@ from jaxpar.models.layers import (
     weights_for_compute,
 )
 from jaxpar.models.matmul import project
-from jaxpar.models.params import EMBEDDING, Param, dense, norm
+from jaxpar.models.params import EMBEDDING, MATRIX, Param, dense, norm
 
 
 def declare_blocks(cfg: ModelConfig) -> dict:
@@ -43,9 +43,23 @@ def declare_blocks(cfg: ModelConfig) -> dict:
         "kv": dense(std, (L, C, 2, K, D), ("layers", "embed", "qkv", "kv_heads", "head_dim"), 3, False),
         "attn_out": dense(resid_std, (L, H, D, C), ("layers", "heads", "head_dim", "embed"), 1, False),
         "mlp_norm": norm((L, C), ("layers", "embed")),
-        "gate_up": dense(std, (L, C, 2, F), ("layers", "embed", "gate_up", "mlp"), 2, False),
-        # Stored (layers, embed, mlp), out first, as HF's down_proj is (and GPT-2's mlp_out here).
-        "mlp_out": dense(resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, False, transposed=True),
+        **(declare_experts(cfg, std, resid_std) if cfg.n_experts else {
+            "gate_up": dense(std, (L, C, 2, F), ("layers", "embed", "gate_up", "mlp"), 2, False),
+            # Stored (layers, embed, mlp), out first, as HF's down_proj is (and GPT-2's mlp_out here).
+            "mlp_out": dense(resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, False, transposed=True),
+        }),
+    }
+
+
+def declare_experts(cfg: ModelConfig, std: float, resid_std: float) -> dict:
+    """A mixture of experts in place of the MLP (jaxpar.models.moe): the float32 router, and each
+    expert's fused gate and up projection and its down projection, split over 'expert'."""
+    L, C, E, F = cfg.n_layer, cfg.n_embd, cfg.n_experts, cfg.expert_width
+    return {
+        "router": dense(std, (L, C, E), ("layers", "embed", "routes"), 1, False),
+        "experts_gate_up": {"kernel": Param((L, E, C, 2, F), ("layers", "experts", "embed", "gate_up", "mlp"),
+                                            MATRIX, std)},
+        "experts_out": {"kernel": Param((L, E, F, C), ("layers", "experts", "mlp", "embed"), MATRIX, resid_std)},
     }
 
 
@@ -68,12 +82,14 @@ def heads_first(a: jax.Array, B: int, T: int, axes: tuple) -> jax.Array:
 
 
 def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None):
-    """One block on one layer's params -> (x, cache): the stream float32, (batch, seq, embed) in
-    the STREAM layout; matmuls in dtype on the gathered (batch*seq, features) activations. With a
-    KV cache (decoding), the rotated keys and the values go into it and attention reads it."""
+    """One block on one layer's params -> (x, the router's losses, cache): the stream float32,
+    (batch, seq, embed) in the STREAM layout; matmuls in dtype on the gathered (batch*seq,
+    features) activations. With a KV cache (decoding), the rotated keys and the values go into it
+    and attention reads it."""
     B, T, C = x.shape
     keys = jax.random.split(key, 3) if key is not None else (None,) * 3
-    p = jax.tree.map(lambda a: a.astype(dtype), weights_for_compute(p, axes))
+    p = {name: w if name == "router" else jax.tree.map(lambda a: a.astype(dtype), w)  # the router: float32
+         for name, w in weights_for_compute(p, axes).items()}
 
     def matmul_input(x, norm):  # an all-gather of the sequence under sequence parallelism
         return gather_stream(rms_norm(x, norm, cfg.norm_eps).astype(dtype))
@@ -89,17 +105,23 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     y = project("nhd,hdc->nc", constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
                 p["attn_out"]["kernel"], dtype)
     x = x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[1])
-    h = project("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"], dtype)
-    h = constrain(swiglu(h, dtype), ("tokens", "mlp"))
-    y = project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype)
-    return constrain(x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[2]), STREAM), cache
+    losses = {}
+    if cfg.n_experts:
+        y, losses = moe.moe_mlp(matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype)
+        losses["moe_load"] = losses["moe_load"] / cfg.n_layer  # summed over the layers: their mean
+    else:
+        h = project("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"], dtype)
+        h = constrain(swiglu(h, dtype), ("tokens", "mlp"))
+        y = project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype)
+    return constrain(x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[2]), STREAM), losses, cache
 
 
 class Llama(Family):
     """The Llama family (model.family = "llama")."""
 
     name = "llama"
-    shape_fields = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp_dim", "tie_embeddings")  # what `declare` reads
+    shape_fields = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp_dim", "tie_embeddings",  # what `declare` reads
+                    "n_experts", "moe_mlp_dim")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -121,17 +143,26 @@ class Llama(Family):
         return dropout(constrain(top["wte"][tokens], STREAM), self.cfg.dropout, key)
 
     def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None):
-        x, cache = block(x, p, axes, self.cfg, self.dtype, key, cache)
-        return x, self.block_losses(x), cache
+        x, losses, cache = block(x, p, axes, self.cfg, self.dtype, key, cache)
+        return x, self.block_losses(x) | losses, cache
+
+    def loss_weights(self) -> dict[str, float]:
+        """The test-only loss's, and a mixture of experts' router losses (the load: logged only)."""
+        m = self.cfg
+        router = {"moe_balance": m.router_aux_coef, "moe_z": m.router_z_coef, "moe_load": 0.0}
+        return super().loss_weights() | (router if m.n_experts else {})
 
     def logits(self, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
         normed = rms_norm(x, head["norm"], self.cfg.norm_eps)
         return head_logits(normed, head[self.lm_head], vocab_size, self.dtype)
 
     def matmul_params(self, vocab_size: int) -> int:
-        """N in 6N: q, k and v (GQA's smaller K/V), attention out, SwiGLU's three matmuls, lm_head."""
-        C, H, K, D, F = self.cfg.n_embd, self.cfg.n_head, self.kv_heads, self.head_dim, self.cfg.mlp_width
-        return self.cfg.n_layer * (2 * C * H * D + 2 * C * K * D + 3 * C * F) + vocab_size * C
+        """N in 6N: q, k and v (GQA's smaller K/V), attention out, SwiGLU's three matmuls (with
+        experts: the router's, and the k chosen experts' alone), lm_head."""
+        m = self.cfg
+        C, H, K, D = m.n_embd, m.n_head, self.kv_heads, self.head_dim
+        mlp = m.n_experts * C + m.experts_per_token * 3 * C * m.expert_width if m.n_experts else 3 * C * m.mlp_width
+        return m.n_layer * (2 * C * H * D + 2 * C * K * D + mlp) + vocab_size * C
 
     def activation_units(self, tp: int, split: int) -> float:
         """Saved activations of a layer per token, in 2-byte units, counted as Korthikanti et al.
@@ -139,5 +170,6 @@ class Llama(Family):
         q, k, v before and after RoPE and the attention output (6h + 6 kv); SwiGLU's gate, up, silu
         and product (8f); softmax's output (2as) and, with dropout, its mask and output (3as)."""
         m = self.cfg
-        h, kv, f, a, s = m.n_embd, self.kv_heads * self.head_dim, m.mlp_width, m.n_head, m.block_size
+        h, kv, a, s = m.n_embd, self.kv_heads * self.head_dim, m.n_head, m.block_size
+        f = m.experts_per_token * m.expert_width if m.n_experts else m.mlp_width
         return 8 * h / split + (6 * h + 6 * kv + 8 * f + a * s * (2 + 3 * (m.dropout > 0))) / tp

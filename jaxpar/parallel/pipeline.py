@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.axes import DATA, PIPE, pipeline_microbatches
+from jaxpar.core.axes import DATA, EXPERT, PIPE, pipeline_microbatches
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import constrain, sequence_ring
+from jaxpar.core.sharding import constrain, sequence_ring, split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.models.layers import STREAM, cross_entropy
@@ -24,7 +24,7 @@ from jaxpar.parallel.schedule import Schedule
 def schedule_for(cfg: Config, mesh, forward_only: bool = False) -> Schedule:
     """Evaluation runs the layers in order (a forward per stage); training runs cfg's schedule."""
     pp = mesh.shape[PIPE]
-    M = pipeline_microbatches(cfg, mesh.shape[DATA], pp)
+    M = pipeline_microbatches(cfg, split_ways(mesh, "batch"), pp)
     if forward_only:
         return Schedule("forward", pp, M)
     return Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
@@ -199,8 +199,10 @@ def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: S
     # Each stage sums its microbatches' weight gradients over its own rows and reduces them over
     # 'data' once per round: the rows are split over 'data' by hand. Dropout draws its masks over
     # every row, as one device does, and ZeRO-3 gathers each layer's weights where it runs, so
-    # both leave 'data' to the shardings (a reduction per microbatch).
-    local = train and mesh.shape[DATA] > 1 and cfg.model.dropout == 0 and cfg.train.zero < 3
+    # both leave 'data' to the shardings (a reduction per microbatch), as does expert parallelism,
+    # whose dispatch splits the rows over 'expert' too.
+    local = (train and mesh.shape[DATA] > 1 and mesh.shape[EXPERT] == 1 and cfg.model.dropout == 0
+             and cfg.train.zero < 3)
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
 
     def per_stage(layer_params, head, x0, targets, layer_keys):

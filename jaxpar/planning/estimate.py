@@ -74,12 +74,19 @@ def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, 
             "mfu": flops_per_token(cfg.model, vocab) * tokens / step_s / (devices * chip.peak_flops)}
 
 
+def weights_per_chip(cfg: Config, n_params: int, layout: dict) -> float:
+    """Parameters per chip: split over tensor and pipe, and a mixture's experts over expert too."""
+    m = cfg.model
+    experts = m.n_layer * m.n_experts * 3 * m.n_embd * m.expert_width if m.n_experts else 0
+    return (n_params - experts + experts / layout.get("ep", 1)) / (layout["tp"] * layout["pp"])
+
+
 def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
                  in_flight: int) -> float:
     """Bytes per chip, roughly: float32 params, grads and two AdamW moments split as the layout
     splits them, plus the saved activations of `in_flight` passes (placement.activation_bytes)."""
     dp, tp, pp, zero = layout["dp"], layout["tp"], layout["pp"], layout["zero"]  # weights: not split by cp
-    share = n_params / (tp * pp)
+    share = weights_per_chip(cfg, n_params, layout)
     state = 4 * share * ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1)
                          + 2 * (1 / dp if zero >= 1 else 1))
     saved = activation_bytes(cfg, vocab, rows_per_pass, tp, layers=cfg.model.n_layer // pp, cp=layout.get("cp", 1))
@@ -89,10 +96,14 @@ def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_
 def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int) -> list[dict]:
     """The collectives a layout needs, counted from the model rather than from HLO."""
     m, dp, tp, pp, zero = cfg.model, layout["dp"], layout["tp"], layout["pp"], layout["zero"]
-    cp = layout.get("cp", 1)
-    share = 4 * n_params / (tp * pp)
+    cp, ep = layout.get("cp", 1), layout.get("ep", 1)
+    share = 4 * weights_per_chip(cfg, n_params, layout)
     activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4) / cp
-    ops = [{"kind": "all-reduce", "bytes": share, "group": dp, "count": 1}]
+    ops = [{"kind": "all-reduce", "bytes": share, "group": dp * ep, "count": 1}]
+    if ep > 1:  # each MoE layer: tokens out and results back, forward and backward; all_to_all's
+        # buffers hold ep times the k rows of every token, ragged_all_to_all's the rows alone
+        rows = m.experts_per_token * activation * (ep if m.moe_dispatch == "all_to_all" else 1)
+        ops.append({"kind": "all-to-all", "bytes": rows, "group": ep, "count": 4 * m.n_layer // pp * passes})
     if zero >= 3:  # each pass gathers the weights for the forward and again for the backward
         ops.append({"kind": "all-gather", "bytes": share, "group": dp, "count": 2 * passes})
     layers = m.n_layer // pp

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from jaxpar.core.axes import AXES, DATA_AXIS, KEYS, PIPE_AXIS
+from jaxpar.core.axes import AXES, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
 from jaxpar.core.config import REMAT_KINDS, Config, load_config, valid_keys, validate
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.parallel.mesh import resolve_mesh_shape
@@ -72,7 +72,7 @@ def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros
     found = []
     for sizes in parse_layouts(layouts, devices, fixed):
         for zero in zeros:
-            for micro_batch in micro_batch_options(cfg, sizes[DATA_AXIS.key], sizes[PIPE_AXIS.key], micro):
+            for micro_batch in micro_batch_options(cfg, batch_ways(sizes), sizes[PIPE_AXIS.key], micro):
                 for remat in remats:
                     layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat}
                     c = Candidate(layout, layout_config(cfg, layout))
@@ -93,7 +93,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
     from jaxpar.planning import estimate
     from jaxpar.training import step as steps
     cfg, lay = c.cfg, c.layout
-    dp, pp = lay[DATA_AXIS.key], lay[PIPE_AXIS.key]
+    dp, pp = batch_ways(lay), lay[PIPE_AXIS.key]  # dp: the ways the rows split
     if pp > 1:
         M = pipeline_microbatches(cfg, dp, pp)
         schedule = Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)

@@ -16,9 +16,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.axes import DATA, PIPE, pipeline_microbatches
+from jaxpar.core.axes import PIPE, pipeline_microbatches
 from jaxpar.core.config import Config, TrainConfig
-from jaxpar.core.sharding import shardings_for
+from jaxpar.core.sharding import shardings_for, split_ways
 from jaxpar.models.family import Transformer
 from jaxpar.parallel import pipeline, zero
 from jaxpar.training import optimizers
@@ -73,7 +73,7 @@ def num_microbatches(t: TrainConfig, dp: int) -> int:
 
 def microbatches_for(cfg: Config, mesh) -> int:
     """Microbatches per step: the pipeline's M per grad_accum round when pp > 1."""
-    dp, pp = mesh.shape[DATA], mesh.shape[PIPE]
+    dp, pp = split_ways(mesh, "batch"), mesh.shape[PIPE]  # dp: the ways the rows split
     if pp > 1:
         return cfg.train.grad_accum * pipeline_microbatches(cfg, dp, pp)
     return num_microbatches(cfg.train, dp)

@@ -1,0 +1,200 @@
+"""A mixture-of-experts feed-forward: a float32 router picks k of E SwiGLU experts per token, and
+every token reaches its k experts (dropless).
+
+The experts are split over the 'expert' mesh axis, each device holding E/ep of them, and the tokens
+are split over it as further data parallelism. Inside `shard_map`, each device sorts its tokens'
+k assignments by expert and sends each device the rows for its experts:
+
+- `all_to_all` (every platform): one buffer per destination with room for all of this device's
+  assignments, so nothing can drop; ep times the bytes that are really sent;
+- `ragged_all_to_all` (TPU and GPU): exactly the rows each destination needs.
+
+The receiving device runs its experts as one grouped GEMM (`jax.lax.ragged_dot`) over its rows
+sorted by expert, and the results go back the same way. Where the tokens are whole on every device
+of 'expert' (decoding), each device runs its own experts on every token and the outputs are summed.
+
+The router's losses are per sequence, so that every layout gives the same values: the
+load-balancing loss E * sum_i f_i * P_i (Hugging Face's form: f_i the tokens routed to expert i
+over the sequence's length, P_i the mean router probability), the z-loss mean(logsumexp(logits)^2)
+and, for the logs, the load: the busiest expert's tokens over the mean. A sequence split over a
+context ring sums its parts first.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core.axes import EXPERT
+from jaxpar.core.sharding import per_device
+
+DISPATCHES = ("auto", "all_to_all", "ragged")  # model.moe_dispatch
+
+
+def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
+    """(logits (N, E) float32, probs (N, E), the chosen k weights (N, k) and experts (N, k))."""
+    logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return logits, probs, weights, experts
+
+
+def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, out: jax.Array, dtype):
+    """x (rows, C) sorted by expert, group_sizes (E_l,) -> (rows, C): each group through its own
+    expert (gate_up (E_l, C, 2, F), out (E_l, F, C)) as two grouped GEMMs; rows past the groups
+    give zeros."""
+    E_l, C, _, F = gate_up.shape
+    h = jax.lax.ragged_dot(x.astype(dtype), gate_up.reshape(E_l, C, 2 * F).astype(dtype), group_sizes,
+                           preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(h[:, :F].astype(dtype)) * h[:, F:].astype(dtype)).astype(dtype)
+    return jax.lax.ragged_dot(h, out.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+
+
+def run_local_experts(rows: jax.Array, local_expert: jax.Array, gate_up, out, dtype) -> jax.Array:
+    """rows (R, C), each for local expert local_expert[r] (E_l: for none) -> (R, C) in the same
+    order, zero where none: sorted by expert for one grouped GEMM, then put back."""
+    E_l = gate_up.shape[0]
+    order = jnp.argsort(local_expert, stable=True)
+    group_sizes = jnp.bincount(local_expert, length=E_l + 1)[:E_l].astype(jnp.int32)
+    y = grouped_swiglu(rows[order], group_sizes, gate_up, out, dtype)
+    y = jnp.zeros_like(y).at[order].set(y)
+    return jnp.where((local_expert < E_l)[:, None], y, 0)
+
+
+def exchange(x: jax.Array, axis: str) -> jax.Array:
+    """(ep, ...) -> (ep, ...): slot d goes to device d, which receives it in slot s from device s."""
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=False)
+
+
+def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep: int) -> jax.Array:
+    """rows (A, C) of this device's assignments, each for global expert experts[a] -> (A, C):
+    sent to their experts' devices in fixed buffers of A rows each (nothing drops), computed
+    there, sent back."""
+    A, C = rows.shape
+    E_l = gate_up.shape[0]
+    order = jnp.argsort(experts, stable=True)
+    counts = jnp.bincount(experts, length=ep * E_l).reshape(ep, E_l)  # per (destination, its expert)
+    per_device = counts.sum(1)
+    start = jnp.cumsum(per_device) - per_device
+    slot = jnp.arange(A)
+    taken = jnp.clip(start[:, None] + slot[None], 0, A - 1)  # (ep, A): sorted row for each slot
+    valid = slot[None] < per_device[:, None]
+    send = jnp.where(valid[..., None], rows[order][taken], 0)
+    received, received_counts = exchange(send, EXPERT), exchange(counts, EXPERT)
+    # The rows from each source arrive sorted by this device's experts, then padding.
+    ends = jnp.cumsum(received_counts, axis=1)
+    local = jax.vmap(lambda e: jnp.searchsorted(e, slot, side="right"))(ends)  # (ep, A), E_l: padding
+    y = run_local_experts(received.reshape(ep * A, C), local.reshape(-1), gate_up, out, dtype)
+    back = exchange(y.reshape(ep, A, C), EXPERT)
+    sorted_rows = jnp.arange(A)
+    destination = experts[order] // E_l
+    y_sorted = back[destination, sorted_rows - start[destination]]
+    return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
+def dispatch_ragged(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep: int) -> jax.Array:
+    """dispatch_all_to_all with `ragged_all_to_all`: each destination gets exactly its rows, into a
+    buffer with room for every source's (TPU and GPU; XLA:CPU has no ragged-all-to-all)."""
+    A, C = rows.shape
+    E_l = gate_up.shape[0]
+    order = jnp.argsort(experts, stable=True)
+    counts = jnp.bincount(experts, length=ep * E_l).reshape(ep, E_l)
+    send_sizes = counts.sum(1).astype(jnp.int32)
+    send_starts = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+    received_counts = exchange(counts, EXPERT)  # (source, my expert)
+    recv_sizes = received_counts.sum(1).astype(jnp.int32)
+    recv_starts = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+    me = jax.lax.axis_index(EXPERT)
+    sizes = jax.lax.all_gather(send_sizes, EXPERT)  # (source, destination)
+    # Each destination keeps its sources in order: mine land after those of the sources before me.
+    land_at = (jnp.cumsum(sizes, axis=0) - sizes)[me].astype(jnp.int32)
+    received = jax.lax.ragged_all_to_all(rows[order], jnp.zeros((ep * A, C), rows.dtype), send_starts,
+                                         send_sizes, land_at, recv_sizes, axis_name=EXPERT)
+    slot = jnp.arange(ep * A)
+    source = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_sizes), slot, side="right"), 0, ep - 1)
+    ends = jnp.cumsum(received_counts, axis=1)[source]  # (ep * A, E_l)
+    local = jnp.sum((slot - recv_starts[source])[:, None] >= ends, axis=1)
+    local = jnp.where(slot < recv_sizes.sum(), local, E_l)
+    y = run_local_experts(received, local, gate_up, out, dtype).astype(rows.dtype)
+    # Back to each source, at the offset its rows left from.
+    came_from = jax.lax.all_gather(send_starts, EXPERT)[:, me]
+    back = jax.lax.ragged_all_to_all(y, jnp.zeros((A, C), rows.dtype), recv_starts, recv_sizes, came_from,
+                                     send_sizes, axis_name=EXPERT)
+    return jnp.zeros_like(back).at[order].set(back)
+
+
+def sequence_stats(logits, probs, experts, B: int, seq_len: int, seq_axes: tuple):
+    """Per sequence (B,): the load-balancing loss, the z-loss and the load, from this device's
+    tokens of each sequence, summed over the axes that split the sequence."""
+    E = probs.shape[-1]
+    counts = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(1).reshape(B, -1, E).sum(1)
+    prob_sums = probs.reshape(B, -1, E).sum(1)
+    z_sums = jnp.square(jax.nn.logsumexp(logits, axis=-1)).reshape(B, -1).sum(1)
+    if seq_axes:
+        counts, prob_sums, z_sums = jax.lax.psum((counts, prob_sums, z_sums), seq_axes)
+    balance = E * jnp.sum(counts / seq_len * prob_sums / seq_len, axis=-1)
+    load = jnp.max(counts, axis=-1) / jnp.mean(counts, axis=-1)
+    return balance, z_sums / seq_len, load
+
+
+def experts_of_device(rows, experts, gate_up, out, dtype, ep: int, mode: str):
+    """Each assignment's expert output (A, C) float32, by `mode` (see `moe_mlp`)."""
+    if mode == "all_to_all":
+        return dispatch_all_to_all(rows, experts, gate_up, out, dtype, ep)
+    if mode == "ragged":
+        return dispatch_ragged(rows, experts, gate_up, out, dtype, ep)
+    E_l = gate_up.shape[0]
+    first = jax.lax.axis_index(EXPERT) * E_l if mode == "replicated" else 0
+    mine = (experts >= first) & (experts < first + E_l)
+    return run_local_experts(rows, jnp.where(mine, experts - first, E_l), gate_up, out, dtype)
+
+
+def dispatch_mode(cfg, mesh) -> str:
+    """local (ep = 1); replicated (the tokens whole on every device of 'expert': each runs its own
+    experts on all of them); else the dispatch: model.moe_dispatch, `auto` ragged on TPU and GPU."""
+    from jaxpar.core.sharding import active_rules, names_of
+    from jaxpar.models.kernels import platform_of
+    if mesh.empty or mesh.shape.get(EXPERT, 1) == 1:
+        return "local"
+    if EXPERT not in names_of(active_rules()["batch"]):
+        return "replicated"
+    if cfg.moe_dispatch != "auto":
+        return cfg.moe_dispatch
+    return "all_to_all" if platform_of(mesh) == "cpu" else "ragged"
+
+
+def moe_mlp(h: jax.Array, p: dict, cfg, dtype) -> tuple[jax.Array, dict]:
+    """h (batch, seq, embed), normed -> (the experts' mixture (batch, seq, embed) in dtype, the
+    router's per-sequence losses and load, means over this batch's sequences)."""
+    from jaxpar.core.sharding import active_rules, constrain, names_of
+    mesh = jax.sharding.get_abstract_mesh()
+    mode = dispatch_mode(cfg, mesh)
+    ep = 1 if mesh.empty else mesh.shape.get(EXPERT, 1)
+    rules = active_rules()
+    seq_axes = tuple(a for a in names_of(rules["seq"]) if not mesh.empty and mesh.shape[a] > 1)
+    summed_over = tuple(a for a in names_of(rules["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
+                        if not mesh.empty and mesh.shape[a] > 1)
+    k, seq_len = cfg.experts_per_token, h.shape[1]
+
+    def on_device(h, router, gate_up, out):
+        B, T, C = h.shape
+        x = h.reshape(B * T, C)
+        logits, probs, weights, experts = route(x, router, k, cfg.moe_renormalize)
+        y = experts_of_device(jnp.repeat(x, k, axis=0), experts.reshape(-1), gate_up, out, dtype, ep, mode)
+        y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
+        if summed_over:
+            y = jax.lax.psum(y, summed_over)
+        return (y.astype(dtype).reshape(B, T, C),
+                *sequence_stats(logits, probs, experts, B, seq_len, seq_axes))
+
+    weights = (p["router"]["kernel"], p["experts_gate_up"]["kernel"], p["experts_out"]["kernel"])
+    if mesh.empty:  # no mesh: one device's computation as it is
+        y, balance, z, load = on_device(h, *weights)
+        return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load)}
+    h = constrain(h, ("batch", "seq", "embed"))
+    y, balance, z, load = per_device(
+        on_device, (("batch", "seq", "embed"), ("embed", "routes"), ("experts", "embed", "gate_up", "mlp"),
+                    ("experts", "mlp", "embed")),
+        (("batch", "seq", "embed"), ("batch",), ("batch",), ("batch",)),
+    )(h, *weights)
+    return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load)}

@@ -1,0 +1,174 @@
+"""Mixture of experts: the grouped-GEMM layer against a per-expert loop, every expert-parallel
+layout against one device, and the MoE config's one-line errors."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import mesh_overrides, tiny_config
+from helpers import LOSS_RTOL, assert_same_training, fails_with, losses, train
+
+from jaxpar.core.config import ModelConfig
+from jaxpar.inference import sample
+from jaxpar.models import moe
+from jaxpar.models.family import build_model
+from jaxpar.train import run
+from jaxpar.training.passes import make_loss_fn
+
+MOE = "tiny_moe"
+
+
+def per_expert_loop(h, p, k, renormalize):
+    """Every expert on every token, weighted by the routing (zero where a token did not pick it)."""
+    router, gate_up, out = p["router"]["kernel"], p["experts_gate_up"]["kernel"], p["experts_out"]["kernel"]
+    x = h.reshape(-1, h.shape[-1])
+    probs = jax.nn.softmax(x @ router, axis=-1)
+    top, chosen = jax.lax.top_k(probs, k)
+    if renormalize:
+        top = top / top.sum(-1, keepdims=True)
+    y = jnp.zeros_like(x)
+    for e in range(router.shape[-1]):
+        gu = jnp.einsum("nc,czf->nzf", x, gate_up[e])
+        expert_out = (jax.nn.silu(gu[:, 0]) * gu[:, 1]) @ out[e]
+        weight = jnp.sum(jnp.where(chosen == e, top, 0.0), axis=-1)
+        y = y + weight[:, None] * expert_out
+    return y.reshape(h.shape)
+
+
+def moe_params(key, C=16, E=4, F=8):
+    keys = jax.random.split(key, 3)
+    return {"router": {"kernel": 0.5 * jax.random.normal(keys[0], (C, E))},
+            "experts_gate_up": {"kernel": 0.3 * jax.random.normal(keys[1], (E, C, 2, F))},
+            "experts_out": {"kernel": 0.3 * jax.random.normal(keys[2], (E, F, C))}}
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_grouped_gemm_equals_a_loop_over_experts(renormalize):
+    cfg = ModelConfig(family="llama", n_experts=4, experts_per_token=2, moe_renormalize=renormalize)
+    p, h = moe_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (3, 8, 16))
+    grouped = jax.jit(lambda p, h: moe.moe_mlp(h, p, cfg, jnp.float32)[0])
+    loop = jax.jit(lambda p, h: per_expert_loop(h, p, 2, renormalize))
+    np.testing.assert_allclose(grouped(p, h), loop(p, h), rtol=1e-5, atol=1e-6)
+    cotangent = jax.random.normal(jax.random.key(2), h.shape)
+    grads = [jax.jit(jax.grad(lambda p, h: jnp.sum(f(p, h) * cotangent), argnums=(0, 1)))(p, h)
+             for f in (grouped, loop)]
+    for a, b in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_loop_is_a_real_control():
+    """Renormalised and not differ here: the reference can tell the two apart."""
+    p, h = moe_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (3, 8, 16))
+    assert not np.allclose(per_expert_loop(h, p, 2, True), per_expert_loop(h, p, 2, False), rtol=1e-3)
+
+
+def aux_of(result) -> np.ndarray:
+    return np.array([[result.aux[s][name] for name in ("moe_balance", "moe_z", "moe_load")]
+                     for s in sorted(result.aux)])
+
+
+def reference():
+    return train(config=MOE, evaluate=True)
+
+
+@pytest.mark.parametrize("spec", [
+    "ep=2", "dp=2,ep=2", "ep=2,tp=2", "ep=2,cp=2",
+    pytest.param("ep=4", marks=pytest.mark.slow),  # one expert a device: ep=2's path with groups of one
+])
+def test_expert_parallel_layout_equals_one_device(spec):
+    result = train(spec, config=MOE, evaluate=True)
+    assert_same_training(result, reference())
+    np.testing.assert_allclose(aux_of(result), aux_of(reference()), rtol=LOSS_RTOL)
+
+
+def test_expert_parallel_pipeline_equals_one_device():
+    result = train("ep=2,pp=2", config=MOE, evaluate=True, **{"pipeline.schedule": "1f1b"})
+    assert_same_training(result, reference())
+    np.testing.assert_allclose(aux_of(result), aux_of(reference()), rtol=LOSS_RTOL)
+
+
+def test_expert_parallel_zero3_and_accumulation_equal_one_device():
+    """ZeRO-3, and two passes a step (the router's losses are per sequence, so two half batches
+    give the whole batch's values), each against one device in one pass."""
+    assert_same_training(train("dp=2,ep=2", config=MOE, evaluate=True, **{"train.zero": 3}), reference())
+    accumulated = train("dp=2,ep=2", config=MOE, **{"train.grad_accum": 2})
+    np.testing.assert_allclose(losses(accumulated), losses(reference()), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(aux_of(accumulated), aux_of(reference()), rtol=LOSS_RTOL)
+
+
+def test_a_one_percent_lr_change_is_caught():
+    other = train("ep=2", config=MOE, **{"optimizer.lr": 0.003 * 1.01})
+    assert not np.allclose(losses(other), losses(reference()), rtol=LOSS_RTOL)
+
+
+def test_router_losses_are_logged_and_weighted():
+    balance, z, load = aux_of(reference()).T
+    assert np.all(balance > 0) and np.all(z > 0) and np.all(load >= 1)
+    cfg = tiny_config(MOE)
+    model = build_model(cfg, 65)
+    params, tokens = model.init(0), jax.random.randint(jax.random.key(0), (2, 32), 0, 65)
+    total, metrics = make_loss_fn(model)(params, tokens, tokens)
+    m = cfg.model
+    expected = metrics["loss"] + m.router_aux_coef * metrics["moe_balance"] + m.router_z_coef * metrics["moe_z"]
+    np.testing.assert_allclose(total, expected, rtol=1e-6)
+    assert total - metrics["loss"] > 1e-3  # the router's losses are really in it
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run directory with a checkpoint of the tiny MoE after 10 steps on dp=2,ep=2."""
+    out = tmp_path_factory.mktemp("run")
+    run(tiny_config(MOE, **{"train.eval_every": 0, "mesh.dp": 2, "mesh.ep": 2}), out, jax.devices()[:4],
+        progress=False)
+    return out
+
+
+def test_cached_decoding_gives_one_text_on_every_mesh(trained):
+    """Greedy text with the KV cache equals recomputing, and is the same on one device and on
+    ep=2 (each device's experts on every token, summed) and ep=2,tp=2."""
+    kwargs = dict(prompt="ROMEO:", max_new_tokens=40, temperature=0, num_samples=2)
+    texts = {}
+    for spec in ("dp=1", "ep=2", "ep=2,tp=2"):
+        model = sample.load(trained, spec)
+        texts[spec] = sample.generate(model, use_cache=True, **kwargs).texts
+        if spec == "ep=2":
+            assert texts[spec] == sample.generate(model, use_cache=False, **kwargs).texts
+    assert texts["ep=2"] == texts["dp=1"] == texts["ep=2,tp=2"]
+    assert len(texts["dp=1"][0]) == len("ROMEO:") + 40
+
+
+def test_a_checkpoint_resumes_on_another_expert_layout(trained, tmp_path):
+    """Saved on dp=2,ep=2, resumed on one device and on ep=4: the same next steps."""
+    resumed = {}
+    for spec, n_devices in (("dp=1", 1), ("ep=4", 4)):
+        out = tmp_path / spec
+        shutil.copytree(trained, out)
+        cfg = tiny_config(MOE, **{"train.eval_every": 0, "train.steps": 12, **mesh_overrides(spec)})
+        result = run(cfg, out, jax.devices()[:n_devices], progress=False)
+        assert result.info["resumed_from"] == 10
+        resumed[spec] = [result.losses[s] for s in (10, 11)]
+    np.testing.assert_allclose(resumed["ep=4"], resumed["dp=1"], rtol=LOSS_RTOL)
+
+
+def test_export_of_a_mixture_is_refused_in_one_line(trained, tmp_path, capsys):
+    from jaxpar.inference import export
+    with pytest.raises(SystemExit) as exit_info:
+        export.main(["--ckpt", str(trained), "--out", str(tmp_path / "hf")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mixture of 4 experts" in err, err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--config", MOE, "--model.experts_per_token=9"], ["model.experts_per_token=9", "model.n_experts=4"]),
+    (["--config", MOE, "--model.n_experts=6", "--mesh", "dp=2,ep=4"], ["ep=4 does not divide model.n_experts=6"]),
+    (["--mesh", "dp=4,ep=2"], ["ep=2 splits a mixture of experts, and this model has none"]),
+    (["--model.n_experts=4"], ["model.n_experts is a llama-only setting"]),
+    (["--config", MOE, "--model.router_aux_coef=-1"], ["model.router_aux_coef must be >= 0"]),
+    (["--config", MOE, "--model.moe_dispatch=magic"], ["model.moe_dispatch must be one of"]),
+])
+def test_bad_moe_settings_fail_in_one_line(capsys, tmp_path, argv, expected):
+    fails_with(capsys, tmp_path, argv, *expected)
