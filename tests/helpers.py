@@ -73,16 +73,22 @@ def assert_same_training(result, reference):
     assert not worst, f"params differ beyond {PARAM_TOL} of their max magnitude: {worst}"
 
 
-def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
-    out = tmp_path / "run"
+def exits_with_one_line(capsys, program: str, call, *expected: str) -> str:
+    """call() exits 2 with one line on stderr, `program: error: ...`, holding each of `expected`."""
     with pytest.raises(SystemExit) as exit_info:
-        train_main(argv + ["--out", str(out)])
+        call()
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert err.startswith("jaxpar.train: error: ")
+    assert err.startswith(f"{program}: error: ")
     for text in expected:
         assert text in err, err
+    return err
+
+
+def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
+    out = tmp_path / "run"
+    exits_with_one_line(capsys, "jaxpar.train", lambda: train_main(argv + ["--out", str(out)]), *expected)
     assert not out.exists(), "a failed run must write nothing"
 
 

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import exits_with_one_line
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxpar.core.errors import UserError
@@ -143,14 +144,7 @@ def test_force_removes_a_stale_tokenizer_json(tmp_path, docs, monkeypatch):
 
 def fails_with(capsys, out, argv, *expected):
     train_before = (out / "train.bin").read_bytes() if (out / "train.bin").exists() else None
-    with pytest.raises(SystemExit) as exit_info:
-        main([*map(str, argv), "--out", str(out)])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("jaxpar.prepare: error: ")
-    for text in expected:
-        assert text in err, err
+    err = exits_with_one_line(capsys, "jaxpar.prepare", lambda: main([*map(str, argv), "--out", str(out)]), *expected)
     now = (out / "train.bin").read_bytes() if (out / "train.bin").exists() else None
     assert now == train_before, "a failed run must not write train.bin"
     assert not any(p.name.endswith(".partial") for p in out.glob("*"))

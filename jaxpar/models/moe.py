@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import EXPERT
-from jaxpar.core.sharding import per_device
-
-DISPATCHES = ("auto", "all_to_all", "ragged")  # model.moe_dispatch
+from jaxpar.core.sharding import active_rules, constrain, names_of, per_device, sequence_ring
+from jaxpar.models.kernels import platform_of
 
 
 def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
@@ -66,14 +65,19 @@ def exchange(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.all_to_all(x, axis, 0, 0, tiled=False)
 
 
+def by_expert(experts: jax.Array, ep: int, E_l: int):
+    """(the order that sorts the assignments by expert, their counts per (destination device,
+    its local expert)): sorted, each destination's rows are contiguous."""
+    return jnp.argsort(experts, stable=True), jnp.bincount(experts, length=ep * E_l).reshape(ep, E_l)
+
+
 def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep: int) -> jax.Array:
     """rows (A, C) of this device's assignments, each for global expert experts[a] -> (A, C):
     sent to their experts' devices in fixed buffers of A rows each (nothing drops), computed
     there, sent back."""
     A, C = rows.shape
     E_l = gate_up.shape[0]
-    order = jnp.argsort(experts, stable=True)
-    counts = jnp.bincount(experts, length=ep * E_l).reshape(ep, E_l)  # per (destination, its expert)
+    order, counts = by_expert(experts, ep, E_l)
     per_device = counts.sum(1)
     start = jnp.cumsum(per_device) - per_device
     slot = jnp.arange(A)
@@ -86,9 +90,8 @@ def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, gate_up, out, dtype
     local = jax.vmap(lambda e: jnp.searchsorted(e, slot, side="right"))(ends)  # (ep, A), E_l: padding
     y = run_local_experts(received.reshape(ep * A, C), local.reshape(-1), gate_up, out, dtype)
     back = exchange(y.reshape(ep, A, C), EXPERT)
-    sorted_rows = jnp.arange(A)
-    destination = experts[order] // E_l
-    y_sorted = back[destination, sorted_rows - start[destination]]
+    destination = experts[order] // E_l  # of each sorted row, whose place in its buffer is slot - start
+    y_sorted = back[destination, slot - start[destination]]
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
 
 
@@ -97,8 +100,7 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep
     buffer with room for every source's (TPU and GPU; XLA:CPU has no ragged-all-to-all)."""
     A, C = rows.shape
     E_l = gate_up.shape[0]
-    order = jnp.argsort(experts, stable=True)
-    counts = jnp.bincount(experts, length=ep * E_l).reshape(ep, E_l)
+    order, counts = by_expert(experts, ep, E_l)
     send_sizes = counts.sum(1).astype(jnp.int32)
     send_starts = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
     received_counts = exchange(counts, EXPERT)  # (source, my expert)
@@ -152,8 +154,6 @@ def experts_of_device(rows, experts, gate_up, out, dtype, ep: int, mode: str):
 def dispatch_mode(cfg, mesh) -> str:
     """local (ep = 1); replicated (the tokens whole on every device of 'expert': each runs its own
     experts on all of them); else the dispatch: model.moe_dispatch, `auto` ragged on TPU and GPU."""
-    from jaxpar.core.sharding import active_rules, names_of
-    from jaxpar.models.kernels import platform_of
     if mesh.empty or mesh.shape.get(EXPERT, 1) == 1:
         return "local"
     if EXPERT not in names_of(active_rules()["batch"]):
@@ -166,13 +166,12 @@ def dispatch_mode(cfg, mesh) -> str:
 def moe_mlp(h: jax.Array, p: dict, cfg, dtype) -> tuple[jax.Array, dict]:
     """h (batch, seq, embed), normed -> (the experts' mixture (batch, seq, embed) in dtype, the
     router's per-sequence losses and load, means over this batch's sequences)."""
-    from jaxpar.core.sharding import active_rules, constrain, names_of
     mesh = jax.sharding.get_abstract_mesh()
     mode = dispatch_mode(cfg, mesh)
     ep = 1 if mesh.empty else mesh.shape.get(EXPERT, 1)
-    rules = active_rules()
-    seq_axes = tuple(a for a in names_of(rules["seq"]) if not mesh.empty and mesh.shape[a] > 1)
-    summed_over = tuple(a for a in names_of(rules["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
+    ring_axis, ring = sequence_ring()
+    seq_axes = (ring_axis,) if ring > 1 else ()
+    summed_over = tuple(a for a in names_of(active_rules()["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
                         if not mesh.empty and mesh.shape[a] > 1)
     k, seq_len = cfg.experts_per_token, h.shape[1]
 
@@ -188,13 +187,11 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype) -> tuple[jax.Array, dict]:
                 *sequence_stats(logits, probs, experts, B, seq_len, seq_axes))
 
     weights = (p["router"]["kernel"], p["experts_gate_up"]["kernel"], p["experts_out"]["kernel"])
-    if mesh.empty:  # no mesh: one device's computation as it is
-        y, balance, z, load = on_device(h, *weights)
-        return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load)}
-    h = constrain(h, ("batch", "seq", "embed"))
-    y, balance, z, load = per_device(
-        on_device, (("batch", "seq", "embed"), ("embed", "routes"), ("experts", "embed", "gate_up", "mlp"),
-                    ("experts", "mlp", "embed")),
-        (("batch", "seq", "embed"), ("batch",), ("batch",), ("batch",)),
-    )(h, *weights)
+    if not mesh.empty:  # else one device's computation as it is
+        on_device = per_device(
+            on_device, (("batch", "seq", "embed"), ("embed", "routes"), ("experts", "embed", "gate_up", "mlp"),
+                        ("experts", "mlp", "embed")),
+            (("batch", "seq", "embed"), ("batch",), ("batch",), ("batch",)))
+        h = constrain(h, ("batch", "seq", "embed"))
+    y, balance, z, load = on_device(h, *weights)
     return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load)}

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.axes import DATA, EXPERT, PIPE, pipeline_microbatches
+from jaxpar.core.axes import DATA, PIPE, pipeline_microbatches
 from jaxpar.core.config import Config
 from jaxpar.core.sharding import constrain, sequence_ring, split_ways
 from jaxpar.models.family import Transformer, split_layers
@@ -199,9 +199,9 @@ def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: S
     # Each stage sums its microbatches' weight gradients over its own rows and reduces them over
     # 'data' once per round: the rows are split over 'data' by hand. Dropout draws its masks over
     # every row, as one device does, and ZeRO-3 gathers each layer's weights where it runs, so
-    # both leave 'data' to the shardings (a reduction per microbatch), as does expert parallelism,
-    # whose dispatch splits the rows over 'expert' too.
-    local = (train and mesh.shape[DATA] > 1 and mesh.shape[EXPERT] == 1 and cfg.model.dropout == 0
+    # both leave 'data' to the shardings (a reduction per microbatch), as does a mesh whose rows
+    # are split over another axis too (expert parallelism).
+    local = (train and 1 < mesh.shape[DATA] == split_ways(mesh, "batch") and cfg.model.dropout == 0
              and cfg.train.zero < 3)
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
 

@@ -74,30 +74,30 @@ def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, 
             "mfu": flops_per_token(cfg.model, vocab) * tokens / step_s / (devices * chip.peak_flops)}
 
 
-def weights_per_chip(cfg: Config, n_params: int, layout: dict) -> float:
+def weights_per_chip(n_params: int, expert_params: int, layout: dict) -> float:
     """Parameters per chip: split over tensor and pipe, and a mixture's experts over expert too."""
-    m = cfg.model
-    experts = m.n_layer * m.n_experts * 3 * m.n_embd * m.expert_width if m.n_experts else 0
-    return (n_params - experts + experts / layout.get("ep", 1)) / (layout["tp"] * layout["pp"])
+    return (n_params - expert_params + expert_params / layout.get("ep", 1)) / (layout["tp"] * layout["pp"])
 
 
 def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
-                 in_flight: int) -> float:
+                 in_flight: int, expert_params: int = 0) -> float:
     """Bytes per chip, roughly: float32 params, grads and two AdamW moments split as the layout
     splits them, plus the saved activations of `in_flight` passes (placement.activation_bytes)."""
     dp, tp, pp, zero = layout["dp"], layout["tp"], layout["pp"], layout["zero"]  # weights: not split by cp
-    share = weights_per_chip(cfg, n_params, layout)
+    share = weights_per_chip(n_params, expert_params, layout)
     state = 4 * share * ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1)
                          + 2 * (1 / dp if zero >= 1 else 1))
     saved = activation_bytes(cfg, vocab, rows_per_pass, tp, layers=cfg.model.n_layer // pp, cp=layout.get("cp", 1))
     return state + saved * in_flight
 
 
-def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int) -> list[dict]:
-    """The collectives a layout needs, counted from the model rather than from HLO."""
+def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int,
+                      expert_params: int = 0) -> list[dict]:
+    """The collectives a layout needs, counted from the model rather than from HLO. expert_params:
+    how many of the n_params are a mixture's experts (split over 'expert')."""
     m, dp, tp, pp, zero = cfg.model, layout["dp"], layout["tp"], layout["pp"], layout["zero"]
     cp, ep = layout.get("cp", 1), layout.get("ep", 1)
-    share = 4 * weights_per_chip(cfg, n_params, layout)
+    share = 4 * weights_per_chip(n_params, expert_params, layout)
     activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4) / cp
     ops = [{"kind": "all-reduce", "bytes": share, "group": dp * ep, "count": 1}]
     if ep > 1:  # each MoE layer: tokens out and results back, forward and backward; all_to_all's

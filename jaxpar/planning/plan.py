@@ -87,7 +87,7 @@ def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros
     return found
 
 
-def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
+def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0) -> dict:
     from jaxpar.core.axes import pipeline_microbatches
     from jaxpar.parallel.schedule import Schedule
     from jaxpar.planning import estimate
@@ -101,10 +101,10 @@ def guess(c: Candidate, vocab: int, n_params: int, chip) -> dict:
     else:
         passes, in_flight, bubble = steps.num_microbatches(cfg.train, dp), 1, 0.0
     rows = cfg.train.batch_size // passes // dp
-    ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows)
+    ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows, expert_params)
     comm_s = estimate.collective_seconds(ops, chip, estimate.devices_of(lay))
     time = estimate.step_time(cfg, vocab, lay, chip, comm_s, bubble)
-    return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight),
+    return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight, expert_params),
             "rows_per_pass": rows, **time}
 
 
@@ -243,13 +243,16 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     devices = target_devices(target)
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
     chip = chip_for(target, devices, cfg.model.dtype)
-    _, shapes, _ = abstract_model(cfg, vocab)
+    _, shapes, axes = abstract_model(cfg, vocab)
     n_params = sum(int(s.size) for s in jax.tree.leaves(shapes))
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+    expert_params = sum(int(s.size) for s, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=is_axes))
+                        if "experts" in names)
     candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
                                       args.remat, args.fixed)
     for c in candidates:
         if c.status == "pending":
-            c.guess = guess(c, vocab, n_params, chip)
+            c.guess = guess(c, vocab, n_params, chip, expert_params)
     order = compile_order(candidates, chip.hbm_bytes)
     for c in order[args.max_compiles:]:
         c.status, c.reason = "not compiled", f"past --max-compiles {args.max_compiles}"

@@ -49,11 +49,14 @@ def make_optimizer(o: OptimizerConfig, roles: dict) -> optax.GradientTransformat
     return OPTIMIZERS[o.name](o, lambda step: learning_rate(step, o), roles)
 
 
-def clip(grads, o: OptimizerConfig):
-    """The gradients with their global norm clipped to o.grad_clip (as they are when it is 0)."""
+def clip(grads, grad_norm: jax.Array, o: OptimizerConfig):
+    """The gradients, of global norm `grad_norm`, scaled down to o.grad_clip where the norm is
+    larger (as they are when it is 0): optax.clip_by_global_norm's arithmetic, on the norm the
+    step has already taken."""
     if o.grad_clip <= 0:
         return grads
-    return optax.clip_by_global_norm(o.grad_clip).update(grads, optax.EmptyState())[0]
+    within = grad_norm < o.grad_clip
+    return jax.tree.map(lambda g: jax.lax.select(within, g, (g / grad_norm.astype(g.dtype)) * o.grad_clip), grads)
 
 
 def state_bytes_by_param(opt_state, shardings, param_paths: list[tuple]) -> dict[tuple, int]:

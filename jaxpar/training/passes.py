@@ -16,9 +16,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.axes import AXES, DATA, EXPERT, PIPE
+from jaxpar.core.axes import AXES, DATA, PIPE
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import rules_for, traced_with_rules, with_axes_unsplit, without_axis
+from jaxpar.core.sharding import rules_for, split_ways, traced_with_rules, with_axes_unsplit, without_axis
 from jaxpar.models.family import Transformer
 from jaxpar.models.kernels import traced_with_attention
 from jaxpar.models.layers import cross_entropy
@@ -79,7 +79,8 @@ def make_grad_fn(cfg: Config, model: Transformer, grad_shardings: dict):
         if passes == 1:  # one pass: its loss and gradients as they are
             metrics, grads = run(0, inputs[0], targets[0])
             return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
-        if dp == 1 or use_dropout or rounds is not None or mesh.shape[EXPERT] > 1:
+        # The groups are data-parallel devices' rows: not where another axis splits the rows too.
+        if dp == 1 or use_dropout or rounds is not None or split_ways(mesh, "batch") != dp:
             metrics, grads = accumulate(run, inputs, targets, params, grad_shardings)
         else:
             metrics, grads = accumulate_locally(run, inputs, targets, params, grad_shardings, dp)

@@ -92,7 +92,8 @@ def make_train_step(cfg: Config, model: Transformer, tx, shardings: TrainState, 
     def step(state: TrainState, batch):
         metrics, grads = grads_of(state.params, *batch, state.step)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(optimizers.clip(grads, cfg.optimizer), state.opt_state, state.params)
+        clipped = optimizers.clip(grads, grad_norm, cfg.optimizer)
+        updates, opt_state = tx.update(clipped, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return TrainState(state.step + 1, params, opt_state), {**metrics, "grad_norm": grad_norm}
 
