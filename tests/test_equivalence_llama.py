@@ -43,6 +43,13 @@ def test_llama_interleaved_pipeline_on_four_stages_matches_one_device():
                          train(config=LLAMA, **deep))
 
 
+def test_qk_norm_and_a_wider_head_split_over_tensor_match_one_device():
+    """QK-norm over all heads together (OLMoE's), with heads split over 'tensor', and head_dim 48 of
+    n_embd 128 over 4 heads: a reference of its own."""
+    qk = {"model.qk_norm": "full", "model.head_dim": 48}
+    assert_same_training(train("tp=2", config=LLAMA, **qk), train(config=LLAMA, **qk))
+
+
 def test_llama_comparison_detects_a_different_run(one_device):
     other = train(config=LLAMA, evaluate=True, **{"train.lr": 0.003 * 1.01})
     with pytest.raises(AssertionError):

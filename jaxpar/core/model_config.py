@@ -14,6 +14,7 @@ ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn")  # jaxpar.models.kernels
 SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
 FAMILIES = ("gpt2", "llama")  # model.family: a module each in jaxpar/models (jaxpar.models.family)
 ROPE_TYPES = ("default", "llama3")
+QK_NORMS = ("none", "head", "full")
 MOE_DISPATCHES = ("auto", "all_to_all", "ragged")  # jaxpar.models.moe
 
 
@@ -70,6 +71,12 @@ class ModelConfig:
     # Positions the model is made for (HF's max_position_embeddings), kept through fine-tuning at a
     # shorter block_size so an export says what the model was; 0: block_size.
     max_positions: int = only_for("llama", 0)
+    # Each attention head's width (HF's head_dim; 0: n_embd / n_head). Qwen3 sets it apart.
+    head_dim: int = only_for("llama", 0)
+    # RMSNorm on the queries and keys before the rotary positions: "head" over each head's dims
+    # with one scale shared by the heads (Qwen3's q_norm/k_norm), "full" over all the heads' dims
+    # together (OLMoE's), or "none".
+    qk_norm: str = only_for("llama", "none")
     # A mixture of experts in every layer's MLP (jaxpar.models.moe; 0: a dense MLP): n_experts SwiGLU
     # experts moe_mlp_dim wide (0: mlp_dim's rule), experts_per_token chosen per token by a float32
     # router, their weights renormalised to sum to 1 unless moe_renormalize is false (Mixtral: true;
@@ -87,6 +94,11 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
+
+    @property
+    def head_size(self) -> int:
+        """Each attention head's width: llama's head_dim, or n_embd / n_head."""
+        return self.head_dim or self.n_embd // self.n_head
 
     @property
     def mlp_width(self) -> int:
@@ -130,7 +142,7 @@ def check_attention(m: ModelConfig) -> None:
 def validate_model(m: ModelConfig) -> None:
     if m.family not in FAMILIES:
         raise UserError(f"model.family must be one of {', '.join(FAMILIES)}, got '{m.family}'")
-    if m.n_embd % m.n_head:
+    if m.n_embd % m.n_head and not m.head_dim:
         raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if m.gelu not in GELU_KINDS:
         raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{m.gelu}'")
@@ -148,9 +160,11 @@ def validate_model(m: ModelConfig) -> None:
     if m.n_kv_head < 0 or m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each KV "
                         f"head serves n_head/n_kv_head query heads); choose a divisor of {m.n_head}")
-    if (m.n_embd // m.n_head) % 2:
-        raise UserError(f"the head dim n_embd/n_head = {m.n_embd // m.n_head} is odd, and rotary "
-                        "positions rotate pairs of dims; choose n_embd and n_head with an even quotient")
+    if m.head_dim < 0 or m.head_size % 2:
+        raise UserError(f"the head dim (model.head_dim, or n_embd/n_head) = {m.head_size} is odd or "
+                        "negative, and rotary positions rotate pairs of dims; choose an even one")
+    if m.qk_norm not in QK_NORMS:
+        raise UserError(f"model.qk_norm must be one of {', '.join(QK_NORMS)}, got '{m.qk_norm}'")
     if m.mlp_dim < 0 or m.norm_eps <= 0 or m.rope_theta <= 0:
         raise UserError(f"model.mlp_dim must be >= 0 and model.norm_eps, model.rope_theta > 0; got "
                         f"{m.mlp_dim}, {m.norm_eps}, {m.rope_theta}")

@@ -34,14 +34,14 @@ from jaxpar.models.params import EMBEDDING, MATRIX, Param, dense, norm
 def declare_blocks(cfg: ModelConfig) -> dict:
     """All n_layer pre-RMSNorm blocks; every weight leads with the 'layers' axis. q and the fused
     k, v are separate kernels, so that their heads split over 'tensor' each in its own group."""
-    L, C, H, K, F = cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.mlp_width
-    D = C // H
+    L, C, H, K, F, D = cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.mlp_width, cfg.head_size
     std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2's scaled residual projections
     return {
         "attn_norm": norm((L, C), ("layers", "embed")),
         "q": dense(std, (L, C, H, D), ("layers", "embed", "heads", "head_dim"), 2, False),
         "kv": dense(std, (L, C, 2, K, D), ("layers", "embed", "qkv", "kv_heads", "head_dim"), 3, False),
         "attn_out": dense(resid_std, (L, H, D, C), ("layers", "heads", "head_dim", "embed"), 1, False),
+        **declare_qk_norm(cfg),
         "mlp_norm": norm((L, C), ("layers", "embed")),
         **(declare_experts(cfg, std, resid_std) if cfg.n_experts else {
             "gate_up": dense(std, (L, C, 2, F), ("layers", "embed", "gate_up", "mlp"), 2, False),
@@ -49,6 +49,17 @@ def declare_blocks(cfg: ModelConfig) -> dict:
             "mlp_out": dense(resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, False, transposed=True),
         }),
     }
+
+
+def declare_qk_norm(cfg: ModelConfig) -> dict:
+    """The queries' and keys' RMSNorm scales: one per head dim ("head"), or per head and dim ("full")."""
+    L, D = cfg.n_layer, cfg.head_size
+    if cfg.qk_norm == "none":
+        return {}
+    if cfg.qk_norm == "head":
+        return {"q_norm": norm((L, D), ("layers", "head_dim")), "k_norm": norm((L, D), ("layers", "head_dim"))}
+    return {"q_norm": norm((L, cfg.n_head, D), ("layers", "heads", "head_dim")),
+            "k_norm": norm((L, cfg.kv_heads, D), ("layers", "kv_heads", "head_dim"))}
 
 
 def declare_experts(cfg: ModelConfig, std: float, resid_std: float) -> dict:
@@ -63,10 +74,10 @@ def declare_experts(cfg: ModelConfig, std: float, resid_std: float) -> dict:
     }
 
 
-def rms_norm(x: jax.Array, p: dict, eps: float) -> jax.Array:
-    """HF's LlamaRMSNorm: normalised in float32, cast back to the input's dtype, then scaled."""
+def rms_norm(x: jax.Array, p: dict, eps: float, axes: tuple = (-1,)) -> jax.Array:
+    """HF's LlamaRMSNorm over `axes`: normalised in float32, cast back to the input's dtype, then scaled."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + eps)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axes, keepdims=True) + eps)
     return p["scale"] * normed.astype(x.dtype)
 
 
@@ -98,9 +109,13 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     q = project("nc,chd->nhd", h, p["q"]["kernel"], dtype).astype(dtype)
     kv = project("nc,cskd->nskd", h, p["kv"]["kernel"], dtype).astype(dtype)
     # A token's true position: in a context ring's layout too, and after the cache's.
+    k, v = kv[:, 0], kv[:, 1]
+    if cfg.qk_norm != "none":  # over (head_dim,) or (heads, head_dim) of the (tokens, heads, head_dim)
+        axes_normed = (-1,) if cfg.qk_norm == "head" else (-2, -1)
+        q, k = (rms_norm(a, p[name], cfg.norm_eps, axes_normed) for a, name in ((q, "q_norm"), (k, "k_norm")))
     cos, sin = rope.angles(cfg, q.shape[-1], token_positions(T, cache))
     q = rope.apply(heads_first(q, B, T, ("batch", "heads", "seq", "head_dim")), cos, sin)
-    k, v = (heads_first(part[:, 0], B, T, ("batch", "kv_heads", "seq", "head_dim")) for part in jnp.split(kv, 2, 1))
+    k, v = (heads_first(a, B, T, ("batch", "kv_heads", "seq", "head_dim")) for a in (k, v))
     y, cache = attention(q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0], cache)
     y = project("nhd,hdc->nc", constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
                 p["attn_out"]["kernel"], dtype)
@@ -121,13 +136,15 @@ class Llama(Family):
 
     name = "llama"
     shape_fields = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp_dim", "tie_embeddings",  # what `declare` reads
-                    "n_experts", "moe_mlp_dim")
+                    "n_experts", "moe_mlp_dim", "head_dim", "qk_norm")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.kv_heads, self.head_dim = cfg.kv_heads, cfg.n_embd // cfg.n_head
+        self.kv_heads, self.head_dim = cfg.kv_heads, cfg.head_size
         self.lm_head = "wte" if cfg.tie_embeddings else "lm_head"
         self.head_names = (self.lm_head, "norm")
+        # jax.lax.ragged_dot, the experts' grouped GEMM, has no vmap rule in jax 0.10 ("NYI").
+        self.vmappable = not cfg.n_experts
 
     def declare(self, vocab_size: int) -> dict:
         cfg, rows = self.cfg, padded_vocab(vocab_size)

@@ -114,6 +114,6 @@ def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, row
         if V > 1:  # interleaved: the layers move into chunk order and their gradients back, each round
             ops.append({"kind": "all-to-all", "bytes": share, "group": pp, "count": 2 * cfg.train.grad_accum})
     if cp > 1:  # each layer's ring: K and V blocks cp-1 times forward, and with dK/dV in the backward
-        kv = 2 * m.kv_heads * (m.n_embd // m.n_head) / m.n_embd / tp * activation
+        kv = 2 * m.kv_heads * m.head_size / m.n_embd / tp * activation
         ops.append({"kind": "collective-permute", "bytes": kv, "group": cp, "count": 3 * (cp - 1) * layers * passes})
     return ops
