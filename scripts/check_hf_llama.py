@@ -119,13 +119,13 @@ def build_model():
     return model
 
 
-def setup(python: str, work: Path) -> None:
-    """WORK/hf (the model and its tokenizer) and WORK/data (jaxpar.prepare's train.bin, val.bin)."""
+def setup(python: str, work: Path, build) -> None:
+    """WORK/hf (the model `build` makes, and its tokenizer) and WORK/data (jaxpar.prepare's train.bin, val.bin)."""
     for name in SUBDIRS:
         shutil.rmtree(work / name, ignore_errors=True)
     hf = work / "hf"
     hf.mkdir(parents=True)
-    model = build_model()
+    model = build()
     model.save_pretrained(hf)
     vocab = int(jaxpar(python, ["-c", TOKENIZER_SIDE, str(TEXT), str(hf), str(BLOCK)]).strip())
     assert vocab == VOCAB, f"the char tokenizer of {TEXT} has {vocab} tokens, not {VOCAB}"
@@ -201,22 +201,22 @@ def check_eval(python: str, work: Path, model, results: dict) -> None:
 
 # ---- check 2: greedy sampling from the HF directory ----
 
-def check_sample(python: str, work: Path, model, tokenizer, results: dict) -> None:
+def check_sample(python: str, work: Path, model, tokenizer, results: dict, meshes: tuple) -> None:
     print(f"== check 2: jaxpar.sample --hf --temperature 0 vs transformers generate, {NEW_TOKENS} tokens ==")
     hf_text = hf_greedy(model, tokenizer)
     ok = True
-    for mesh in ("dp=1", "tp=2"):
+    for mesh in meshes:
         text = jaxpar_greedy(python, ["--hf", str(work / "hf"), "--mesh", mesh])
         ok &= same_text(f"  --mesh {mesh}", hf_text, text)
-    verdict("check 2 (sample --hf greedy, dp=1 and tp=2)", ok, results)
+    verdict(f"check 2 (sample --hf greedy, {' and '.join(meshes)})", ok, results)
 
 
 # ---- check 3: fine-tune, export, reload ----
 
-def finetune_and_export(python: str, work: Path) -> None:
+def finetune_and_export(python: str, work: Path, mesh: str) -> None:
     run = work / "run"
     out = jaxpar(python, ["-m", "jaxpar.train", "--init-from", str(work / "hf"), "--data.path", str(work / "data"),
-                          "--mesh", "tp=2", "--steps", str(STEPS), "--log-every", "5", "--out", str(run),
+                          "--mesh", mesh, "--steps", str(STEPS), "--log-every", "5", "--out", str(run),
                           "--fresh", "--train.eval_every=0"])
     print("  " + "\n  ".join(out.rstrip().splitlines()[-4:]))
     for name, dtype in (("export", "float32"), ("export_bf16", "bfloat16")):
@@ -231,9 +231,9 @@ def jaxpar_logits(python: str, run: Path, ids: np.ndarray) -> np.ndarray:
         return np.load(f"{tmp}/logits.npy")
 
 
-def check_export(python: str, work: Path, results: dict) -> None:
-    print(f"== check 3: {STEPS} steps of jaxpar.train on tp=2, jaxpar.export, transformers reload ==")
-    finetune_and_export(python, work)
+def check_export(python: str, work: Path, results: dict, mesh: str) -> None:
+    print(f"== check 3: {STEPS} steps of jaxpar.train on {mesh}, jaxpar.export, transformers reload ==")
+    finetune_and_export(python, work, mesh)
     model, tokenizer = load_hf(work / "export", attn_implementation="eager")
     print(f"  {work / 'export'} in transformers: {type(model).__name__}, dtype {model.dtype}, "
           f"max_position_embeddings {model.config.max_position_embeddings}, rope {model.config.rope_parameters}")
@@ -249,7 +249,7 @@ def check_export(python: str, work: Path, results: dict) -> None:
     bf16, _ = load_hf(work / "export_bf16")
     print(f"  {work / 'export_bf16'} in transformers (from_pretrained, no dtype given): loads, dtype {bf16.dtype}, "
           f"config dtype {getattr(bf16.config, 'dtype', None)}")
-    verdict("check 3 (export after tp=2 fine-tuning: greedy text, logits)", ok and diff <= LOGITS_ATOL, results)
+    verdict(f"check 3 (export after {mesh} fine-tuning: greedy text, logits)", ok and diff <= LOGITS_ATOL, results)
 
 
 def attempt(name: str, check, results: dict) -> None:
@@ -264,28 +264,30 @@ def attempt(name: str, check, results: dict) -> None:
         verdict(name, False, results)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(build=build_model, sample_meshes: tuple = ("dp=1", "tp=2"), train_mesh: str = "tp=2",
+         work: str = "/tmp/check_hf_llama", doc: str = __doc__) -> None:
+    """Set up, run the three checks on `build`'s model, print the summary; exit 1 if any failed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--jaxpar-python", default=str(ROOT / ".venv" / "bin" / "python"),
                         help="a Python with jaxpar installed (default: the repo's .venv)")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/check_hf_llama"),
-                        help="where the model, data, run and exports go (default: /tmp/check_hf_llama)")
+    parser.add_argument("--work", type=Path, default=Path(work),
+                        help=f"where the model, data, run and exports go (default: {work})")
     args = parser.parse_args()
     import transformers
     transformers.utils.logging.disable_progress_bar()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, jaxpar from {args.jaxpar_python}")
     start, python, work = time.perf_counter(), args.jaxpar_python, args.work.resolve()
     try:
-        setup(python, work)
+        setup(python, work, build)
     except CommandFailed as err:
         sys.exit(f"setup failed: jaxpar command failed, {err}")
     model, tokenizer = load_hf(work / "hf", dtype=torch.float32, attn_implementation="eager")
     results = {}
     attempt("check 1 (eval --hf loss)", lambda: check_eval(python, work, model, results), results)
-    attempt("check 2 (sample --hf greedy, dp=1 and tp=2)",
-            lambda: check_sample(python, work, model, tokenizer, results), results)
-    attempt("check 3 (export after tp=2 fine-tuning: greedy text, logits)",
-            lambda: check_export(python, work, results), results)
+    attempt(f"check 2 (sample --hf greedy, {' and '.join(sample_meshes)})",
+            lambda: check_sample(python, work, model, tokenizer, results, sample_meshes), results)
+    attempt(f"check 3 (export after {train_mesh} fine-tuning: greedy text, logits)",
+            lambda: check_export(python, work, results, train_mesh), results)
     print(f"== summary ({time.perf_counter() - start:.0f} s) ==")
     for name, ok in results.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")

@@ -162,8 +162,8 @@ def test_model_overrides_from_hf():
 
 @pytest.mark.parametrize("change, expected", [
     ({"model_type": "falcon", "architectures": ["FalconForCausalLM"]},
-     "describes a model_type 'falcon' model (FalconForCausalLM); jaxpar loads gpt2 (GPT2LMHeadModel) "
-     "and llama (LlamaForCausalLM)"),
+     "describes a model_type 'falcon' model (FalconForCausalLM); jaxpar loads gpt2 (GPT2LMHeadModel), "
+     "llama (LlamaForCausalLM), qwen3"),
     ({"scale_attn_by_inverse_layer_idx": True}, "has scale_attn_by_inverse_layer_idx=true"),
     ({"scale_attn_weights": False}, "has scale_attn_weights=false"),
     ({"n_inner": 100}, "has n_inner=100"),

@@ -136,7 +136,7 @@ def copy_with(tmp_path: Path, hf_dir: Path, config: dict) -> Path:
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "has rope type 'yarn'"),
     ({"hidden_act": "gelu"}, "has hidden_act 'gelu'"),
     ({"attention_bias": True}, "has attention_bias=true"),
-    ({"model_type": "falcon"}, "jaxpar loads gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)"),
+    ({"model_type": "falcon"}, "jaxpar loads gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), qwen3"),
 ])
 def test_unsupported_architectures_are_one_line(tmp_path, change, expected):
     config = json.loads((TIED / "config.json").read_text()) | change

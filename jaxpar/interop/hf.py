@@ -18,16 +18,20 @@ import numpy as np
 from jaxpar.core.axes import TENSOR_AXIS, sizes_of
 from jaxpar.core.config import Config, set_value, validate
 from jaxpar.core.errors import UserError
-from jaxpar.interop import hf_gpt2, hf_llama
+from jaxpar.interop import hf_gpt2, hf_llama, hf_moe
 from jaxpar.interop.hf_files import CONFIG_FILE, open_weights, read_hf_config
 from jaxpar.models.family import build_model
 from jaxpar.models.params import in_order
 
 # config.json's model_type -> the module that reads it (Mistral without a sliding window is Llama's
-# math; Qwen2 is named so that its refusal can say why).
-FORMATS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_llama, "qwen2": hf_llama}
+# math, Qwen3 Llama's with QK-norm; Qwen2 and the MoEs jaxpar does not compute are named so that
+# their refusals can say why).
+FORMATS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_llama, "qwen2": hf_llama, "qwen3": hf_llama,
+           "mixtral": hf_moe, "qwen3_moe": hf_moe, "qwen2_moe": hf_moe, "deepseek_v2": hf_moe,
+           "deepseek_v3": hf_moe}
 BY_FAMILY = {"gpt2": hf_gpt2, "llama": hf_llama}
-SUPPORTED = "gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)"
+SUPPORTED = ("gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), qwen3, mixtral (MixtralForCausalLM) and "
+             "qwen3_moe (Qwen3MoeForCausalLM)")
 
 
 def format_of(config: dict, path: Path):
@@ -91,19 +95,17 @@ def declared_params(cfg: Config, vocab_size: int) -> dict:
     return dict(in_order(build_model(cfg, vocab_size).declared))
 
 
-def refuse_experts(cfg: Config, verb: str) -> None:
-    if cfg.model.n_experts:
-        raise UserError(f"this model is a mixture of {cfg.model.n_experts} experts, and jaxpar does not yet {verb} "
-                        "Mixtral or Qwen3-MoE checkpoints; drop model.n_experts, or train it from scratch")
+def module_for(cfg: Config):
+    """The module that names and lays out this model's weights as HF does."""
+    return hf_moe if cfg.model.n_experts else BY_FAMILY[cfg.model.family]
 
 
 def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) -> dict:
     """The model in hf_dir as jaxpar's params (the model's pure dict), each leaf made in its
     sharding from the slices its devices hold. cfg comes from apply_hf_config."""
-    refuse_experts(cfg, "read")
     tensors, path = open_weights(hf_dir)
     declared = declared_params(cfg, vocab_size)
-    readers = BY_FAMILY[cfg.model.family].readers(tensors, cfg, vocab_size, declared, path)  # all checked first
+    readers = module_for(cfg).readers(tensors, cfg, vocab_size, declared, path)  # all checked first
     shapes = build_model(cfg, vocab_size).shapes()
     return jax.tree_util.tree_map_with_path(
         lambda p, s, where: jax.make_array_from_callback(s.shape, where, readers[tuple(k.key for k in p)]),
@@ -112,10 +114,9 @@ def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) 
 
 def hf_state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params under save_pretrained's names and shapes, in `dtype`."""
-    refuse_experts(cfg, "write")
-    return BY_FAMILY[cfg.model.family].state_dict(params, declared_params(cfg, vocab_size), cfg, vocab_size, dtype)
+    return module_for(cfg).state_dict(params, declared_params(cfg, vocab_size), cfg, vocab_size, dtype)
 
 
 def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
     """config.json as save_pretrained writes it for this model."""
-    return BY_FAMILY[cfg.model.family].hf_config(cfg, vocab_size, eot_id, dtype)
+    return module_for(cfg).hf_config(cfg, vocab_size, eot_id, dtype)

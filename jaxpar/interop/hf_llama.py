@@ -29,6 +29,8 @@ LAYER_WEIGHTS = {
     ("q", "kernel"): ["self_attn.q_proj.weight"],
     ("kv", "kernel"): ["self_attn.k_proj.weight", "self_attn.v_proj.weight"],
     ("attn_out", "kernel"): ["self_attn.o_proj.weight"],
+    ("q_norm", "scale"): ["self_attn.q_norm.weight"],  # Qwen3's, over each head's dims
+    ("k_norm", "scale"): ["self_attn.k_norm.weight"],
     ("mlp_norm", "scale"): ["post_attention_layernorm.weight"],
     ("gate_up", "kernel"): ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     ("mlp_out", "kernel"): ["mlp.down_proj.weight"],  # (embed, mlp) in both
@@ -59,6 +61,9 @@ def rope_fields(config: dict, path: Path) -> list[tuple[str, object, str]]:
     return fields
 
 
+QK_NORMED = ("qwen3", "qwen3_moe")  # model_types with Qwen3's per-head q_norm and k_norm
+
+
 def check_supported(config: dict, path: Path) -> None:
     if config.get("model_type") == "qwen2":
         refuse(path, "Qwen2's biases on q, k and v (model_type qwen2)")
@@ -69,9 +74,6 @@ def check_supported(config: dict, path: Path) -> None:
             refuse(path, f"{key}=true")
     if config.get("hidden_act", "silu") != "silu":
         refuse(path, f"hidden_act '{config['hidden_act']}'", "its SwiGLU uses silu")
-    heads, width = config.get("num_attention_heads", 1), config.get("hidden_size", 0)
-    if config.get("head_dim") not in (None, width // heads):
-        refuse(path, f"head_dim={config['head_dim']} (not hidden_size / num_attention_heads)")
 
 
 def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]], int, int]:
@@ -90,6 +92,12 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
                ("n_kv_head", kv, f"num_key_value_heads={kv}"), ("norm_eps", eps, f"rms_norm_eps={eps}"),
                ("tie_embeddings", tied, f"tie_word_embeddings={json.dumps(tied)}"),
                ("max_positions", positions, f"max_position_embeddings={positions}")]
+    head_dim = int(config.get("head_dim") or 0)  # 0: hidden_size / num_attention_heads, as jaxpar's default
+    head_dim *= head_dim * int(config["num_attention_heads"]) != int(config["hidden_size"])
+    qk_norm = "head" if config.get("model_type") in QK_NORMED else "none"
+    fields += [("head_dim", head_dim, f"head_dim={config.get('head_dim')}"),
+               ("qk_norm", qk_norm, f"model_type={config.get('model_type')}"),
+               ("n_experts", 0, f"model_type={config.get('model_type')} (a dense MLP)")]
     return fields + rope_fields(config, path), vocab_size, positions
 
 
@@ -169,22 +177,34 @@ def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype
     return out
 
 
+def architecture(cfg: Config) -> dict:
+    """config.json's architecture: LlamaForCausalLM, or Qwen3ForCausalLM with per-head QK-norm."""
+    m = cfg.model
+    if m.qk_norm == "full":
+        raise UserError("this model normalises queries and keys over all heads together (model.qk_norm=full, "
+                        "OLMoE's), and jaxpar writes only Llama, Qwen3, Mixtral and Qwen3-MoE checkpoints; "
+                        "use model.qk_norm=head or none")
+    if m.qk_norm == "head":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+                "sliding_window": None, "max_window_layers": m.n_layer}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False, "pretraining_tp": 1}
+
+
 def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
-    """config.json for LlamaForCausalLM, as transformers 5's save_pretrained writes it, with
-    transformers 4's rope_theta and rope_scaling beside rope_parameters."""
+    """config.json for LlamaForCausalLM (or Qwen3ForCausalLM), as transformers 5's save_pretrained
+    writes it, with transformers 4's rope_theta and rope_scaling beside rope_parameters."""
     m = cfg.model
     rope = {"rope_theta": m.rope_theta, "rope_type": m.rope_type}
     if m.rope_type == "llama3":
         rope |= {key: getattr(m, name) for name, key in LLAMA3_KEYS.items()}
     scaling = None if m.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {
-        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": m.dropout,
-        "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype, "head_dim": m.n_embd // m.n_head,
+    return architecture(cfg) | {
+        "attention_bias": False, "attention_dropout": m.dropout,
+        "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype, "head_dim": m.head_size,
         "hidden_act": "silu", "hidden_size": m.n_embd, "initializer_range": 0.02,
         "intermediate_size": m.mlp_width, "max_position_embeddings": max(m.block_size, m.max_positions),
-        "mlp_bias": False,
-        "model_type": "llama", "num_attention_heads": m.n_head, "num_hidden_layers": m.n_layer,
-        "num_key_value_heads": m.kv_heads, "pad_token_id": None, "pretraining_tp": 1,
+        "num_attention_heads": m.n_head, "num_hidden_layers": m.n_layer,
+        "num_key_value_heads": m.kv_heads, "pad_token_id": None,
         "rms_norm_eps": m.norm_eps, "rope_parameters": rope, "rope_theta": m.rope_theta,
         "rope_scaling": scaling, "tie_word_embeddings": m.tie_embeddings, "use_cache": True,
         "vocab_size": vocab_size,

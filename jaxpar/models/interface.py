@@ -14,6 +14,8 @@ parameters and computes with them:
                                         or the layer's jaxpar.models.layers.KVCache)
     logits(head, x, vocab_size)         the stream -> float32 logits over the padded vocabulary
     kv_heads, head_dim                  the KV cache's shape
+    vmappable                           whether a block runs under jax.vmap (the local gradient
+                                        accumulation vmaps the passes over 'data')
     matmul_params(vocab_size)           N in MFU's 6N
     activation_units(tp, split)         saved activations per token and layer, 2-byte units
 
@@ -37,6 +39,7 @@ class Family:
     name = ""
     head_names: tuple[str, ...] = ()
     shape_fields: tuple[str, ...] = ()
+    vmappable = True
 
     def __init__(self, cfg: ModelConfig):
         self.cfg, self.dtype = cfg, jnp.dtype(cfg.dtype)

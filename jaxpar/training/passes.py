@@ -80,7 +80,8 @@ def make_grad_fn(cfg: Config, model: Transformer, grad_shardings: dict):
             metrics, grads = run(0, inputs[0], targets[0])
             return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
         # The groups are data-parallel devices' rows: not where another axis splits the rows too.
-        if dp == 1 or use_dropout or rounds is not None or split_ways(mesh, "batch") != dp:
+        if (dp == 1 or use_dropout or rounds is not None or split_ways(mesh, "batch") != dp
+                or not model.family.vmappable):
             metrics, grads = accumulate(run, inputs, targets, params, grad_shardings)
         else:
             metrics, grads = accumulate_locally(run, inputs, targets, params, grad_shardings, dp)
