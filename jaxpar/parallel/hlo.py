@@ -12,7 +12,7 @@ KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "al
 OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-            "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+            "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "token": 0}  # token[]: an ordering edge, no data
 
 
 def shape_bytes(shape: str) -> int:
