@@ -64,6 +64,26 @@ def test_the_loop_is_a_real_control():
     assert not np.allclose(per_expert_loop(h, p, 2, True), per_expert_loop(h, p, 2, False), rtol=1e-3)
 
 
+def test_capacity_keeps_each_sequences_first_assignments_to_an_expert():
+    experts = jnp.array([[0, 1], [0, 2], [0, 1], [2, 0]])  # 2 sequences of 2 tokens, k=2
+    keep = moe.within_capacity(experts, 2, capacity=1)
+    np.testing.assert_array_equal(keep, [[True, True], [False, True], [True, True], [True, False]])
+
+
+def test_a_capacity_factor_drops_the_same_on_every_layout():
+    """Capacity 1.0 drops assignments (counted) and trains as one device on ep=2; a factor of E/k
+    (room for every token) is the dropless run exactly."""
+    capped = {"model.moe_capacity_factor": 1.0}
+    one, split = train(config=MOE, **capped), train("dp=2,ep=2", config=MOE, **capped)
+    dropped = [one.aux[s]["moe_dropped"] for s in sorted(one.aux)]
+    assert min(dropped) > 0.01 and not np.allclose(losses(one), losses(reference()), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(losses(split), losses(one), rtol=LOSS_RTOL)
+    np.testing.assert_allclose([split.aux[s]["moe_dropped"] for s in sorted(split.aux)], dropped, rtol=LOSS_RTOL)
+    roomy = train(config=MOE, **{"model.moe_capacity_factor": 2.0})  # tiny_moe: E/k = 4/2
+    np.testing.assert_array_equal(losses(roomy), losses(reference()))
+    assert all(roomy.aux[s]["moe_dropped"] == 0 for s in roomy.aux)
+
+
 def aux_of(result) -> np.ndarray:
     return np.array([[result.aux[s][name] for name in ("moe_balance", "moe_z", "moe_load")]
                      for s in sorted(result.aux)])
@@ -168,6 +188,8 @@ def test_a_checkpoint_resumes_on_another_expert_layout(trained, tmp_path):
     (["--model.n_experts=4"], ["model.n_experts is a llama-only setting"]),
     (["--config", MOE, "--model.router_aux_coef=-1"], ["model.router_aux_coef must be >= 0"]),
     (["--config", MOE, "--model.moe_dispatch=magic"], ["model.moe_dispatch must be one of"]),
+    (["--config", MOE, "--model.moe_capacity_factor=-1"], ["model.moe_capacity_factor must be >= 0"]),
+    (["--config", MOE, "--model.moe_capacity_factor=1", "--mesh", "dp=4,cp=2"], ["cp=2 splits the sequences"]),
 ])
 def test_bad_moe_settings_fail_in_one_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, argv, *expected)

@@ -90,6 +90,9 @@ class ModelConfig:
     router_aux_coef: float = only_for("llama", 0.01)
     router_z_coef: float = only_for("llama", 0.001)
     moe_dispatch: str = only_for("llama", "auto")
+    # 0: dropless. Else each expert takes at most ceil(factor * T * k / E) assignments of a sequence
+    # of T tokens, in token order; the rest are dropped (their weight 0) and counted (moe_dropped).
+    moe_capacity_factor: float = only_for("llama", 0.0)
 
     @property
     def kv_heads(self) -> int:
@@ -184,7 +187,7 @@ def check_experts(m: ModelConfig) -> None:
     if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
         raise UserError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
                         f"model.n_experts={m.n_experts}; choose fewer experts per token or more experts")
-    for name in ("router_aux_coef", "router_z_coef"):
+    for name in ("router_aux_coef", "router_z_coef", "moe_capacity_factor"):
         if getattr(m, name) < 0:
             raise UserError(f"model.{name} must be >= 0, got {getattr(m, name)}")
     if m.moe_dispatch not in MOE_DISPATCHES:

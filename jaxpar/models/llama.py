@@ -123,7 +123,8 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     losses = {}
     if cfg.n_experts:
         y, losses = moe.moe_mlp(matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype)
-        losses["moe_load"] = losses["moe_load"] / cfg.n_layer  # summed over the layers: their mean
+        for logged in ("moe_load", "moe_dropped"):  # summed over the layers: their mean
+            losses[logged] = losses[logged] / cfg.n_layer
     else:
         h = project("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"], dtype)
         h = constrain(swiglu(h, dtype), ("tokens", "mlp"))
@@ -166,7 +167,7 @@ class Llama(Family):
     def loss_weights(self) -> dict[str, float]:
         """The test-only loss's, and a mixture of experts' router losses (the load: logged only)."""
         m = self.cfg
-        router = {"moe_balance": m.router_aux_coef, "moe_z": m.router_z_coef, "moe_load": 0.0}
+        router = {"moe_balance": m.router_aux_coef, "moe_z": m.router_z_coef, "moe_load": 0.0, "moe_dropped": 0.0}
         return super().loss_weights() | (router if m.n_experts else {})
 
     def logits(self, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:

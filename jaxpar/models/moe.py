@@ -1,5 +1,6 @@
 """A mixture-of-experts feed-forward: a float32 router picks k of E SwiGLU experts per token, and
-every token reaches its k experts (dropless).
+every token reaches its k experts (dropless), unless a capacity factor caps what an expert takes
+from each sequence: the assignments past it, in token order, are dropped (weight 0).
 
 The experts are split over the 'expert' mesh axis, each device holding E/ep of them, and the tokens
 are split over it as further data parallelism. Inside `shard_map`, each device sorts its tokens'
@@ -20,10 +21,13 @@ and, for the logs, the load: the busiest expert's tokens over the mean. A sequen
 context ring sums its parts first.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import EXPERT
+from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import active_rules, constrain, names_of, per_device, sequence_ring
 from jaxpar.models.kernels import platform_of
 
@@ -125,6 +129,19 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep
     return jnp.zeros_like(back).at[order].set(back)
 
 
+def within_capacity(experts: jax.Array, B: int, capacity: int) -> jax.Array:
+    """experts (B*T, k) -> (B*T, k) bool: whether each assignment is among the first `capacity` of
+    its sequence to its expert, in token order (then choice order)."""
+    k = experts.shape[-1]
+    flat = experts.reshape(B, -1)
+    order = jnp.argsort(flat, axis=1, stable=True)
+    by_expert_sorted = jnp.take_along_axis(flat, order, axis=1)
+    first = jax.vmap(lambda e: jnp.searchsorted(e, e, side="left"))(by_expert_sorted)
+    rank_sorted = jnp.arange(flat.shape[1])[None] - first
+    rank = jnp.zeros_like(rank_sorted).at[jnp.arange(B)[:, None], order].set(rank_sorted)
+    return (rank < capacity).reshape(-1, k)
+
+
 def sequence_stats(logits, probs, experts, B: int, seq_len: int, seq_axes: tuple):
     """Per sequence (B,): the load-balancing loss, the z-loss and the load, from this device's
     tokens of each sequence, summed over the axes that split the sequence."""
@@ -174,24 +191,37 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype) -> tuple[jax.Array, dict]:
     summed_over = tuple(a for a in names_of(active_rules()["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
                         if not mesh.empty and mesh.shape[a] > 1)
     k, seq_len = cfg.experts_per_token, h.shape[1]
+    if cfg.moe_capacity_factor and seq_axes:
+        raise UserError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} ranks each sequence's tokens in "
+                        f"order, and cp={ring} splits the sequences; use cp=1, or drop the capacity factor")
 
     def on_device(h, router, gate_up, out):
         B, T, C = h.shape
         x = h.reshape(B * T, C)
         logits, probs, weights, experts = route(x, router, k, cfg.moe_renormalize)
+        dropped = jnp.zeros((B,), jnp.float32)
+        if cfg.moe_capacity_factor:  # a dropped assignment's weight is 0: the token keeps the others
+            keep = within_capacity(experts, B, capacity(cfg, seq_len))
+            weights, dropped = weights * keep, 1 - keep.reshape(B, -1).mean(1)
         y = experts_of_device(jnp.repeat(x, k, axis=0), experts.reshape(-1), gate_up, out, dtype, ep, mode)
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
         if summed_over:
             y = jax.lax.psum(y, summed_over)
         return (y.astype(dtype).reshape(B, T, C),
-                *sequence_stats(logits, probs, experts, B, seq_len, seq_axes))
+                *sequence_stats(logits, probs, experts, B, seq_len, seq_axes), dropped)
 
     weights = (p["router"]["kernel"], p["experts_gate_up"]["kernel"], p["experts_out"]["kernel"])
     if not mesh.empty:  # else one device's computation as it is
         on_device = per_device(
             on_device, (("batch", "seq", "embed"), ("embed", "routes"), ("experts", "embed", "gate_up", "mlp"),
                         ("experts", "mlp", "embed")),
-            (("batch", "seq", "embed"), ("batch",), ("batch",), ("batch",)))
+            (("batch", "seq", "embed"), ("batch",), ("batch",), ("batch",), ("batch",)))
         h = constrain(h, ("batch", "seq", "embed"))
-    y, balance, z, load = on_device(h, *weights)
-    return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load)}
+    y, balance, z, load, dropped = on_device(h, *weights)
+    return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load),
+               "moe_dropped": jnp.mean(dropped)}
+
+
+def capacity(cfg, seq_len: int) -> int:
+    """Assignments an expert takes from one sequence: capacity_factor x its fair share, T k / E."""
+    return max(1, math.ceil(cfg.moe_capacity_factor * seq_len * cfg.experts_per_token / cfg.n_experts))
