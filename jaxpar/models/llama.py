@@ -122,7 +122,7 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     x = x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[1])
     losses = {}
     if cfg.n_experts:
-        y, losses = moe.moe_mlp(matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype)
+        y, losses = moe.moe_mlp(matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype, cache is None)
         for logged in ("moe_load", "moe_dropped"):  # summed over the layers: their mean
             losses[logged] = losses[logged] / cfg.n_layer
     else:

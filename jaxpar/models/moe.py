@@ -180,9 +180,10 @@ def dispatch_mode(cfg, mesh) -> str:
     return "all_to_all" if platform_of(mesh) == "cpu" else "ragged"
 
 
-def moe_mlp(h: jax.Array, p: dict, cfg, dtype) -> tuple[jax.Array, dict]:
+def moe_mlp(h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax.Array, dict]:
     """h (batch, seq, embed), normed -> (the experts' mixture (batch, seq, embed) in dtype, the
-    router's per-sequence losses and load, means over this batch's sequences)."""
+    router's per-sequence losses and load, means over this batch's sequences). `capped`: apply
+    the capacity factor, if any (not while decoding, where a step sees part of a sequence)."""
     mesh = jax.sharding.get_abstract_mesh()
     mode = dispatch_mode(cfg, mesh)
     ep = 1 if mesh.empty else mesh.shape.get(EXPERT, 1)
@@ -190,8 +191,8 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype) -> tuple[jax.Array, dict]:
     seq_axes = (ring_axis,) if ring > 1 else ()
     summed_over = tuple(a for a in names_of(active_rules()["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
                         if not mesh.empty and mesh.shape[a] > 1)
-    k, seq_len = cfg.experts_per_token, h.shape[1]
-    if cfg.moe_capacity_factor and seq_axes:
+    k, seq_len, factor = cfg.experts_per_token, h.shape[1], cfg.moe_capacity_factor if capped else 0
+    if factor and seq_axes:
         raise UserError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} ranks each sequence's tokens in "
                         f"order, and cp={ring} splits the sequences; use cp=1, or drop the capacity factor")
 
@@ -200,7 +201,7 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype) -> tuple[jax.Array, dict]:
         x = h.reshape(B * T, C)
         logits, probs, weights, experts = route(x, router, k, cfg.moe_renormalize)
         dropped = jnp.zeros((B,), jnp.float32)
-        if cfg.moe_capacity_factor:  # a dropped assignment's weight is 0: the token keeps the others
+        if factor:  # a dropped assignment's weight is 0: the token keeps the others
             keep = within_capacity(experts, B, capacity(cfg, seq_len))
             weights, dropped = weights * keep, 1 - keep.reshape(B, -1).mean(1)
         y = experts_of_device(jnp.repeat(x, k, axis=0), experts.reshape(-1), gate_up, out, dtype, ep, mode)
