@@ -92,8 +92,9 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
                ("n_kv_head", kv, f"num_key_value_heads={kv}"), ("norm_eps", eps, f"rms_norm_eps={eps}"),
                ("tie_embeddings", tied, f"tie_word_embeddings={json.dumps(tied)}"),
                ("max_positions", positions, f"max_position_embeddings={positions}")]
-    head_dim = int(config.get("head_dim") or 0)  # 0: hidden_size / num_attention_heads, as jaxpar's default
-    head_dim *= head_dim * int(config["num_attention_heads"]) != int(config["hidden_size"])
+    head_dim = int(config.get("head_dim") or 0)
+    if head_dim * int(config["num_attention_heads"]) == int(config["hidden_size"]):
+        head_dim = 0  # hidden_size / num_attention_heads: jaxpar's default
     qk_norm = "head" if config.get("model_type") in QK_NORMED else "none"
     fields += [("head_dim", head_dim, f"head_dim={config.get('head_dim')}"),
                ("qk_norm", qk_norm, f"model_type={config.get('model_type')}"),

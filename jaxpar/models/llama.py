@@ -109,7 +109,7 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     q = project("nc,chd->nhd", h, p["q"]["kernel"], dtype).astype(dtype)
     kv = project("nc,cskd->nskd", h, p["kv"]["kernel"], dtype).astype(dtype)
     # A token's true position: in a context ring's layout too, and after the cache's.
-    k, v = kv[:, 0], kv[:, 1]
+    k, v = (part[:, 0] for part in jnp.split(kv, 2, 1))
     if cfg.qk_norm != "none":  # over (head_dim,) or (heads, head_dim) of the (tokens, heads, head_dim)
         axes_normed = (-1,) if cfg.qk_norm == "head" else (-2, -1)
         q, k = (rms_norm(a, p[name], cfg.norm_eps, axes_normed) for a, name in ((q, "q_norm"), (k, "k_norm")))
