@@ -125,3 +125,23 @@ def test_dots_counted_exactly_when_xla_tpu_writes_them_as_convolutions(spec, sha
     letters = dict(zip(spec.split("->")[0].replace(",", ""), [d for s in shapes for d in s]))
     expected = 2 * jax.numpy.prod(jnp.array([letters[c] for c in set(letters)])).item()
     assert roofline.estimate(text, CHIP, 1)["hlo_flops_per_chip"] == expected
+
+
+def test_megablox_kernels_count_their_grouped_flops():
+    """gmm (rows by groups of matrices) and tgmm (each group's weight gradient), as XLA:TPU names
+    their custom calls: 2 m k n each, over the rows they are given, in their operands' dtype."""
+    from jaxpar.planning.hlo_ops import op_flops, parse
+    text = """ENTRY %main (g: s32[4], x: bf16[512,64], w: bf16[4,64,96], d: f32[512,96]) -> bf16[4,64,96] {
+  %g = s32[4]{0} parameter(0)
+  %x = bf16[512,64]{1,0} parameter(1)
+  %w = bf16[4,64,96]{2,1,0} parameter(2)
+  %d = f32[512,96]{1,0} parameter(3)
+  %gmm.1 = f32[512,96]{1,0} custom-call(%g, %x, %w), custom_call_target="tpu_custom_call"
+  ROOT %tgmm.1 = bf16[4,64,96]{2,1,0} custom-call(%g, %x, %d), custom_call_target="tpu_custom_call"
+}
+"""
+    comps, _, entry = parse(text)
+    ops = {o.name: o for o in comps[entry]}
+    shapes = {o.name: o.shape for o in comps[entry]}
+    assert op_flops(ops["gmm.1"], comps, shapes) == {"bf16": 2 * 512 * 64 * 96}
+    assert op_flops(ops["tgmm.1"], comps, shapes) == {"bf16": 2 * 512 * 64 * 96}

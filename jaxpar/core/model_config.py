@@ -16,6 +16,7 @@ FAMILIES = ("gpt2", "llama")  # model.family: a module each in jaxpar/models (ja
 ROPE_TYPES = ("default", "llama3")
 QK_NORMS = ("none", "head", "full")
 MOE_DISPATCHES = ("auto", "all_to_all", "ragged")  # jaxpar.models.moe
+MOE_GEMMS = ("auto", "ragged_dot", "megablox")
 
 
 def only_for(family: str, default):
@@ -90,6 +91,9 @@ class ModelConfig:
     router_aux_coef: float = only_for("llama", 0.01)
     router_z_coef: float = only_for("llama", 0.001)
     moe_dispatch: str = only_for("llama", "auto")
+    # The experts' grouped GEMM: ragged_dot (jax.lax), megablox (the Pallas kernels: their backward
+    # takes the weights' gradient group by group; interpreted off TPU), or auto (megablox on TPU).
+    moe_gemm: str = only_for("llama", "auto")
     # 0: dropless. Else each expert takes at most ceil(factor * T * k / E) assignments of a sequence
     # of T tokens, in token order; the rest are dropped (their weight 0) and counted (moe_dropped).
     moe_capacity_factor: float = only_for("llama", 0.0)
@@ -192,3 +196,5 @@ def check_experts(m: ModelConfig) -> None:
             raise UserError(f"model.{name} must be >= 0, got {getattr(m, name)}")
     if m.moe_dispatch not in MOE_DISPATCHES:
         raise UserError(f"model.moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got '{m.moe_dispatch}'")
+    if m.moe_gemm not in MOE_GEMMS:
+        raise UserError(f"model.moe_gemm must be one of {', '.join(MOE_GEMMS)}, got '{m.moe_gemm}'")

@@ -22,6 +22,7 @@ context ring sums its parts first.
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,24 +43,53 @@ def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
     return logits, probs, weights, experts
 
 
-def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, gate_up: jax.Array, out: jax.Array, dtype):
+class Experts(NamedTuple):
+    """A device's E_l experts and how they compute: their fused gate and up (E_l, C, 2, F) and
+    down (E_l, F, C) weights, the matmuls' dtype, and the grouped GEMM (model.moe_gemm)."""
+    gate_up: jax.Array
+    out: jax.Array
+    dtype: object
+    gemm: str = "ragged_dot"
+
+
+def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
+    """ragged_dot by the Megablox kernels (Pallas, TPU; interpreted elsewhere): their backward
+    takes the weights' gradient group by group (tgmm), where XLA:TPU's ragged_dot transpose is a
+    dense product over every group. Rows past the groups are zero, and so is their gradient."""
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+    m, k, n = x.shape[0], x.shape[1], w.shape[-1]
+    tm = 128 if m >= 128 else -(-m // 8) * 8
+    rows = jnp.arange(-(-m // tm) * tm)
+    grouped = rows < jnp.sum(group_sizes)
+    x = jnp.where(grouped[:, None], jnp.pad(x, ((0, rows.shape[0] - m), (0, 0))), 0)
+    y = megablox.gmm(x, w, group_sizes, jnp.float32, (tm, min(k, 128), min(n, 128)), None, None, False, interpret)
+    return jnp.where(grouped[:, None], y, 0)[:m]
+
+
+def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str) -> jax.Array:
+    """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix."""
+    if gemm == "megablox":
+        return megablox_gemm(x, w, group_sizes, interpret=platform_of(jax.sharding.get_abstract_mesh()) != "tpu")
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+
+def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.Array:
     """x (rows, C) sorted by expert, group_sizes (E_l,) -> (rows, C): each group through its own
-    expert (gate_up (E_l, C, 2, F), out (E_l, F, C)) as two grouped GEMMs; rows past the groups
-    give zeros."""
-    E_l, C, _, F = gate_up.shape
-    h = jax.lax.ragged_dot(x.astype(dtype), gate_up.reshape(E_l, C, 2 * F).astype(dtype), group_sizes,
-                           preferred_element_type=jnp.float32)
+    expert as two grouped GEMMs; rows past the groups give zeros."""
+    E_l, C, _, F = local.gate_up.shape
+    dtype = local.dtype
+    h = grouped_gemm(x.astype(dtype), local.gate_up.reshape(E_l, C, 2 * F).astype(dtype), group_sizes, local.gemm)
     h = (jax.nn.silu(h[:, :F].astype(dtype)) * h[:, F:].astype(dtype)).astype(dtype)
-    return jax.lax.ragged_dot(h, out.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+    return grouped_gemm(h, local.out.astype(dtype), group_sizes, local.gemm)
 
 
-def run_local_experts(rows: jax.Array, local_expert: jax.Array, gate_up, out, dtype) -> jax.Array:
+def run_local_experts(rows: jax.Array, local_expert: jax.Array, local: Experts) -> jax.Array:
     """rows (R, C), each for local expert local_expert[r] (E_l: for none) -> (R, C) in the same
     order, zero where none: sorted by expert for one grouped GEMM, then put back."""
-    E_l = gate_up.shape[0]
+    E_l = local.gate_up.shape[0]
     order = jnp.argsort(local_expert, stable=True)
     group_sizes = jnp.bincount(local_expert, length=E_l + 1)[:E_l].astype(jnp.int32)
-    y = grouped_swiglu(rows[order], group_sizes, gate_up, out, dtype)
+    y = grouped_swiglu(rows[order], group_sizes, local)
     y = jnp.zeros_like(y).at[order].set(y)
     return jnp.where((local_expert < E_l)[:, None], y, 0)
 
@@ -75,12 +105,12 @@ def by_expert(experts: jax.Array, ep: int, E_l: int):
     return jnp.argsort(experts, stable=True), jnp.bincount(experts, length=ep * E_l).reshape(ep, E_l)
 
 
-def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep: int) -> jax.Array:
+def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, local: Experts, ep: int) -> jax.Array:
     """rows (A, C) of this device's assignments, each for global expert experts[a] -> (A, C):
     sent to their experts' devices in fixed buffers of A rows each (nothing drops), computed
     there, sent back."""
     A, C = rows.shape
-    E_l = gate_up.shape[0]
+    E_l = local.gate_up.shape[0]
     order, counts = by_expert(experts, ep, E_l)
     per_device = counts.sum(1)
     start = jnp.cumsum(per_device) - per_device
@@ -91,19 +121,19 @@ def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, gate_up, out, dtype
     received, received_counts = exchange(send, EXPERT), exchange(counts, EXPERT)
     # The rows from each source arrive sorted by this device's experts, then padding.
     ends = jnp.cumsum(received_counts, axis=1)
-    local = jax.vmap(lambda e: jnp.searchsorted(e, slot, side="right"))(ends)  # (ep, A), E_l: padding
-    y = run_local_experts(received.reshape(ep * A, C), local.reshape(-1), gate_up, out, dtype)
+    local_of = jax.vmap(lambda e: jnp.searchsorted(e, slot, side="right"))(ends)  # (ep, A), E_l: padding
+    y = run_local_experts(received.reshape(ep * A, C), local_of.reshape(-1), local)
     back = exchange(y.reshape(ep, A, C), EXPERT)
     destination = experts[order] // E_l  # of each sorted row, whose place in its buffer is slot - start
     y_sorted = back[destination, slot - start[destination]]
     return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
 
 
-def dispatch_ragged(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep: int) -> jax.Array:
+def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int) -> jax.Array:
     """dispatch_all_to_all with `ragged_all_to_all`: each destination gets exactly its rows, into a
     buffer with room for every source's (TPU and GPU; XLA:CPU has no ragged-all-to-all)."""
     A, C = rows.shape
-    E_l = gate_up.shape[0]
+    E_l = local.gate_up.shape[0]
     order, counts = by_expert(experts, ep, E_l)
     send_sizes = counts.sum(1).astype(jnp.int32)
     send_starts = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
@@ -119,9 +149,9 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, gate_up, out, dtype, ep
     slot = jnp.arange(ep * A)
     source = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_sizes), slot, side="right"), 0, ep - 1)
     ends = jnp.cumsum(received_counts, axis=1)[source]  # (ep * A, E_l)
-    local = jnp.sum((slot - recv_starts[source])[:, None] >= ends, axis=1)
-    local = jnp.where(slot < recv_sizes.sum(), local, E_l)
-    y = run_local_experts(received, local, gate_up, out, dtype).astype(rows.dtype)
+    local_of = jnp.sum((slot - recv_starts[source])[:, None] >= ends, axis=1)
+    local_of = jnp.where(slot < recv_sizes.sum(), local_of, E_l)
+    y = run_local_experts(received, local_of, local).astype(rows.dtype)
     # Back to each source, at the offset its rows left from.
     came_from = jax.lax.all_gather(send_starts, EXPERT)[:, me]
     back = jax.lax.ragged_all_to_all(y, jnp.zeros((A, C), rows.dtype), recv_starts, recv_sizes, came_from,
@@ -156,16 +186,23 @@ def sequence_stats(logits, probs, experts, B: int, seq_len: int, seq_axes: tuple
     return balance, z_sums / seq_len, load
 
 
-def experts_of_device(rows, experts, gate_up, out, dtype, ep: int, mode: str):
+def experts_of_device(rows, experts, local: Experts, ep: int, mode: str):
     """Each assignment's expert output (A, C) float32, by `mode` (see `moe_mlp`)."""
     if mode == "all_to_all":
-        return dispatch_all_to_all(rows, experts, gate_up, out, dtype, ep)
+        return dispatch_all_to_all(rows, experts, local, ep)
     if mode == "ragged":
-        return dispatch_ragged(rows, experts, gate_up, out, dtype, ep)
-    E_l = gate_up.shape[0]
+        return dispatch_ragged(rows, experts, local, ep)
+    E_l = local.gate_up.shape[0]
     first = jax.lax.axis_index(EXPERT) * E_l if mode == "replicated" else 0
     mine = (experts >= first) & (experts < first + E_l)
-    return run_local_experts(rows, jnp.where(mine, experts - first, E_l), gate_up, out, dtype)
+    return run_local_experts(rows, jnp.where(mine, experts - first, E_l), local)
+
+
+def gemm_of(cfg, mesh) -> str:
+    """model.moe_gemm: `auto` is Megablox on TPU, ragged_dot elsewhere."""
+    if cfg.moe_gemm != "auto":
+        return cfg.moe_gemm
+    return "megablox" if platform_of(mesh) == "tpu" else "ragged_dot"
 
 
 def dispatch_mode(cfg, mesh) -> str:
@@ -185,7 +222,7 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax
     router's per-sequence losses and load, means over this batch's sequences). `capped`: apply
     the capacity factor, if any (not while decoding, where a step sees part of a sequence)."""
     mesh = jax.sharding.get_abstract_mesh()
-    mode = dispatch_mode(cfg, mesh)
+    mode, gemm = dispatch_mode(cfg, mesh), gemm_of(cfg, mesh)
     ep = 1 if mesh.empty else mesh.shape.get(EXPERT, 1)
     ring_axis, ring = sequence_ring()
     seq_axes = (ring_axis,) if ring > 1 else ()
@@ -204,7 +241,8 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax
         if factor:  # a dropped assignment's weight is 0: the token keeps the others
             keep = within_capacity(experts, B, capacity(cfg, seq_len))
             weights, dropped = weights * keep, 1 - keep.reshape(B, -1).mean(1)
-        y = experts_of_device(jnp.repeat(x, k, axis=0), experts.reshape(-1), gate_up, out, dtype, ep, mode)
+        local = Experts(gate_up, out, dtype, gemm)
+        y = experts_of_device(jnp.repeat(x, k, axis=0), experts.reshape(-1), local, ep, mode)
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
         if summed_over:
             y = jax.lax.psum(y, summed_over)

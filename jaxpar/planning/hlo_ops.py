@@ -126,6 +126,17 @@ def gemm_flops(op: Op, shapes: dict) -> float:
     return 2.0 * math.prod(dims(op.shape)) * contracted
 
 
+def grouped_gemm_flops(op: Op, shapes: dict) -> float:
+    """Megablox's gmm (lhs (m, k) by groups of rhs -> (m, n)) and tgmm (lhs (k, m), rhs (m, n) ->
+    (groups, k, n)): 2 m k n, over every row it is given (a dispatch's buffer counted as full,
+    so up to ep times the routed rows' FLOPs)."""
+    target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
+    if (target and target.group(1) != "tpu_custom_call") or not re.match(r"t?gmm(\.|$)", op.name):
+        return 0.0
+    floats = [dims(shapes.get(o, "")) for o in op.operands if re.match(r"\(?(bf16|f16|f32)\[", shapes.get(o, ""))]
+    return 2.0 * math.prod(floats[0]) * dims(op.shape)[-1] if floats else 0.0
+
+
 def op_flops(op: Op, comps: dict, shapes: dict) -> dict[str, float]:
     """{the operands' dtype: FLOPs} of an op, a fusion's summed over the ops inside it."""
     dtype = (hlo.ARRAY.search(shapes.get(op.operands[0], "")) or [None, "?"])[1] if op.operands else "?"
@@ -134,8 +145,10 @@ def op_flops(op: Op, comps: dict, shapes: dict) -> dict[str, float]:
     if op.opcode == "convolution":
         return {dtype: convolution_flops(op, shapes)}
     if op.opcode == "custom-call":
-        flops = gemm_flops(op, shapes) if "__cublas$" in op.attrs else attention_flops(op, shapes)
-        return {dtype: flops} if flops else {}
+        flops = (gemm_flops(op, shapes) if "__cublas$" in op.attrs else
+                 attention_flops(op, shapes) or grouped_gemm_flops(op, shapes))
+        floats = [m.group(1) for o in op.operands if (m := re.match(r"\(?(bf16|f16|f32)\[", shapes.get(o, "")))]
+        return {floats[0] if floats else dtype: flops} if flops else {}
     total: dict[str, float] = {}
     if op.opcode == "fusion" and (callee := called(op, "calls")):
         inner = comps.get(callee, [])
