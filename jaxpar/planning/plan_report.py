@@ -34,6 +34,13 @@ def collectives_cell(collectives: dict) -> str:
                     for k, v in collectives.items()) or "none"
 
 
+def mlp_text(m) -> str:
+    """The MLP as the model has it: its width, or its experts."""
+    if m.n_experts:
+        return f"{m.n_experts} experts {m.expert_width} wide, top {m.experts_per_token}"
+    return f"MLP {m.mlp_width}"
+
+
 def table(rows: list, with_rank: bool = True) -> list[str]:
     head = (["#"] if with_rank else []) + ["layout", "HBM/chip GiB", "TFLOP/chip", "collectives "
             "per step (count, MiB)", "ops ms", "exposed comms ms", "bubble", "step ms ≥", "tokens/s ≤", "MFU ≤"]
@@ -65,7 +72,7 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
     out = [f"# Plan for {target.name}" + (f" ({target.topology})" if target.topology else ""),
            "",
            f"Model: {m.family}, {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads "
-           f"({m.kv_heads} KV), MLP {m.mlp_width}, block {m.block_size}, "
+           f"({m.kv_heads} KV), {mlp_text(m)}, block {m.block_size}, "
            f"{m.dtype}, attention kernel {attention}; batch {cfg.train.batch_size} sequences. Chip: {chip.kind}, "
            f"{chip.hbm_bytes / GiB:,.1f} GiB, {chip.peak_flops / 1e12:,.0f} TFLOP/s, "
            f"{chip.link_bytes_per_s / 1e9:,.0f} GB/s per link and direction ({chip.source}).", "",
