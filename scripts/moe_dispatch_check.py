@@ -10,8 +10,10 @@ The model is tiny_moe with 8 experts (one a chip), bfloat16, block 256 and 4 row
 
 For each dispatch it prints whether the compiled step holds ragged-all-to-all and the grouped GEMM
 (the instructions XLA lowers ragged_dot to: on TPU, ragged-dot fusions and their metadata calls; on
-GPU, the dot instructions XLA makes of it), the dense all-to-all bytes per step that the HLO moves against the minimum (tokens x k x d_model x bytes, out and back, forward and backward,
-per MoE layer), and the compiled step's HBM per chip. Needs the tpu extra, or jax[cuda12].
+GPU, the dot instructions XLA makes of it), the dense all-to-all bytes per step that the HLO moves
+against the minimum (tokens x k x d_model x bytes, out and back, forward and backward, per MoE
+layer), and the compiled step's HBM per chip. The grouped GEMM is `ragged_dot` (model.moe_gemm;
+pass --model.moe_gemm=megablox for TPU's default kernels). Needs the tpu extra, or jax[cuda12].
 """
 
 import argparse
@@ -64,7 +66,7 @@ def main():
           "all-to-all bytes/step (HLO) | minimum | HBM per chip |\n|---|---|---|---|---|---|---|")
     for dispatch in ("ragged", "all_to_all"):
         overrides = {"mesh.ep": "8", "mesh.dp": str(target.chips // 8), "model.moe_dispatch": dispatch,
-                     "model.n_experts": "8", "model.dtype": "bfloat16", "train.batch_size": str(4 * target.chips),
+                     "model.n_experts": "8", "model.moe_gemm": "ragged_dot", "model.dtype": "bfloat16", "train.batch_size": str(4 * target.chips),
                      "model.block_size": "256", **parse_overrides(rest)}
         cfg = load_config(args.config, overrides)
         vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)

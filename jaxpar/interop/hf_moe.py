@@ -40,10 +40,11 @@ def refused_variants(config: dict) -> list[str]:
         found.append(f"grouped routing (n_group={config.get('n_group')}, topk_group={config.get('topk_group')})")
     if config.get("router_jitter_noise"):
         found.append(f"router jitter (router_jitter_noise={config['router_jitter_noise']})")
-    dense_layers = config.get("mlp_only_layers") or config.get("first_k_dense_replace")
-    if (config.get("decoder_sparse_step") or 1) != 1 or dense_layers:
-        found.append("dense layers between the sparse ones (decoder_sparse_step="
-                     f"{config.get('decoder_sparse_step')}, mlp_only_layers={config.get('mlp_only_layers')})")
+    dense = [f"{key}={config[key]}" for key in ("mlp_only_layers", "first_k_dense_replace") if config.get(key)]
+    if (config.get("decoder_sparse_step") or 1) != 1:
+        dense.insert(0, f"decoder_sparse_step={config['decoder_sparse_step']}")
+    if dense:
+        found.append(f"dense layers between the sparse ones ({', '.join(dense)})")
     return found
 
 
@@ -72,13 +73,14 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
     return fields, vocab_size, positions
 
 
-def dialect_of(cfg: Config) -> dict:
-    """The HF architecture this model is: Qwen3-MoE with per-head QK-norm, else Mixtral."""
+def model_type(cfg: Config) -> str:
+    """The HF architecture this model is (a key of DIALECTS): Qwen3-MoE with per-head QK-norm,
+    else Mixtral."""
     m = cfg.model
     if m.qk_norm == "head":
-        return DIALECTS["qwen3_moe"]
+        return "qwen3_moe"
     if m.qk_norm == "none" and m.moe_renormalize:
-        return DIALECTS["mixtral"]
+        return "mixtral"
     raise UserError(f"no Hugging Face architecture jaxpar writes computes this mixture of experts (model.qk_norm="
                     f"{m.qk_norm}, moe_renormalize={m.moe_renormalize}): Mixtral renormalises and has no "
                     "QK-norm, Qwen3-MoE has per-head QK-norm (qk_norm=head)")
@@ -114,13 +116,9 @@ def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: P
     return out
 
 
-def model_type(cfg: Config) -> str:
-    return next(kind for kind, d in DIALECTS.items() if d is dialect_of(cfg))
-
-
 def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """Llama's tensors, then the router's and every expert's under the dialect's names."""
-    dialect = dialect_of(cfg)
+    dialect = DIALECTS[model_type(cfg)]
     blocks = params["blocks"]
     dense = {**params, "blocks": {k: v for k, v in blocks.items() if k not in EXPERT_PARAMS}}
     out = hf_llama.state_dict(dense, declared, cfg, vocab_size, dtype)

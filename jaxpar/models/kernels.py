@@ -79,6 +79,12 @@ def describe(model_cfg, mesh) -> str:
     return f"{kernel} ({note})" if note else kernel
 
 
+def off_tpu() -> bool:
+    """Whether the code being traced is for another platform than TPU: Pallas's TPU kernels
+    (splash, Megablox) then run in interpret mode, as in the tests on CPU."""
+    return platform_of(jax.sharding.get_abstract_mesh()) != "tpu"
+
+
 def platform_of(mesh) -> str:
     """The platform of a mesh's devices; the default backend's for an empty (abstract) mesh."""
     mesh = getattr(mesh, "abstract_mesh", mesh)
@@ -108,7 +114,7 @@ def fused_attention(kernel: str, q, k, v):
 def local_kernel(kernel: str):
     """The one-device function of a fused kernel: splash (interpreted off TPU) or cuDNN."""
     if kernel == "splash":
-        return functools.partial(splash, interpret=platform_of(jax.sharding.get_abstract_mesh()) != "tpu")
+        return functools.partial(splash, interpret=off_tpu())
     return cudnn
 
 

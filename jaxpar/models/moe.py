@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jaxpar.core.axes import EXPERT
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import active_rules, constrain, names_of, per_device, sequence_ring
-from jaxpar.models.kernels import platform_of
+from jaxpar.models.kernels import off_tpu, platform_of
 
 
 def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
@@ -49,7 +49,7 @@ class Experts(NamedTuple):
     gate_up: jax.Array
     out: jax.Array
     dtype: object
-    gemm: str = "ragged_dot"
+    gemm: str
 
 
 def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
@@ -69,7 +69,7 @@ def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret:
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str) -> jax.Array:
     """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix."""
     if gemm == "megablox":
-        return megablox_gemm(x, w, group_sizes, interpret=platform_of(jax.sharding.get_abstract_mesh()) != "tpu")
+        return megablox_gemm(x, w, group_sizes, interpret=off_tpu())
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 

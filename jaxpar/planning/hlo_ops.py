@@ -98,6 +98,14 @@ def convolution_flops(op: Op, shapes: dict) -> float:
     return 2.0 * lhs[lhs_l.index("b")] * out[out_l.index("f")] * lhs[lhs_l.index("f")] / groups * positions
 
 
+FLOAT_ARRAY = re.compile(r"\(?(bf16|f16|f32)\[")
+
+
+def float_operands(op: Op, shapes: dict) -> list[tuple[str, str]]:
+    """(dtype, shape) of an op's floating-point operands, in order (a kernel's integer metadata left out)."""
+    return [(m.group(1), shapes[o]) for o in op.operands if (m := FLOAT_ARRAY.match(shapes.get(o, "")))]
+
+
 def attention_flops(op: Op, shapes: dict) -> float:
     """A fused attention kernel's FLOPs from its query and key operands; 0 for other custom calls."""
     target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
@@ -106,8 +114,7 @@ def attention_flops(op: Op, shapes: dict) -> float:
                     or (key.startswith("splash") and name.startswith(key))), 0)
     if not matmuls:
         return 0.0
-    floats = [shapes.get(o, "") for o in op.operands]
-    arrays = [dims(s) for s in floats if re.match(r"\(?(bf16|f16|f32)\[", s)]  # not splash's mask tables
+    arrays = [dims(shape) for _, shape in float_operands(op, shapes)]  # not splash's mask tables
     if len(arrays) < 2:
         return 0.0
     q, k = arrays[0], arrays[1]
@@ -133,8 +140,8 @@ def grouped_gemm_flops(op: Op, shapes: dict) -> float:
     target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
     if (target and target.group(1) != "tpu_custom_call") or not re.match(r"t?gmm(\.|$)", op.name):
         return 0.0
-    floats = [dims(shapes.get(o, "")) for o in op.operands if re.match(r"\(?(bf16|f16|f32)\[", shapes.get(o, ""))]
-    return 2.0 * math.prod(floats[0]) * dims(op.shape)[-1] if floats else 0.0
+    floats = float_operands(op, shapes)
+    return 2.0 * math.prod(dims(floats[0][1])) * dims(op.shape)[-1] if floats else 0.0
 
 
 def op_flops(op: Op, comps: dict, shapes: dict) -> dict[str, float]:
@@ -147,8 +154,8 @@ def op_flops(op: Op, comps: dict, shapes: dict) -> dict[str, float]:
     if op.opcode == "custom-call":
         flops = (gemm_flops(op, shapes) if "__cublas$" in op.attrs else
                  attention_flops(op, shapes) or grouped_gemm_flops(op, shapes))
-        floats = [m.group(1) for o in op.operands if (m := re.match(r"\(?(bf16|f16|f32)\[", shapes.get(o, "")))]
-        return {floats[0] if floats else dtype: flops} if flops else {}
+        floats = float_operands(op, shapes)
+        return {floats[0][0] if floats else dtype: flops} if flops else {}
     total: dict[str, float] = {}
     if op.opcode == "fusion" and (callee := called(op, "calls")):
         inner = comps.get(callee, [])

@@ -10,6 +10,7 @@ collectives (jaxpar.planning.roofline): an upper bound on speed. Writes plan.md,
 
 import copy
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -237,17 +238,16 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     from tqdm import tqdm
 
     from jaxpar.data.loader import load_dataset, model_vocab
-    from jaxpar.models.family import abstract_model
+    from jaxpar.models.family import build_model
+    from jaxpar.models.params import in_order
     from jaxpar.planning.hardware import chip_for, target_devices
     from jaxpar.planning.plan_report import write_report
     devices = target_devices(target)
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
     chip = chip_for(target, devices, cfg.model.dtype)
-    _, shapes, axes = abstract_model(cfg, vocab)
-    n_params = sum(int(s.size) for s in jax.tree.leaves(shapes))
-    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
-    expert_params = sum(int(s.size) for s, names in zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=is_axes))
-                        if "experts" in names)
+    declared = [param for _, param in in_order(build_model(cfg, vocab).declared)]
+    n_params = sum(math.prod(param.shape) for param in declared)
+    expert_params = sum(math.prod(param.shape) for param in declared if "experts" in param.axes)
     candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
                                       args.remat, args.fixed)
     for c in candidates:
