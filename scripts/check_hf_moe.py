@@ -6,11 +6,13 @@ Needs torch and transformers 5.x, which jaxpar itself never does: run it in a se
 
     /tmp/torchref-venv/bin/python scripts/check_hf_moe.py --arch mixtral [--jaxpar-python .venv/bin/python]
     /tmp/torchref-venv/bin/python scripts/check_hf_moe.py --arch qwen3_moe
+    /tmp/torchref-venv/bin/python scripts/check_hf_moe.py --arch qwen3_moe_mixed
 
 The model: hidden 64, 2 layers, GQA 4/2 heads, 4 experts of width 96, top-2, untied lm_head, a
 character-level tokenizer. Mixtral renormalises the top-2 weights; Qwen3-MoE does not (norm_topk_prob
-false) and has head_dim 32 (not hidden / heads) and per-head q_norm/k_norm. Every RMSNorm weight is moved
-off 1. The checks, each printing its numbers and PASS/FAIL:
+false) and has head_dim 32 (not hidden / heads) and per-head q_norm/k_norm. qwen3_moe_mixed is that
+Qwen3-MoE with 4 layers, dense ones between the sparse: decoder_sparse_step 2 and mlp_only_layers [3], so
+layer 1 alone has experts and the others a dense MLP of width 192. Every RMSNorm weight is moved off 1. The checks, each printing its numbers and PASS/FAIL:
 
   1. `jaxpar.eval --hf` gives transformers' loss over every 256-token block of val, within 1e-4 relative;
   2. `jaxpar.sample --hf --temperature 0`, on one device and on ep=2,tp=2, gives transformers' greedy text;
@@ -28,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_hf_llama as check  # noqa: E402
 
-ARCHS = ("mixtral", "qwen3_moe")
+ARCHS = ("mixtral", "qwen3_moe", "qwen3_moe_mixed")
 MOE = {key: check.LLAMA[key] for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                          "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
                                          "tie_word_embeddings", "hidden_act", "bos_token_id", "eos_token_id",
@@ -44,8 +46,9 @@ def build_moe(arch: str):
         config = MixtralConfig(**MOE, intermediate_size=96, num_local_experts=4, attn_implementation="eager")
         model = MixtralForCausalLM(config)
     else:
-        config = Qwen3MoeConfig(**MOE, intermediate_size=192, moe_intermediate_size=96, num_experts=4, head_dim=32,
-                                norm_topk_prob=False, attn_implementation="eager")
+        mixed = {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]} if arch.endswith("mixed") else {}
+        config = Qwen3MoeConfig(**(MOE | mixed), intermediate_size=192, moe_intermediate_size=96, num_experts=4,
+                                head_dim=32, norm_topk_prob=False, attn_implementation="eager")
         model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():

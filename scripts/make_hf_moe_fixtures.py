@@ -12,6 +12,9 @@ numpy's default_rng(1234)) and transformers' float32 logits.npy on it (eager att
     hf_moe_qwen3     Qwen3MoeForCausalLM: 6 experts, top-2 without renormalisation (norm_topk_prob false),
                      head_dim 16 with hidden 32 and 4 heads, per-head q_norm/k_norm, tied embeddings;
                      saved in bfloat16, its logits those of the bf16 weights upcast to float32
+    hf_moe_qwen3_mixed  Qwen3MoeForCausalLM with dense layers between the sparse ones: 4 layers,
+                     decoder_sparse_step 2 and mlp_only_layers [3], so only layer 1 has its 4 experts
+                     (renormalised); the others a dense MLP 40 wide
     hf_qwen3_dense   Qwen3ForCausalLM: the dense Qwen3 (head_dim 16, per-head q_norm/k_norm, untied)
 
 Every RMSNorm weight (q_norm and k_norm too) is moved off 1. The script prints how many tokens each
@@ -47,6 +50,10 @@ FIXTURE_SPECS = {  # name: (model class, config, torch seed, input shape, saved 
     "hf_moe_qwen3": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
         **COMMON, intermediate_size=40, moe_intermediate_size=16, num_experts=6, head_dim=16, norm_topk_prob=False,
         tie_word_embeddings=True), 1235, (2, 16), torch.bfloat16, None),
+    "hf_moe_qwen3_mixed": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **(COMMON | {"num_hidden_layers": 4}), intermediate_size=40, moe_intermediate_size=16, num_experts=4,
+        head_dim=16, norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[3], tie_word_embeddings=False),
+        1237, (2, 16), torch.float32, None),
     "hf_qwen3_dense": (Qwen3ForCausalLM, Qwen3Config(
         **{k: v for k, v in COMMON.items() if k != "num_experts_per_tok"}, intermediate_size=40, head_dim=16,
         tie_word_embeddings=False), 1236, (2, 16), torch.float32, None),

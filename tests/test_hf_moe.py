@@ -28,18 +28,20 @@ from jaxpar.models.family import build_model
 from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MIXTRAL, QWEN3, QWEN3_DENSE = (FIXTURES / name for name in ("hf_moe_mixtral", "hf_moe_qwen3", "hf_qwen3_dense"))
+MIXTRAL, QWEN3, QWEN3_MIXED, QWEN3_DENSE = (FIXTURES / name for name in (
+    "hf_moe_mixtral", "hf_moe_qwen3", "hf_moe_qwen3_mixed", "hf_qwen3_dense"))
 RTOL = ATOL = 1e-5
 
 
 @pytest.mark.parametrize("hf_dir, spec", [(MIXTRAL, "dp=1"), (MIXTRAL, "ep=2,tp=2"), (QWEN3, "dp=1"),
-                                          (QWEN3, "ep=2,tp=2"), (QWEN3_DENSE, "tp=2")])
+                                          (QWEN3, "ep=2,tp=2"), (QWEN3_MIXED, "dp=1"), (QWEN3_MIXED, "ep=2"),
+                                          (QWEN3_DENSE, "tp=2")])
 def test_hf_moe_gives_transformers_logits(hf_dir, spec):
     cfg, vocab, mesh, shardings = placed_on(spec, 0, hf_dir)
     m = cfg.model
-    expected_shape = {MIXTRAL: (4, True, "none", 0), QWEN3: (6, False, "head", 16),
-                      QWEN3_DENSE: (0, True, "head", 16)}[hf_dir]
-    assert (m.n_experts, m.moe_renormalize, m.qk_norm, m.head_dim) == expected_shape
+    expected_shape = {MIXTRAL: (4, True, "none", 0, 2), QWEN3: (6, False, "head", 16, 2),
+                      QWEN3_MIXED: (4, True, "head", 16, 1), QWEN3_DENSE: (0, True, "head", 16, 0)}[hf_dir]
+    assert (m.n_experts, m.moe_renormalize, m.qk_norm, m.head_dim, sum(m.sparse_layers)) == expected_shape
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
@@ -98,7 +100,7 @@ def tensors_of(hf_dir: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("hf_dir", [MIXTRAL, QWEN3, QWEN3_DENSE])
+@pytest.mark.parametrize("hf_dir", [MIXTRAL, QWEN3, QWEN3_MIXED, QWEN3_DENSE])
 def test_export_is_what_save_pretrained_writes(hf_dir):
     cfg, vocab, _, shardings = placed_on("dp=1", 0, hf_dir)
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
@@ -111,7 +113,8 @@ def test_export_is_what_save_pretrained_writes(hf_dir):
     config, written = json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
     for key in ("model_type", "architectures", "num_hidden_layers", "hidden_size", "num_key_value_heads",
                 "intermediate_size", "num_local_experts", "num_experts_per_tok", "tie_word_embeddings",
-                "rope_parameters", "moe_intermediate_size", "norm_topk_prob", "head_dim"):
+                "rope_parameters", "moe_intermediate_size", "norm_topk_prob", "head_dim", "decoder_sparse_step",
+                "mlp_only_layers"):
         assert written.get(key) == config.get(key) or (key == "head_dim" and config[key] is None), key
 
 
@@ -129,8 +132,7 @@ def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
              "topk_group": 4}, "shared experts (n_shared_experts=1), sigmoid routing (scoring_func=sigmoid), "
      "grouped routing (n_group=8, topk_group=4)"),
     (MIXTRAL, {"router_jitter_noise": 0.1}, "has router jitter (router_jitter_noise=0.1)"),
-    (QWEN3, {"decoder_sparse_step": 2}, "dense layers between the sparse ones (decoder_sparse_step=2"),
-    (QWEN3, {"mlp_only_layers": [0]}, "mlp_only_layers=[0])"),
+    (QWEN3, {"first_k_dense_replace": 1}, "DeepSeek's dense first layers (first_k_dense_replace=1)"),
     (MIXTRAL, {"num_experts_per_tok": None}, "lacks num_local_experts (or num_experts), num_experts_per_tok"),
 ])
 def test_unsupported_moe_variants_are_one_line(tmp_path, hf_dir, change, expected):
@@ -143,6 +145,7 @@ def test_unsupported_moe_variants_are_one_line(tmp_path, hf_dir, change, expecte
     ("tiny_llama", {"model.qk_norm": "full"}, "model.qk_norm=full, OLMoE's"),
     ("tiny_moe", {"model.qk_norm": "full"}, r"computes this mixture of experts \(model.qk_norm=full"),
     ("tiny_moe", {"model.moe_renormalize": False}, "no Hugging Face architecture jaxpar writes computes this"),
+    ("tiny_moe", {"model.moe_every": 2}, "moe_every=2, dense_layers=''.*experts in every layer"),
 ])
 def test_export_refuses_what_no_hf_architecture_computes(config, overrides, expected):
     cfg = tiny_config(config, **overrides)

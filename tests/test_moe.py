@@ -1,6 +1,7 @@
-"""Mixture of experts: the grouped-GEMM layer against a per-expert loop, the capacity rule, cached
-decoding on every mesh, resuming on another layout, and the MoE config's one-line errors (the
-layouts against one device: tests/test_moe_layouts.py)."""
+"""Mixture of experts: the grouped-GEMM layer against a per-expert loop, dense layers between the
+sparse ones against a loop over layers, the capacity rule, cached decoding on every mesh, resuming
+on another layout, and the MoE config's one-line errors (the layouts against one device:
+tests/test_moe_layouts.py)."""
 
 import shutil
 
@@ -13,7 +14,8 @@ from helpers import LOSS_RTOL, fails_with
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.inference import sample
-from jaxpar.models import moe
+from jaxpar.models import llama, moe
+from jaxpar.models.family import build_model
 from jaxpar.train import run
 
 MOE = "tiny_moe"
@@ -62,6 +64,46 @@ def test_the_loop_is_a_real_control():
     """Renormalised and not differ here: the reference can tell the two apart."""
     p, h = moe_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (3, 8, 16))
     assert not np.allclose(per_expert_loop(h, p, 2, True), per_expert_loop(h, p, 2, False), rtol=1e-3)
+
+
+def layer_by_layer(model, params, tokens, reverse_experts=False):
+    """(logits, auxiliary losses) with each layer's block called in turn: the shared params at its
+    index, its kind's (experts or dense MLP) at its rank among that kind's layers. A control:
+    `reverse_experts` gives the sparse layers their experts in reverse order."""
+    m, stacks = model.cfg, model.stacks()
+    top = {name: value for name, value in params.items() if name != "blocks"}
+    axes = {name: jax.tree.map(lambda names: names[1:], a, is_leaf=lambda n: isinstance(n, tuple))
+            for name, a in model.axes()["blocks"].items()}
+    x, totals = model.family.embed(top, tokens), {}
+    for i, sparse in enumerate(m.sparse_layers):
+        kind = "sparse_layers" if sparse else "dense_layers"
+        rank = m.layers_in(kind).index(i)
+        at = {"layers": i, kind: -1 - rank if reverse_experts and sparse else rank}
+        layer = {name: jax.tree.map(lambda a, i=at[stacks[name]]: a[i], tree)
+                 for name, tree in params["blocks"].items() if stacks[name] in at}
+        x, losses, _ = llama.block(x, layer, {name: axes[name] for name in layer}, m, jnp.float32, None)
+        totals |= {name: totals.get(name, 0.0) + value for name, value in losses.items()}
+    return model.family.logits(top, x, model.vocab_size), totals
+
+
+def test_dense_layers_between_sparse_ones_equal_a_loop_over_layers():
+    """Layers 1 and 2 with experts, 0 and 3 dense (no repeat: one group of four in the scan): the
+    logits and router losses against the blocks in a loop (training, gradients included, against
+    one device: tests/test_moe_layouts.py)."""
+    cfg = tiny_config(MOE, **{"model.n_layer": 4, "model.dense_layers": "0,3"})
+    assert cfg.model.sparse_layers == (False, True, True, False)
+    every_second = tiny_config(MOE, **{"model.n_layer": 4, "model.moe_every": 2}).model  # HF's decoder_sparse_step
+    assert every_second.sparse_layers == (False, True, False, True) and every_second.layers_in("dense_layers") == (0, 2)
+    model = build_model(cfg, 65)
+    params, tokens = jax.jit(model.init, static_argnums=0)(0), jax.random.randint(jax.random.key(1), (2, 32), 0, 65)
+    assert params["blocks"]["router"]["kernel"].shape[0] == params["blocks"]["gate_up"]["kernel"].shape[0] == 2
+
+    scanned = jax.jit(model.apply)(params, tokens)
+    looped, reversed_experts = (jax.jit(lambda p, r=r: layer_by_layer(model, p, tokens, r))(params) for r in (0, 1))
+    np.testing.assert_allclose(scanned[0], looped[0], rtol=1e-5, atol=1e-6)
+    for name in ("moe_balance", "moe_z", "moe_load"):
+        np.testing.assert_allclose(scanned[1][name], looped[1][name], rtol=1e-5)
+    assert not np.allclose(reversed_experts[0], scanned[0], rtol=1e-3)
 
 
 def test_capacity_keeps_each_sequences_first_assignments_to_an_expert():
@@ -117,6 +159,12 @@ def test_a_checkpoint_resumes_on_another_expert_layout(trained, tmp_path):
     (["--config", MOE, "--model.moe_gemm=magic"], ["model.moe_gemm must be one of"]),
     (["--config", MOE, "--model.moe_capacity_factor=-1"], ["model.moe_capacity_factor must be >= 0"]),
     (["--config", MOE, "--model.moe_capacity_factor=1", "--mesh", "dp=4,cp=2"], ["cp=2 splits the sequences"]),
+    (["--config", "tiny_llama", "--model.moe_every=2"], ["choose the layers with experts, and this model has none"]),
+    (["--config", MOE, "--model.dense_layers=0,2"], ["model.dense_layers=0,2 distinct layer indices from 0 to 1"]),
+    (["--config", MOE, "--model.dense_layers=0,x"], ["model.dense_layers takes comma-separated layer indices"]),
+    (["--config", MOE, "--model.dense_layers=0,1"], ["leave no layer of 2 with experts"]),
+    (["--config", MOE, "--model.n_layer=4", "--model.dense_layers=0", "--mesh", "dp=4,pp=2"],
+     ["chunks of 2 layers differ in which layers have experts"]),
 ])
 def test_bad_moe_settings_fail_in_one_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, argv, *expected)

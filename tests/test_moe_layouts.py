@@ -1,7 +1,8 @@
 """Mixture of experts under every expert-parallel layout against one device (losses, val losses
-and the router's losses at rtol 1e-5): ep=2 alone and with dp, tp, cp, a 1F1B pipeline, ZeRO-3,
-gradient accumulation, two processes, the Megablox kernels (interpreted) and a capacity factor;
-a 1%-lr control. Apart from tests/test_moe.py so that the two run on both workers."""
+and the router's losses at rtol 1e-5): ep=2 alone and with dp, tp, cp, a 1F1B pipeline (whose
+stages have dense layers between the sparse ones), ZeRO-3 with gradient accumulation, two
+processes, the Megablox kernels (interpreted) and a capacity factor; a 1%-lr control. Apart
+from tests/test_moe.py so that the two run on both workers."""
 
 import jax
 import numpy as np
@@ -51,20 +52,34 @@ def test_megablox_kernels_on_an_expert_parallel_layout_equal_one_device():
     np.testing.assert_allclose(losses(result), losses(reference()), rtol=LOSS_RTOL)
 
 
+@pytest.mark.slow  # the next test runs the same pipeline, its stages' layers of two kinds
 def test_expert_parallel_pipeline_equals_one_device():
     result = train("ep=2,pp=2", config=MOE, evaluate=True, **{"pipeline.schedule": "1f1b"})
     assert_same_training(result, reference())
     np.testing.assert_allclose(aux_of(result), aux_of(reference()), rtol=LOSS_RTOL)
 
 
-def test_expert_parallel_zero3_and_accumulation_equal_one_device():
-    """ZeRO-3, and two passes a step (the router's losses are per sequence, so two half batches
-    give the whole batch's values), each against one device in one pass."""
-    assert_same_training(train("dp=2,ep=2", config=MOE, evaluate=True, **{"train.zero": 3}), reference())
-    for spec in ("dp=2,ep=2", "dp=2"):  # dp=2 alone: rows split over 'data' only (no vmapped passes)
-        accumulated = train(spec, config=MOE, **{"train.grad_accum": 2})
-        np.testing.assert_allclose(losses(accumulated), losses(reference()), rtol=LOSS_RTOL)
-        np.testing.assert_allclose(aux_of(accumulated), aux_of(reference()), rtol=LOSS_RTOL)
+def test_dense_layers_between_sparse_ones_on_a_pipeline_equal_one_device():
+    """ep=2,pp=2 (1F1B) with every second layer sparse (HF's decoder_sparse_step=2): each stage
+    runs its two layers, one dense and one with experts, as one device runs all four."""
+    mixed = {"model.n_layer": 4, "model.moe_every": 2}
+    one = train(config=MOE, evaluate=True, **mixed)
+    result = train("ep=2,pp=2", config=MOE, evaluate=True, **{"pipeline.schedule": "1f1b"}, **mixed)
+    assert_same_training(result, one)
+    np.testing.assert_allclose(aux_of(result), aux_of(one), rtol=LOSS_RTOL)
+    assert not np.allclose(losses(one), losses(reference()), rtol=LOSS_RTOL)
+
+
+def test_expert_parallel_zero3_with_accumulation_equals_one_device():
+    """ZeRO-3 with two passes a step on dp=2,ep=2 (the router's losses are per sequence, so two
+    half batches give the whole batch's values), and two passes on dp=2 alone (rows split over
+    'data' only: no vmapped passes), each against one device in one pass."""
+    zero3 = train("dp=2,ep=2", config=MOE, evaluate=True, **{"train.zero": 3, "train.grad_accum": 2})
+    assert_same_training(zero3, reference())
+    np.testing.assert_allclose(aux_of(zero3), aux_of(reference()), rtol=LOSS_RTOL)
+    accumulated = train("dp=2", config=MOE, **{"train.grad_accum": 2})
+    np.testing.assert_allclose(losses(accumulated), losses(reference()), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(aux_of(accumulated), aux_of(reference()), rtol=LOSS_RTOL)
 
 
 def test_expert_parallel_in_two_processes_matches_one_device(tmp_path):

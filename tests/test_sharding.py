@@ -50,9 +50,11 @@ def test_the_one_table_splits_as_each_layout_s_own_table_did(spec, old, sequence
     cfg = tiny_config(**mesh_overrides(spec), **{"train.batch_size": 16})
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
     new = rule_table(sequence_parallel)
-    assert set(new) - set(old) == {"experts", "routes"}  # the mixture of experts' (ep=1 here)
+    # The mixture of experts' (ep=1 here), and its stacks where dense layers mix with sparse ones.
+    assert set(new) - set(old) == {"experts", "routes", "sparse_layers", "dense_layers"}
     for name in old:
         assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P(old[name])), 1), name
+    assert new["sparse_layers"] == new["dense_layers"] == new["layers"]
     for name in ("experts", "routes"):
         assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P()), 1), name
 

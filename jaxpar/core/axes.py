@@ -143,7 +143,8 @@ class Expert(MeshAxis):
 DATA_AXIS = Data("dp", DATA, 0, ("batch", "tokens"), "data parallelism: the batch split by rows")
 TENSOR_AXIS = Tensor("tp", TENSOR, 4, ("vocab", "heads", "kv_heads", "mlp"),
                      "tensor parallelism: heads, MLP width and vocabulary split (Megatron)")
-PIPE_AXIS = Pipe("pp", PIPE, 1, ("layers",), "pipeline parallelism: the layers split into stages")
+PIPE_AXIS = Pipe("pp", PIPE, 1, ("layers", "sparse_layers", "dense_layers"),
+                 "pipeline parallelism: the layers split into stages")
 CONTEXT_AXIS = Context("cp", CONTEXT, 3, ("seq", "stream_seq", "tokens"),
                        "context parallelism: the sequence split over a ring", planned=False)
 EXPERT_AXIS = Expert("ep", EXPERT, 2, ("batch", "tokens", "experts"),
@@ -218,6 +219,17 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> N
                         f"raise pipeline.microbatches or use --pipeline.schedule=gpipe")
 
 
+def check_chunk_kinds(m, pp: int, virtual: int) -> None:
+    """Every stage runs one program on its chunks of layers: where layers with experts and dense
+    ones mix, each chunk must have them in the same places."""
+    chunk, sparse = m.n_layer // (pp * virtual), getattr(m, "sparse_layers", ())
+    if any(sparse[i] != sparse[i % chunk] for i in range(len(sparse))):
+        raise UserError(f"pp={pp} x pipeline.virtual={virtual} chunks of {chunk} layers differ in which layers "
+                        f"have experts (model.moe_every={m.moe_every}, model.dense_layers='{m.dense_layers}'), "
+                        f"and every stage runs one program; choose a pattern that repeats every {chunk} layers, "
+                        "or another pp")
+
+
 def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
     """The pipeline's microbatch count M for this config and mesh, after checking it can run; dp:
     the ways the rows split (batch_ways)."""
@@ -229,6 +241,7 @@ def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
     if n_layer % (pp * V):
         raise UserError(f"pp={pp} x pipeline.virtual={V} layer chunks do not divide model.n_layer="
                         f"{n_layer}; every chunk needs the same number of layers")
+    check_chunk_kinds(cfg.model, pp, V)
     M = cfg.pipeline.microbatches
     if M == 0:  # the largest multiple of pp up to 4*pp that splits the batch evenly over dp
         M = next((m for m in range(4 * pp, 0, -pp) if rows % (m * dp) == 0), 0)

@@ -97,6 +97,11 @@ class ModelConfig:
     # 0: dropless. Else each expert takes at most ceil(factor * T * k / E) assignments of a sequence
     # of T tokens, in token order; the rest are dropped (their weight 0) and counted (moe_dropped).
     moe_capacity_factor: float = only_for("llama", 0.0)
+    # Which layers have the experts (HF's decoder_sparse_step and mlp_only_layers): every
+    # moe_every-th (layers moe_every-1, 2*moe_every-1, ...) but the dense_layers, comma-separated
+    # indices; the others keep the dense SwiGLU MLP, mlp_dim wide.
+    moe_every: int = only_for("llama", 1)
+    dense_layers: str = only_for("llama", "")
 
     @property
     def kv_heads(self) -> int:
@@ -118,6 +123,35 @@ class ModelConfig:
     def expert_width(self) -> int:
         """Each expert's hidden width: moe_mlp_dim, or the dense MLP's."""
         return self.moe_mlp_dim or self.mlp_width
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        """model.dense_layers as indices: '0,3', or a TOML list, which arrives as '[0, 3]'."""
+        text = str(self.dense_layers).strip().strip("[]")
+        try:
+            return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+        except ValueError:
+            raise UserError(f"model.dense_layers takes comma-separated layer indices such as 0,3; got "
+                            f"'{self.dense_layers}'") from None
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its MLP is the mixture of experts."""
+        dense = self.dense_layer_ids if self.n_experts else ()
+        return tuple(bool(self.n_experts) and (i + 1) % self.moe_every == 0 and i not in dense
+                     for i in range(self.n_layer))
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether some layers have experts and others a dense MLP (each kind then has its own stack)."""
+        return any(self.sparse_layers) and not all(self.sparse_layers)
+
+    def layers_in(self, stack: str) -> tuple[int, ...]:
+        """The layers whose weights a stacked leading axis holds: 'layers' all of them; where the
+        kinds mix, 'sparse_layers' those with experts and 'dense_layers' the others."""
+        if stack == "layers":
+            return tuple(range(self.n_layer))
+        return tuple(i for i, sparse in enumerate(self.sparse_layers) if sparse == (stack == "sparse_layers"))
 
 
 def check_family_keys(m: ModelConfig, explicit: set[str]) -> None:
@@ -198,3 +232,18 @@ def check_experts(m: ModelConfig) -> None:
         raise UserError(f"model.moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got '{m.moe_dispatch}'")
     if m.moe_gemm not in MOE_GEMMS:
         raise UserError(f"model.moe_gemm must be one of {', '.join(MOE_GEMMS)}, got '{m.moe_gemm}'")
+    check_sparse_layers(m)
+
+
+def check_sparse_layers(m: ModelConfig) -> None:
+    """moe_every and dense_layers: layers that exist, and at least one layer with experts."""
+    dense = m.dense_layer_ids
+    if m.moe_every < 1 or any(not 0 <= i < m.n_layer for i in dense) or len(set(dense)) < len(dense):
+        raise UserError(f"model.moe_every={m.moe_every} must be >= 1 and model.dense_layers={m.dense_layers} "
+                        f"distinct layer indices from 0 to {m.n_layer - 1}")
+    if (m.moe_every != 1 or dense) and not m.n_experts:
+        raise UserError("model.moe_every and model.dense_layers choose the layers with experts, and this model "
+                        "has none (model.n_experts=0); set --model.n_experts, or drop them")
+    if m.n_experts and not any(m.sparse_layers):
+        raise UserError(f"model.moe_every={m.moe_every} and model.dense_layers={m.dense_layers} leave no layer "
+                        f"of {m.n_layer} with experts; choose fewer dense layers, or model.n_experts=0")

@@ -137,7 +137,7 @@ def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: P
             views = [layer_view(key[1:], param, [find_tensor(tensors, LAYER.format(i=i) + n,
                                                              hf_layer_shape(key[1:], param, shape, len(names)), path)
                                                  for n in names], shape)
-                     for i in range(cfg.model.n_layer)]
+                     for i in cfg.model.layers_in(param.axes[0])]  # the layers of its stack
             out[key] = slice_reader(views, True)
         elif "vocab" not in param.axes:
             out[key] = slice_reader([find_tensor(tensors, TOP_WEIGHTS[key], param.shape, path)], False)
@@ -169,8 +169,8 @@ def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype
         key, array = tuple(k.key for k in p), np.asarray(jax.device_get(array), np.float32)
         param = declared[key]
         if key[0] == "blocks":
-            for i in range(cfg.model.n_layer):
-                for name, tensor in zip(LAYER_WEIGHTS[key[1:]], hf_tensors(key[1:], param, array[i])):
+            for at, i in enumerate(cfg.model.layers_in(param.axes[0])):
+                for name, tensor in zip(LAYER_WEIGHTS[key[1:]], hf_tensors(key[1:], param, array[at])):
                     out[LAYER.format(i=i) + name] = np.ascontiguousarray(tensor, dtype)
         else:
             out[TOP_WEIGHTS[key]] = np.ascontiguousarray(array[:vocab_size] if "vocab" in param.axes

@@ -40,11 +40,8 @@ def refused_variants(config: dict) -> list[str]:
         found.append(f"grouped routing (n_group={config.get('n_group')}, topk_group={config.get('topk_group')})")
     if config.get("router_jitter_noise"):
         found.append(f"router jitter (router_jitter_noise={config['router_jitter_noise']})")
-    dense = [f"{key}={config[key]}" for key in ("mlp_only_layers", "first_k_dense_replace") if config.get(key)]
-    if (config.get("decoder_sparse_step") or 1) != 1:
-        dense.insert(0, f"decoder_sparse_step={config['decoder_sparse_step']}")
-    if dense:
-        found.append(f"dense layers between the sparse ones ({', '.join(dense)})")
+    if config.get("first_k_dense_replace"):
+        found.append(f"DeepSeek's dense first layers (first_k_dense_replace={config['first_k_dense_replace']})")
     return found
 
 
@@ -55,7 +52,7 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
     if refused or kind not in DIALECTS:
         what = ", ".join(refused) or f"model_type {kind}"
         hf_llama.refuse(path, what, "jaxpar reads Mixtral and Qwen3-MoE: softmax top-k routing over routed "
-                        "experts in every layer, no jitter")
+                        "experts, no jitter")
     fields, vocab_size, positions = hf_llama.model_fields(config, path)
     fields = [field for field in fields if field[0] != "n_experts"]
     count_key = next((key for key in ("num_local_experts", "num_experts") if config.get(key)), None)
@@ -70,7 +67,14 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
                ("moe_mlp_dim", int(config[width_key]), f"{width_key}={config[width_key]}"),
                ("moe_renormalize", renormalize, "mixtral" if kind == "mixtral" else
                 f"norm_topk_prob={config.get('norm_topk_prob', False)}")]
-    return fields, vocab_size, positions
+    return fields + sparse_layer_fields(config), vocab_size, positions
+
+
+def sparse_layer_fields(config: dict) -> list[tuple[str, object, str]]:
+    """Qwen3-MoE's dense layers: every decoder_sparse_step-th layer has experts, but mlp_only_layers."""
+    step, dense = int(config.get("decoder_sparse_step") or 1), [int(i) for i in config.get("mlp_only_layers") or []]
+    return [("moe_every", step, f"decoder_sparse_step={step}"),
+            ("dense_layers", ",".join(map(str, dense)), f"mlp_only_layers={dense}")]
 
 
 def model_type(cfg: Config) -> str:
@@ -79,11 +83,12 @@ def model_type(cfg: Config) -> str:
     m = cfg.model
     if m.qk_norm == "head":
         return "qwen3_moe"
-    if m.qk_norm == "none" and m.moe_renormalize:
+    if m.qk_norm == "none" and m.moe_renormalize and not m.mixed_layers:
         return "mixtral"
+    dense = f", moe_every={m.moe_every}, dense_layers='{m.dense_layers}'" if m.mixed_layers else ""
     raise UserError(f"no Hugging Face architecture jaxpar writes computes this mixture of experts (model.qk_norm="
-                    f"{m.qk_norm}, moe_renormalize={m.moe_renormalize}): Mixtral renormalises and has no "
-                    "QK-norm, Qwen3-MoE has per-head QK-norm (qk_norm=head)")
+                    f"{m.qk_norm}, moe_renormalize={m.moe_renormalize}{dense}): Mixtral renormalises, has no "
+                    "QK-norm and experts in every layer; Qwen3-MoE has per-head QK-norm (qk_norm=head)")
 
 
 def names_of(dialect: dict, key: str, i: int, e: int) -> list[str]:
@@ -103,16 +108,16 @@ def expert_views(tensors: dict, key: str, dialect: dict, i: int, shape: tuple, p
 
 def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
     """Llama's readers, and the router's and experts' (each layer's experts a lazy stack)."""
-    dialect, L = DIALECTS[model_type(cfg)], cfg.model.n_layer
+    dialect, layers = DIALECTS[model_type(cfg)], cfg.model.layers_in(declared[("blocks", "router", "kernel")].axes[0])
     dense = {key: param for key, param in declared.items() if key[0] != "blocks" or key[1] not in EXPERT_PARAMS}
     out = hf_llama.readers(tensors, cfg, vocab_size, dense, path)
     C, E = cfg.model.n_embd, cfg.model.n_experts
     out[("blocks", "router", "kernel")] = slice_reader(
-        [find_tensor(tensors, hf_llama.LAYER.format(i=i) + dialect["router"], (E, C), path).T for i in range(L)], True)
+        [find_tensor(tensors, hf_llama.LAYER.format(i=i) + dialect["router"], (E, C), path).T for i in layers], True)
     for key in ("experts_gate_up", "experts_out"):
         shape = declared[("blocks", key, "kernel")].shape[1:]
         out[("blocks", key, "kernel")] = slice_reader(
-            [expert_views(tensors, key, dialect, i, shape, path) for i in range(L)], True)
+            [expert_views(tensors, key, dialect, i, shape, path) for i in layers], True)
     return out
 
 
@@ -123,13 +128,13 @@ def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype
     dense = {**params, "blocks": {k: v for k, v in blocks.items() if k not in EXPERT_PARAMS}}
     out = hf_llama.state_dict(dense, declared, cfg, vocab_size, dtype)
     router, gate_up, down = (np.asarray(jax.device_get(blocks[k]["kernel"]), np.float32) for k in EXPERT_PARAMS)
-    for i in range(cfg.model.n_layer):
-        out[hf_llama.LAYER.format(i=i) + dialect["router"]] = np.ascontiguousarray(router[i].T, dtype)
+    for at, i in enumerate(cfg.model.layers_in(declared[("blocks", "router", "kernel")].axes[0])):
+        out[hf_llama.LAYER.format(i=i) + dialect["router"]] = np.ascontiguousarray(router[at].T, dtype)
         for e in range(cfg.model.n_experts):
             gate, up = names_of(dialect, "experts_gate_up", i, e)
-            out[gate] = np.ascontiguousarray(gate_up[i, e, :, 0].T, dtype)
-            out[up] = np.ascontiguousarray(gate_up[i, e, :, 1].T, dtype)
-            out[names_of(dialect, "experts_out", i, e)[0]] = np.ascontiguousarray(down[i, e].T, dtype)
+            out[gate] = np.ascontiguousarray(gate_up[at, e, :, 0].T, dtype)
+            out[up] = np.ascontiguousarray(gate_up[at, e, :, 1].T, dtype)
+            out[names_of(dialect, "experts_out", i, e)[0]] = np.ascontiguousarray(down[at, e].T, dtype)
     return out
 
 
@@ -147,4 +152,5 @@ def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "fl
                          "router_jitter_noise": 0.0, "sliding_window": None}
     return config | {"num_experts": m.n_experts, "num_local_experts": m.n_experts,
                      "moe_intermediate_size": m.expert_width, "intermediate_size": m.mlp_width,
-                     "norm_topk_prob": m.moe_renormalize, "decoder_sparse_step": 1, "mlp_only_layers": []}
+                     "norm_topk_prob": m.moe_renormalize, "decoder_sparse_step": m.moe_every,
+                     "mlp_only_layers": list(m.dense_layer_ids)}

@@ -36,7 +36,8 @@ def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
 
 
 def add_losses(total: dict, more: dict) -> dict:
-    return {name: total.get(name, 0.0) + value for name, value in more.items()}
+    """Auxiliary losses summed by name (a dense layer has none of a sparse one's)."""
+    return total | {name: total.get(name, 0.0) + value for name, value in more.items()}
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: jax.jit(model) caches on it
@@ -89,6 +90,23 @@ class Transformer:
         """x through the stacked layers in `layer_params` (all of them, or one pipeline stage's):
         (x, auxiliary losses summed over them, the new cache). `cache`: the layers' KV caches
         while decoding (a KVCache of stacked arrays, one pos)."""
+        cfg = self.cfg
+        # Recomputation needs a rolled scan: unrolled, XLA:CPU schedules the reruns early and keeps
+        # every layer's activations all the same (the tiny model at block 128: 34 MB of temporaries
+        # with remat or without; rolled, 10 MB with remat).
+        unroll = cfg.unroll_layers and not self.regather_weights and cfg.remat == "none" and cache is None
+        kv = None if cache is None else (cache.k, cache.v)
+        stacks = self.stacks()
+        if set(stacks.values()) == {"layers"}:
+            step = self.layer_step(layer_axes, cache)
+            x, (losses, kv) = jax.lax.scan(step, x, (layer_params, layer_keys, kv), unroll=unroll)
+        else:
+            x, (losses, kv) = self.scan_mixed(layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll)
+        summed = {name: jnp.sum(values) for name, values in losses.items()}
+        return x, summed, None if cache is None else KVCache(*kv, cache.pos)
+
+    def layer_step(self, layer_axes: dict, cache=None):
+        """(x, (one layer's params, dropout key, KV cache)) -> (x, (losses, KV cache)), remat as asked."""
         family, cfg = self.family, self.cfg
 
         def step(x, layer):
@@ -96,20 +114,54 @@ class Transformer:
             x, losses, kv = family.block(x, p, layer_axes, key, None if kv is None else KVCache(*kv, cache.pos))
             return x, (losses, None if kv is None else (kv.k, kv.v))
 
-        # Recomputation needs a rolled scan: unrolled, XLA:CPU schedules the reruns early and keeps
-        # every layer's activations all the same (the tiny model at block 128: 34 MB of temporaries
-        # with remat or without; rolled, 10 MB with remat).
-        unroll = cfg.unroll_layers and not self.regather_weights and cfg.remat == "none" and cache is None
         if cfg.remat == "full":  # save each layer's input alone; the backward reruns the layer
-            step = jax.checkpoint(step, prevent_cse=False)
-        elif self.regather_weights:
+            return jax.checkpoint(step, prevent_cse=False)
+        if self.regather_weights:
             # A rolled scan gathers one layer at a time, in the forward and again in the backward.
-            step = jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(
-                GATHERED))
-        kv = None if cache is None else (cache.k, cache.v)
-        x, (losses, kv) = jax.lax.scan(step, x, (layer_params, layer_keys, kv), unroll=unroll)
-        summed = {name: jnp.sum(values) for name, values in losses.items()}
-        return x, summed, None if cache is None else KVCache(*kv, cache.pos)
+            return jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
+        return step
+
+    def stacks(self) -> dict[str, str]:
+        """Each block param's stacked axis: 'layers', or where the kinds of layer mix, the stack of
+        its kind's layers (ModelConfig.layers_in)."""
+        return {name: jax.tree.leaves(axes, is_leaf=lambda n: isinstance(n, tuple))[0][0]
+                for name, axes in self.axes()["blocks"].items()}
+
+    def scan_mixed(self, layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll):
+        """The scan over layers of mixed kinds: over groups of `period` layers, the shortest
+        repeat of the kinds (all the layers if they do not repeat), each group's layers in order,
+        each taking its shared params and the next of its own kind's."""
+        n = jax.tree.leaves({k: v for k, v in layer_params.items() if stacks[k] == "layers"})[0].shape[0]
+        # A pipeline chunk's first n layers stand for all of its layers: every chunk has its kinds
+        # in the same places (jaxpar.core.axes.check_chunk_kinds).
+        kinds = set(stacks.values()) - {"layers"}
+        kind = [next(s for s in kinds if i in self.cfg.layers_in(s)) for i in range(n)]
+        period = next(p for p in range(1, n + 1) if n % p == 0 and kind == kind[:p] * (n // p))
+        per_group = {s: kind[:period].count(s) for s in kinds} | {"layers": period}
+
+        def grouped(a, stack):  # (layers of the stack, ...) -> (groups, its layers in a group, ...)
+            return a.reshape((n // period, per_group[stack]) + a.shape[1:])
+
+        params = {name: jax.tree.map(lambda a, s=stacks[name]: grouped(a, s), tree) for name, tree in layer_params.items()}
+        keys, kv = jax.tree.map(lambda a: grouped(a, "layers"), (layer_keys, kv))
+        steps = {s: self.layer_step({k: v for k, v in layer_axes.items() if stacks[k] in ("layers", s)}, cache)
+                 for s in kinds}
+
+        def group_step(x, group):
+            p, group_keys, group_kv = group
+            losses, kv_out, taken = {}, [], dict.fromkeys(kinds, 0)
+            for j, s in enumerate(kind[:period]):
+                at = {"layers": j, s: taken[s]}  # this layer's index in each stack it takes from
+                layer = {name: jax.tree.map(lambda a, i=at[stacks[name]]: a[i], tree)
+                         for name, tree in p.items() if stacks[name] in at}
+                taken[s] += 1
+                key, layer_kv = jax.tree.map(lambda a, j=j: a[j], (group_keys, group_kv))
+                x, (more, layer_kv) = steps[s](x, (layer, key, layer_kv))
+                losses, kv_out = add_losses(losses, more), kv_out + [layer_kv]
+            return x, (losses, None if group_kv is None else jax.tree.map(lambda *a: jnp.stack(a), *kv_out))
+
+        x, (losses, kv) = jax.lax.scan(group_step, x, (params, keys, kv), unroll=unroll)
+        return x, (losses, jax.tree.map(lambda a: a.reshape((n,) + a.shape[2:]), kv))
 
 
 def build_model(cfg: Config, vocab_size: int) -> Transformer:

@@ -5,7 +5,8 @@ parameters and computes with them:
 
     declare(vocab_size)                 every param's shape, logical axes, role and initialiser
                                         (jaxpar.models.params); the stacked layers under "blocks",
-                                        each leading with 'layers'
+                                        each leading with 'layers' (or, where layers of two kinds
+                                        mix, with its kind's stack: 'sparse_layers', 'dense_layers')
     shape_fields                        the model config fields `declare` reads
     head_names                          the top-level params the loss needs after the last block
     embed(top, tokens, key, positions)  (batch, seq) tokens -> the float32 residual stream

@@ -34,7 +34,7 @@ from jaxpar.models.params import EMBEDDING, MATRIX, Param, dense, norm
 def declare_blocks(cfg: ModelConfig) -> dict:
     """All n_layer pre-RMSNorm blocks; every weight leads with the 'layers' axis. q and the fused
     k, v are separate kernels, so that their heads split over 'tensor' each in its own group."""
-    L, C, H, K, F, D = cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.mlp_width, cfg.head_size
+    L, C, H, K, D = cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size
     std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2's scaled residual projections
     return {
         "attn_norm": norm((L, C), ("layers", "embed")),
@@ -43,11 +43,26 @@ def declare_blocks(cfg: ModelConfig) -> dict:
         "attn_out": dense(resid_std, (L, H, D, C), ("layers", "heads", "head_dim", "embed"), 1, False),
         **declare_qk_norm(cfg),
         "mlp_norm": norm((L, C), ("layers", "embed")),
-        **(declare_experts(cfg, std, resid_std) if cfg.n_experts else {
-            "gate_up": dense(std, (L, C, 2, F), ("layers", "embed", "gate_up", "mlp"), 2, False),
-            # Stored (layers, embed, mlp), out first, as HF's down_proj is (and GPT-2's mlp_out here).
-            "mlp_out": dense(resid_std, (L, F, C), ("layers", "mlp", "embed"), 1, False, transposed=True),
-        }),
+        **declare_mlps(cfg, std, resid_std),
+    }
+
+
+def declare_mlps(cfg: ModelConfig, std: float, resid_std: float) -> dict:
+    """Every layer's experts or every layer's dense MLP, stacked on 'layers'; where the kinds mix,
+    the experts of the sparse layers on 'sparse_layers' and the dense MLPs on 'dense_layers'."""
+    if not cfg.mixed_layers:
+        return declare_experts(cfg, std, resid_std) if cfg.n_experts else declare_mlp(cfg, std, resid_std)
+    return (declare_experts(cfg, std, resid_std, "sparse_layers")
+            | declare_mlp(cfg, std, resid_std, "dense_layers"))
+
+
+def declare_mlp(cfg: ModelConfig, std: float, resid_std: float, stack: str = "layers") -> dict:
+    """The SwiGLU MLP: the fused gate and up projection, and the down projection."""
+    L, C, F = len(cfg.layers_in(stack)), cfg.n_embd, cfg.mlp_width
+    return {
+        "gate_up": dense(std, (L, C, 2, F), (stack, "embed", "gate_up", "mlp"), 2, False),
+        # Stored (layers, embed, mlp), out first, as HF's down_proj is (and GPT-2's mlp_out here).
+        "mlp_out": dense(resid_std, (L, F, C), (stack, "mlp", "embed"), 1, False, transposed=True),
     }
 
 
@@ -62,15 +77,15 @@ def declare_qk_norm(cfg: ModelConfig) -> dict:
             "k_norm": norm((L, cfg.kv_heads, D), ("layers", "kv_heads", "head_dim"))}
 
 
-def declare_experts(cfg: ModelConfig, std: float, resid_std: float) -> dict:
+def declare_experts(cfg: ModelConfig, std: float, resid_std: float, stack: str = "layers") -> dict:
     """A mixture of experts in place of the MLP (jaxpar.models.moe): the float32 router, and each
     expert's fused gate and up projection and its down projection, split over 'expert'."""
-    L, C, E, F = cfg.n_layer, cfg.n_embd, cfg.n_experts, cfg.expert_width
+    L, C, E, F = len(cfg.layers_in(stack)), cfg.n_embd, cfg.n_experts, cfg.expert_width
     return {
-        "router": dense(std, (L, C, E), ("layers", "embed", "routes"), 1, False),
-        "experts_gate_up": {"kernel": Param((L, E, C, 2, F), ("layers", "experts", "embed", "gate_up", "mlp"),
+        "router": dense(std, (L, C, E), (stack, "embed", "routes"), 1, False),
+        "experts_gate_up": {"kernel": Param((L, E, C, 2, F), (stack, "experts", "embed", "gate_up", "mlp"),
                                             MATRIX, std)},
-        "experts_out": {"kernel": Param((L, E, F, C), ("layers", "experts", "mlp", "embed"), MATRIX, resid_std)},
+        "experts_out": {"kernel": Param((L, E, F, C), (stack, "experts", "mlp", "embed"), MATRIX, resid_std)},
     }
 
 
@@ -121,10 +136,10 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
                 p["attn_out"]["kernel"], dtype)
     x = x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[1])
     losses = {}
-    if cfg.n_experts:
+    if "router" in p:  # this layer's MLP is the mixture of experts
         y, losses = moe.moe_mlp(matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype, cache is None)
-        for logged in ("moe_load", "moe_dropped"):  # summed over the layers: their mean
-            losses[logged] = losses[logged] / cfg.n_layer
+        for logged in ("moe_load", "moe_dropped"):  # summed over the sparse layers: their mean
+            losses[logged] = losses[logged] / sum(cfg.sparse_layers)
     else:
         h = project("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"], dtype)
         h = constrain(swiglu(h, dtype), ("tokens", "mlp"))
@@ -137,7 +152,7 @@ class Llama(Family):
 
     name = "llama"
     shape_fields = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp_dim", "tie_embeddings",  # what `declare` reads
-                    "n_experts", "moe_mlp_dim", "head_dim", "qk_norm")
+                    "n_experts", "moe_mlp_dim", "head_dim", "qk_norm", "moe_every", "dense_layers")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -179,8 +194,10 @@ class Llama(Family):
         experts: the router's, and the k chosen experts' alone), lm_head."""
         m = self.cfg
         C, H, K, D = m.n_embd, m.n_head, self.kv_heads, self.head_dim
-        mlp = m.n_experts * C + m.experts_per_token * 3 * C * m.expert_width if m.n_experts else 3 * C * m.mlp_width
-        return m.n_layer * (2 * C * H * D + 2 * C * K * D + mlp) + vocab_size * C
+        sparse = sum(m.sparse_layers)
+        mlp = sparse * (m.n_experts * C + m.experts_per_token * 3 * C * m.expert_width)
+        mlp += (m.n_layer - sparse) * 3 * C * m.mlp_width
+        return m.n_layer * (2 * C * H * D + 2 * C * K * D) + mlp + vocab_size * C
 
     def activation_units(self, tp: int, split: int) -> float:
         """Saved activations of a layer per token, in 2-byte units, counted as Korthikanti et al.
@@ -189,5 +206,6 @@ class Llama(Family):
         and product (8f); softmax's output (2as) and, with dropout, its mask and output (3as)."""
         m = self.cfg
         h, kv, a, s = m.n_embd, self.kv_heads * self.head_dim, m.n_head, m.block_size
-        f = m.experts_per_token * m.expert_width if m.n_experts else m.mlp_width
+        sparse = sum(m.sparse_layers)  # the layers' mean, where experts and dense MLPs mix
+        f = (sparse * m.experts_per_token * m.expert_width + (m.n_layer - sparse) * m.mlp_width) / m.n_layer
         return 8 * h / split + (6 * h + 6 * kv + 8 * f + a * s * (2 + 3 * (m.dropout > 0))) / tp

@@ -103,7 +103,7 @@ def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, row
     if ep > 1:  # each MoE layer: tokens out and results back, forward and backward; all_to_all's
         # buffers hold ep times the k rows of every token, ragged_all_to_all's the rows alone
         rows = m.experts_per_token * activation * (ep if m.moe_dispatch == "all_to_all" else 1)
-        ops.append({"kind": "all-to-all", "bytes": rows, "group": ep, "count": 4 * m.n_layer // pp * passes})
+        ops.append({"kind": "all-to-all", "bytes": rows, "group": ep, "count": 4 * sum(m.sparse_layers) // pp * passes})
     if zero >= 3:  # each pass gathers the weights for the forward and again for the backward
         ops.append({"kind": "all-gather", "bytes": share, "group": dp, "count": 2 * passes})
     layers = m.n_layer // pp

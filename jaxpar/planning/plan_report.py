@@ -37,7 +37,9 @@ def collectives_cell(collectives: dict) -> str:
 def mlp_text(m) -> str:
     """The MLP as the model has it: its width, or its experts."""
     if m.n_experts:
-        return f"{m.n_experts} experts {m.expert_width} wide, top {m.experts_per_token}"
+        dense = m.n_layer - sum(m.sparse_layers)
+        mixed = f" in {m.n_layer - dense} layers, MLP {m.mlp_width} in {dense}" if dense else ""
+        return f"{m.n_experts} experts {m.expert_width} wide, top {m.experts_per_token}{mixed}"
     return f"MLP {m.mlp_width}"
 
 
