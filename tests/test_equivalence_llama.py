@@ -35,6 +35,7 @@ def test_llama_layout_matches_one_device(one_device, spec, overrides):
     assert_same_training(train(spec, evaluate=True, config=LLAMA, **overrides), one_device)
 
 
+@pytest.mark.slow  # the executor is the family's business nowhere: tests/test_pipeline.py runs it on GPT-2
 def test_llama_interleaved_pipeline_on_four_stages_matches_one_device():
     """pp=4 with 2 layer chunks per stage: 8 layers, a reference of its own."""
     deep = {"model.n_layer": 8}
@@ -56,6 +57,7 @@ def test_llama_comparison_detects_a_different_run(one_device):
         assert_same_training(other, one_device)
 
 
+@pytest.mark.slow  # tests/test_context.py's two processes (dp=2,cp=2) train this config across processes
 def test_llama_in_two_processes_matches_one(one_device, tmp_path):
     out = tmp_path / "run"
     launch(out, "--config", LLAMA, "--mesh", "dp=2,tp=2", "--steps", str(STEPS))
