@@ -12,7 +12,8 @@ The model: hidden 64, 2 layers, GQA 4/2 heads, 4 experts of width 96, top-2, unt
 character-level tokenizer. Mixtral renormalises the top-2 weights; Qwen3-MoE does not (norm_topk_prob
 false) and has head_dim 32 (not hidden / heads) and per-head q_norm/k_norm. qwen3_moe_mixed is that
 Qwen3-MoE with 4 layers, dense ones between the sparse: decoder_sparse_step 2 and mlp_only_layers [3], so
-layer 1 alone has experts and the others a dense MLP of width 192. Every RMSNorm weight is moved off 1. The checks, each printing its numbers and PASS/FAIL:
+layer 1 alone has experts and the others a dense MLP of width 192. Every RMSNorm weight is moved off 1.
+The checks, each printing its numbers and PASS/FAIL:
 
   1. `jaxpar.eval --hf` gives transformers' loss over every 256-token block of val, within 1e-4 relative;
   2. `jaxpar.sample --hf --temperature 0`, on one device and on ep=2,tp=2, gives transformers' greedy text;
@@ -46,7 +47,8 @@ def build_moe(arch: str):
         config = MixtralConfig(**MOE, intermediate_size=96, num_local_experts=4, attn_implementation="eager")
         model = MixtralForCausalLM(config)
     else:
-        mixed = {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]} if arch.endswith("mixed") else {}
+        mixed = {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+        mixed = mixed if arch.endswith("mixed") else {}
         config = Qwen3MoeConfig(**(MOE | mixed), intermediate_size=192, moe_intermediate_size=96, num_experts=4,
                                 head_dim=32, norm_topk_prob=False, attn_implementation="eager")
         model = Qwen3MoeForCausalLM(config)

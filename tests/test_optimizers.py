@@ -6,12 +6,14 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import fails_with
+from helpers import LOSS_RTOL, assert_same_training, fails_with, losses, train
 
 from jaxpar.core.config import load_config
 from jaxpar.models.family import build_model
 from jaxpar.models.params import BIAS, EMBEDDING, MATRIX, NORM, in_order
 from jaxpar.training import optimizers
+from jaxpar.train import main as train_main
+from jaxpar.train import run
 from jaxpar.training import step as steps
 
 
@@ -27,10 +29,17 @@ def test_older_names_set_the_optimizer_section(tmp_path):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--optimizer.name=sgd"], ["optimizer.name must be one of adamw, got 'sgd'"]),
+    (["--optimizer.name=sgd"], ["optimizer.name must be one of adamw, lion, adafactor, got 'sgd'"]),
     (["--optimizer.lr=-1"], ["optimizer.lr must be >= 0, got -1.0"]),
     (["--train.grad_clip=-1"], ["train.grad_clip must be >= 0, got -1.0"]),
     (["--optimizer.beta1=x"], ["optimizer.beta1 expects float, got 'x'"]),
+    (["--optimizer.decay_rate=0.5"], ["optimizer.decay_rate is a setting of adafactor", "optimizer.name=adamw"]),
+    (["--optimizer.name=lion", "--train.adam_eps=1e-6"], ["train.adam_eps is a setting of adamw"]),
+    (["--optimizer.schedule=step"], ["optimizer.schedule must be one of cosine, wsd, constant"]),
+    (["--optimizer.schedule=wsd", "--optimizer.decay_steps=50", "--steps=20"],
+     ["decays from step 40 to optimizer.decay_steps=50", "the run's end (train.steps=20)"]),
+    (["--optimizer.schedule=wsd", "--optimizer.decay_from=1", "--optimizer.warmup_steps=2"],
+     ["decays from step 1 to"]),
 ])
 def test_bad_optimizer_settings(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)
@@ -62,3 +71,75 @@ def test_the_state_counted_per_param_is_what_the_optimizer_keeps():
     counted = optimizers.state_bytes_by_param(state, jax.tree.map(lambda _: one, state), paths)
     for path, param in in_order(model.declared):
         assert counted[path] == 2 * 4 * np.prod(param.shape), path
+
+
+def lr_at(steps, **overrides):
+    o = tiny_config(**{"train.steps": 100, "optimizer.warmup_steps": 10, "optimizer.lr": 1.0,
+                       "optimizer.min_lr": 0.1, **overrides}).optimizer
+    return np.array([float(optimizers.learning_rate(s, o, xp=np)) for s in steps])
+
+
+def test_the_schedules():
+    """cosine (nanoGPT's formula), WSD with its three decays, from a fraction or a step, and constant."""
+    steps = [0, 9, 10, 50, 79, 80, 90, 99, 100]
+    progress = np.clip((np.array(steps) - 10) / 90, 0, 1)
+    nanogpt = np.where(np.array(steps) < 10, (np.array(steps) + 1) / 11, 0.1 + 0.45 * (1 + np.cos(np.pi * progress)))
+    np.testing.assert_allclose(lr_at(steps), nanogpt, rtol=1e-12)
+    decay = np.clip((np.array(steps) - 80) / 20, 0, 1)  # the default: the last 20% of 100 steps
+    for shape, remaining in (("linear", 1 - decay), ("cosine", 0.5 * (1 + np.cos(np.pi * decay))),
+                             ("1-sqrt", 1 - np.sqrt(decay))):
+        expected = np.where(np.array(steps) < 10, (np.array(steps) + 1) / 11, 0.1 + 0.9 * remaining)
+        np.testing.assert_allclose(lr_at(steps, **{"optimizer.schedule": "wsd", "optimizer.decay_shape": shape}),
+                                   expected, rtol=1e-12)
+    branch = lr_at([49, 50, 75, 100], **{"optimizer.schedule": "wsd", "optimizer.decay_from": 50})
+    np.testing.assert_allclose(branch, [1.0, 1.0, 0.55, 0.1], rtol=1e-12)
+    np.testing.assert_allclose(lr_at([10, 99], **{"optimizer.schedule": "constant"}), [1.0, 1.0])
+
+
+@pytest.mark.parametrize("name", ["lion", "adafactor"])
+def test_each_optimizer_is_optax_own(name):
+    """One update of the registry's entry equals optax's optimizer built by hand, with weight decay
+    on the matrices and embeddings alone."""
+    import optax
+    cfg = tiny_config(**{"optimizer.name": name, "optimizer.weight_decay": 0.5, "optimizer.warmup_steps": 0})
+    model = build_model(cfg, 65)
+    params = jax.jit(model.init, static_argnums=0)(0)
+    grads = jax.tree.map(lambda p: 0.01 * jax.random.normal(jax.random.key(1), p.shape), params)
+    decay = optimizers.decayed(model.roles())
+    lr = float(optimizers.learning_rate(0, cfg.optimizer, xp=np))
+    by_hand = {"lion": lambda: optax.lion(lr, b1=0.9, b2=0.99, weight_decay=0.5, mask=decay),
+               "adafactor": lambda: optax.adafactor(lr, multiply_by_parameter_scale=False, weight_decay_rate=0.5,
+                                                    weight_decay_mask=decay)}[name]()
+    updates = [jax.jit(lambda p, g, tx=tx: tx.update(g, tx.init(p), p)[0])(params, grads)
+               for tx in (steps.make_optimizer(cfg, model), by_hand)]
+    for a, b in zip(jax.tree.leaves(updates[0]), jax.tree.leaves(updates[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# Lion's state is param-shaped, split as AdamW's moments are (tests/test_zero.py): marked slow.
+@pytest.mark.parametrize("name, lr", [pytest.param("lion", 3e-4, marks=pytest.mark.slow), ("adafactor", 3e-3)])
+def test_each_optimizer_trains_as_one_device_on_data_tensor_and_pipeline(name, lr):
+    """dp=2,tp=2,pp=2 with ZeRO 2 (the state split over 'data', Adafactor's factored rows and
+    columns replicated) against one device; neither is AdamW (the control)."""
+    chosen = {"optimizer.name": name, "optimizer.lr": lr}
+    one = train(**chosen)
+    assert_same_training(train("dp=2,tp=2,pp=2", **chosen, **{"train.zero": 2}), one)
+    assert not np.allclose(losses(one), losses(train()), rtol=LOSS_RTOL)
+
+
+def test_resuming_with_another_optimizer_is_refused_unless_the_state_is_reset(capsys, tmp_path):
+    """AdamW's checkpoint: Lion refuses it in one line; with reset_state, Lion goes on from its
+    weights with a new state, and the step count goes on."""
+    out = tmp_path / "run"
+    run(tiny_config(**{"train.steps": 2, "train.eval_every": 0}), out, jax.devices()[:1], progress=False)
+    argv = ["--config", "tiny", "--out", str(out), "--steps", "3", "--optimizer.name=lion", "--train.eval_every=0",
+            "--mesh", "dp=8"]
+    with pytest.raises(SystemExit):
+        train_main(argv)
+    err = capsys.readouterr().err.strip()
+    assert "trained with optimizer.name=adamw, not lion" in err and "--optimizer.reset_state=true" in err
+    assert len(err.splitlines()) == 1
+    cfg = tiny_config(**{"train.steps": 3, "train.eval_every": 0, "optimizer.name": "lion",
+                         "optimizer.reset_state": True})
+    result = run(cfg, out, jax.devices()[:1], progress=False)
+    assert result.info["resumed_from"] == 2 and sorted(result.losses) == [2]

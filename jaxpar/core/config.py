@@ -11,7 +11,7 @@ from pathlib import Path
 from jaxpar.core.axes import AXES, check_virtual
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig, check_family_keys, validate_model  # noqa: F401
-from jaxpar.core.optimizer_config import ALIASES, OptimizerConfig, validate_optimizer
+from jaxpar.core.optimizer_config import ALIASES, OptimizerConfig, check_optimizer_keys, check_wsd, validate_optimizer
 
 # The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
 # the repository's top-level configs/ in an editable install.
@@ -196,15 +196,15 @@ def load_config(path: str | None, overrides: dict[str, str]) -> Config:
                                 f"valid keys: {keys_help(cfg)}")
             for name, value in table.items():
                 set_value(cfg, f"{section}.{name}", value)
-    explicit = set(overrides)
     for key, value in overrides.items():
         set_value(cfg, key, value)
-    if path is not None:
-        explicit |= {f"{section}.{name}" for section, table in data.items() for name in table}
-    check_family_keys(cfg.model, explicit)
+    in_file = set() if path is None else {f"{section}.{name}" for section, table in data.items() for name in table}
+    check_family_keys(cfg.model, set(overrides) | in_file)
+    check_optimizer_keys(cfg.optimizer, set(overrides), in_file)
     validate(cfg)
     if cfg.optimizer.decay_steps == 0:
         cfg.optimizer.decay_steps = cfg.train.steps
+    check_wsd(cfg.optimizer, cfg.train.steps)
     return cfg
 
 

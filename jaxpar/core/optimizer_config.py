@@ -4,11 +4,13 @@ schedule and clipping, and its own hyper-parameters; and the keys' older names u
 A key that only one optimizer reads is declared `only_for_optimizer(name, default)`.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from jaxpar.core.errors import UserError
 
-OPTIMIZERS = ("adamw",)  # optimizer.name: an entry each in jaxpar.training.optimizers
+OPTIMIZERS = ("adamw", "lion", "adafactor")  # optimizer.name: an entry each in jaxpar.training.optimizers
+SCHEDULES = ("cosine", "wsd", "constant")  # optimizer.schedule (jaxpar.training.optimizers.learning_rate)
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # wsd's decay
 # Older names of the section's keys, kept working in config files and on the command line.
 ALIASES = {"train.lr": "optimizer.lr", "train.min_lr": "optimizer.min_lr",
            "train.warmup_steps": "optimizer.warmup_steps", "train.decay_steps": "optimizer.decay_steps",
@@ -17,27 +19,44 @@ ALIASES = {"train.lr": "optimizer.lr", "train.min_lr": "optimizer.min_lr",
            "train.grad_clip": "optimizer.grad_clip"}
 
 
-def only_for_optimizer(name: str, default):
-    """An optimizer field that only optimizer `name` reads."""
-    return field(default=default, metadata={"optimizer": name})
+def only_for_optimizer(names: str | tuple[str, ...], default):
+    """An optimizer field that only the optimizers `names` read."""
+    return field(default=default, metadata={"optimizer": (names,) if isinstance(names, str) else names})
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    # nanoGPT's schedule: linear warmup to lr over warmup_steps, cosine decay to min_lr at
-    # decay_steps (nanoGPT's lr_decay_iters; 0: the run's steps), then flat.
+    name: str = "adamw"  # adamw, lion or adafactor
+    # Every schedule warms up linearly to lr over warmup_steps. `cosine` (nanoGPT's): a cosine
+    # decay to min_lr at decay_steps (nanoGPT's lr_decay_iters; 0: the run's steps), then flat.
+    # `wsd` (warmup-stable-decay): lr until the decay, which reaches min_lr at decay_steps; it
+    # starts decay_fraction of decay_steps before, or at step decay_from if set (a branch from a
+    # checkpoint of the stable phase), and is linear, cosine or 1-sqrt (decay_shape).
+    # `constant`: lr after the warmup.
+    schedule: str = "cosine"
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 100
     decay_steps: int = 0
+    decay_fraction: float = 0.2
+    decay_from: int = 0
+    decay_shape: str = "linear"
+    # On resume: keep the checkpoint's weights and start the optimizer's state anew (the way to
+    # resume with another optimizer; the step count, data order and schedule go on).
+    reset_state: bool = False
     # Decoupled weight decay, on the params whose role is matrix or embedding (jaxpar.models.params);
     # norm scales and biases are not decayed.
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # the gradients' global norm is clipped to this; 0 disables clipping
-    beta1: float = only_for_optimizer("adamw", 0.9)
-    beta2: float = only_for_optimizer("adamw", 0.99)
+    beta1: float = only_for_optimizer(("adamw", "lion"), 0.9)  # Lion: its update's interpolation
+    beta2: float = only_for_optimizer(("adamw", "lion"), 0.99)  # Lion: its momentum's decay
     eps: float = only_for_optimizer("adamw", 1e-8)  # torch's and nanoGPT's
+    # Adafactor (Shazeer & Stern, 2018; optax.adafactor) with an absolute step size, the schedule's
+    # lr: the second moment factored into row and column means for dims of at least
+    # factored_min_dim, decay_rate its decay exponent, updates clipped to RMS clip_threshold.
+    decay_rate: float = only_for_optimizer("adafactor", 0.8)
+    factored_min_dim: int = only_for_optimizer("adafactor", 128)
+    clip_threshold: float = only_for_optimizer("adafactor", 1.0)
 
 
 def validate_optimizer(o: OptimizerConfig, key_name) -> None:
@@ -46,6 +65,41 @@ def validate_optimizer(o: OptimizerConfig, key_name) -> None:
         raise UserError(f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got '{o.name}'")
     # lr = 0 is a frozen run: Hugging Face weights into a checkpoint, or a step timed without
     # changing the weights.
-    for name in ("lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay", "eps", "grad_clip"):
+    for name in ("lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay", "eps", "grad_clip", "decay_from",
+                 "decay_rate", "factored_min_dim", "clip_threshold"):
         if getattr(o, name) < 0:
             raise UserError(f"{key_name(f'optimizer.{name}')} must be >= 0, got {getattr(o, name)}")
+    for name, choices in (("schedule", SCHEDULES), ("decay_shape", DECAY_SHAPES)):
+        if getattr(o, name) not in choices:
+            raise UserError(f"optimizer.{name} must be one of {', '.join(choices)}, got '{getattr(o, name)}'")
+    if not 0 <= o.decay_fraction <= 1:
+        raise UserError(f"optimizer.decay_fraction must be in [0, 1], got {o.decay_fraction}")
+
+
+def check_optimizer_keys(o: OptimizerConfig, command_line: set[str], file: set[str]) -> None:
+    """Refuse a key that this optimizer never reads: on the command line, or in the config file
+    unless the command line chose the optimizer (a file's AdamW keys stay behind when a run is
+    switched to Lion with --optimizer.name)."""
+    checked = command_line | (set() if "optimizer.name" in command_line else file)
+    for f in fields(OptimizerConfig):
+        readers = f.metadata.get("optimizer")
+        spelled = [key for key in checked if ALIASES.get(key, key) == f"optimizer.{f.name}"]
+        if readers and o.name not in readers and spelled:
+            raise UserError(f"{spelled[0]} is a setting of {' and '.join(readers)}, and this run uses optimizer.name="
+                            f"{o.name}; drop it, or set --optimizer.name={readers[0]}")
+
+
+def check_wsd(o: OptimizerConfig, steps: int) -> None:
+    """WSD's decay fits in the run, and starts after the warmup. o.decay_steps is resolved."""
+    if o.schedule != "wsd":
+        return
+    start = decay_start(o)
+    if not o.warmup_steps <= start <= o.decay_steps <= steps:
+        raise UserError(f"optimizer.schedule=wsd decays from step {start} to optimizer.decay_steps={o.decay_steps}, "
+                        f"which must lie between the warmup's end (optimizer.warmup_steps={o.warmup_steps}) and "
+                        f"the run's end (train.steps={steps}); shorten the decay or lengthen the run")
+
+
+def decay_start(o: OptimizerConfig) -> int:
+    """The step where WSD's decay starts: decay_from, or decay_fraction of decay_steps before its end."""
+    return o.decay_from or o.decay_steps - round(o.decay_fraction * o.decay_steps)

@@ -142,7 +142,8 @@ class Transformer:
         def grouped(a, stack):  # (layers of the stack, ...) -> (groups, its layers in a group, ...)
             return a.reshape((n // period, per_group[stack]) + a.shape[1:])
 
-        params = {name: jax.tree.map(lambda a, s=stacks[name]: grouped(a, s), tree) for name, tree in layer_params.items()}
+        params = {name: jax.tree.map(lambda a, s=stacks[name]: grouped(a, s), tree)
+                  for name, tree in layer_params.items()}
         keys, kv = jax.tree.map(lambda a: grouped(a, "layers"), (layer_keys, kv))
         steps = {s: self.layer_step({k: v for k, v in layer_axes.items() if stacks[k] in ("layers", s)}, cache)
                  for s in kinds}

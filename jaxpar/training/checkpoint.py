@@ -4,7 +4,8 @@ Each checkpoint holds three items: `params`, `opt_state`, and `meta` (JSON: the 
 state, the resolved config, the tokenizer and the optimizer's name), so sampling reads only
 `params` and `meta`. `opt_state` is the optimizer's own state: gradient clipping, which keeps
 none, is not in it. A checkpoint from before the optimizer registry holds optax's chain of
-clipping and AdamW; it restores into the same AdamW state.
+clipping and AdamW; it restores into the same AdamW state. Another optimizer's checkpoint resumes
+only with `optimizer.reset_state`: its weights, and a new state.
 """
 
 import contextlib
@@ -205,6 +206,11 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
     if gelu != cfg.model.gelu:
         raise UserError(f"the checkpoint in '{directory}' was trained with model.gelu={gelu}, not "
                         f"{cfg.model.gelu}; resume with --model.gelu={gelu}, {fresh}")
+    saved_optimizer = meta.get("optimizer", "adamw")
+    if saved_optimizer != cfg.optimizer.name and not cfg.optimizer.reset_state:
+        raise UserError(f"the checkpoint in '{directory}' was trained with optimizer.name={saved_optimizer}, not "
+                        f"{cfg.optimizer.name}; resume with --optimizer.name={saved_optimizer}, or keep its weights "
+                        f"with a new optimizer state: --optimizer.reset_state=true, {fresh}")
     if meta["rng"]["seed"] != cfg.train.seed:
         raise UserError(f"the checkpoint in '{directory}' was trained with train.seed="
                         f"{meta['rng']['seed']}, not {cfg.train.seed}; resume with --seed "
@@ -220,6 +226,8 @@ def restore_train_state(ckpt: Checkpoints, cfg: Config, tokenizer, tx, shardings
 
     def targets_for(meta: dict) -> dict:
         check_fits(meta, cfg, tokenizer, ckpt.directory)
+        if cfg.optimizer.reset_state:  # the weights alone
+            return {"params": targets["params"]}
         return {**targets, "opt_state": as_saved(targets["opt_state"], meta)}
 
     found = ckpt.restore_latest(targets_for)
@@ -227,7 +235,10 @@ def restore_train_state(ckpt: Checkpoints, cfg: Config, tokenizer, tx, shardings
         return None
     step, meta, items, skipped = found
     counter = jax.device_put(np.int32(meta["step"]), shardings.step)
-    opt_state = items.opt_state if "optimizer" in meta else items.opt_state[-1]
+    if cfg.optimizer.reset_state:
+        opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(items.params)
+    else:
+        opt_state = items.opt_state if "optimizer" in meta else items.opt_state[-1]
     return steps.TrainState(counter, items.params, opt_state), meta, skipped
 
 

@@ -16,16 +16,38 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.core.optimizer_config import OPTIMIZERS as OPTIMIZER_NAMES
-from jaxpar.core.optimizer_config import OptimizerConfig
+from jaxpar.core.optimizer_config import SCHEDULES, OptimizerConfig, decay_start
 from jaxpar.models.params import EMBEDDING, MATRIX
 
 
 def learning_rate(step, o: OptimizerConfig, xp=jnp):
-    """nanoGPT's schedule: linear warmup, cosine decay to min_lr at decay_steps, then flat."""
+    """o.schedule's lr at `step` (jaxpar.core.optimizer_config.OptimizerConfig says each), after a
+    linear warmup."""
     warmup = o.lr * (step + 1) / (o.warmup_steps + 1)
+    return xp.where(step < o.warmup_steps, warmup, AFTER_WARMUP[o.schedule](step, o, xp))
+
+
+def cosine(step, o: OptimizerConfig, xp):
+    """nanoGPT's: cosine decay to min_lr at decay_steps, then flat."""
     progress = xp.clip((step - o.warmup_steps) / max(o.decay_steps - o.warmup_steps, 1), 0.0, 1.0)
-    cosine = o.min_lr + 0.5 * (1.0 + xp.cos(math.pi * progress)) * (o.lr - o.min_lr)
-    return xp.where(step < o.warmup_steps, warmup, cosine)
+    return o.min_lr + 0.5 * (1.0 + xp.cos(math.pi * progress)) * (o.lr - o.min_lr)
+
+
+def wsd(step, o: OptimizerConfig, xp):
+    """Warmup-stable-decay: lr, then from decay_start down to min_lr at decay_steps."""
+    start = decay_start(o)
+    progress = xp.clip((step - start) / max(o.decay_steps - start, 1), 0.0, 1.0)
+    remaining = {"linear": lambda: 1.0 - progress, "cosine": lambda: 0.5 * (1.0 + xp.cos(math.pi * progress)),
+                 "1-sqrt": lambda: 1.0 - xp.sqrt(progress)}[o.decay_shape]()
+    return o.min_lr + remaining * (o.lr - o.min_lr)
+
+
+def constant(step, o: OptimizerConfig, xp):
+    return o.lr + 0.0 * step
+
+
+AFTER_WARMUP = {"cosine": cosine, "wsd": wsd, "constant": constant}
+assert tuple(AFTER_WARMUP) == SCHEDULES, "jaxpar.core.optimizer_config names the same schedules"
 
 
 def decayed(roles: dict) -> dict:
@@ -40,7 +62,21 @@ def adamw(o: OptimizerConfig, schedule, roles: dict) -> optax.GradientTransforma
                        mask=decayed(roles))
 
 
-OPTIMIZERS = {"adamw": adamw}
+def lion(o: OptimizerConfig, schedule, roles: dict) -> optax.GradientTransformation:
+    """Lion (Chen et al., 2023): the sign of an interpolated momentum; decoupled weight decay on
+    the decayed roles. Its steps are all of size lr: it wants a smaller lr than AdamW."""
+    return optax.lion(schedule, b1=o.beta1, b2=o.beta2, weight_decay=o.weight_decay, mask=decayed(roles))
+
+
+def adafactor(o: OptimizerConfig, schedule, roles: dict) -> optax.GradientTransformation:
+    """Adafactor with the schedule's lr as its absolute step (no relative step, no parameter
+    scaling), factored second moments, no momentum; decoupled weight decay on the decayed roles."""
+    return optax.adafactor(schedule, min_dim_size_to_factor=o.factored_min_dim, decay_rate=o.decay_rate,
+                           multiply_by_parameter_scale=False, clipping_threshold=o.clip_threshold or None,
+                           weight_decay_rate=o.weight_decay or None, weight_decay_mask=decayed(roles))
+
+
+OPTIMIZERS = {"adamw": adamw, "lion": lion, "adafactor": adafactor}
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "jaxpar.core.optimizer_config names the same optimizers"
 
 

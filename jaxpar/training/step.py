@@ -45,8 +45,11 @@ def state_shardings(cfg: Config, model: Transformer, mesh, tx) -> tuple[TrainSta
     shapes = model.shapes()
     plan = zero.plan(cfg.train.zero, shardings_for(model.axes(), shapes, mesh), shapes, mesh)
     replicated = NamedSharding(mesh, P())
-    opt_state = optax.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, shapes),
-                                      plan.moments, transform_non_params=lambda _: replicated)
+    # A param-shaped leaf (AdamW's moments, Lion's) follows the plan; a factored one (Adafactor's
+    # row and column means) is small, and replicated.
+    opt_state = optax.tree_map_params(
+        tx, lambda leaf, sharding, shape: sharding if leaf.shape == shape.shape else replicated,
+        jax.eval_shape(tx.init, shapes), plan.moments, shapes, transform_non_params=lambda _: replicated)
     return TrainState(replicated, plan.params, opt_state), plan
 
 
