@@ -27,9 +27,9 @@ LAYOUTS = [
     ("cp=2,pp=2", {}),
 ]
 # What the families do differently under a ring (learned positions or RoPE, LayerNorm or RMSNorm in
-# the split stream) shows on cp=2 and on cp=2,tp=2 with sequence parallelism; the rest compose the
-# ring with other axes the same way for both, and run for GPT-2 with -m slow only.
-FAMILY_LAYOUTS = ("cp=2", "cp=2,tp=2-sequence_parallel")
+# the split stream) shows on cp=2,tp=2 with sequence parallelism; the rest compose the ring with
+# other axes the same way for both, and run for GPT-2 with -m slow only.
+FAMILY_LAYOUTS = ("cp=2,tp=2-sequence_parallel",)
 # Llama's plain cp=2 is cp=4's ring with fewer hops, and plain dp=2,cp=2 is under its ZeRO-3 and
 # accumulation runs: both marked slow.
 SUBSUMED = ("cp=2", "dp=2,cp=2")

@@ -36,7 +36,8 @@ def reference():
 
 
 @pytest.mark.parametrize("spec", [
-    "ep=2", "dp=2,ep=2", "ep=2,tp=2", "ep=2,cp=2",
+    pytest.param("ep=2", marks=pytest.mark.slow),  # inside each of the next three, and the pipeline's
+    "dp=2,ep=2", "ep=2,tp=2", "ep=2,cp=2",
     pytest.param("ep=4", marks=pytest.mark.slow),  # one expert a device: ep=2's path with groups of one
 ])
 def test_expert_parallel_layout_equals_one_device(spec):

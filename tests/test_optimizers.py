@@ -2,6 +2,8 @@
 [train] names kept as aliases; its parameter groups come from the params' declared roles, and the
 state it keeps is what --dry-run counts."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ def test_older_names_set_the_optimizer_section(tmp_path):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--optimizer.name=sgd"], ["optimizer.name must be one of adamw, lion, adafactor, got 'sgd'"]),
+    (["--optimizer.name=sgd"], ["optimizer.name must be one of adamw, lion, adafactor, muon, got 'sgd'"]),
     (["--optimizer.lr=-1"], ["optimizer.lr must be >= 0, got -1.0"]),
     (["--train.grad_clip=-1"], ["train.grad_clip must be >= 0, got -1.0"]),
     (["--optimizer.beta1=x"], ["optimizer.beta1 expects float, got 'x'"]),
@@ -117,11 +119,13 @@ def test_each_optimizer_is_optax_own(name):
 
 
 # Lion's state is param-shaped, split as AdamW's moments are (tests/test_zero.py): marked slow.
-@pytest.mark.parametrize("name, lr", [pytest.param("lion", 3e-4, marks=pytest.mark.slow), ("adafactor", 3e-3)])
+@pytest.mark.parametrize("name, lr", [pytest.param("lion", 3e-4, marks=pytest.mark.slow), ("adafactor", 3e-3),
+                                      ("muon", 0.02)])
 def test_each_optimizer_trains_as_one_device_on_data_tensor_and_pipeline(name, lr):
     """dp=2,tp=2,pp=2 with ZeRO 2 (the state split over 'data', Adafactor's factored rows and
-    columns replicated) against one device; neither is AdamW (the control)."""
-    chosen = {"optimizer.name": name, "optimizer.lr": lr}
+    columns replicated, Muon's two groups each holding its own params' state) against one
+    device; none is AdamW (the control)."""
+    chosen = {"optimizer.name": name, "optimizer.lr": lr} | ({"optimizer.adam_lr": 3e-3} if name == "muon" else {})
     one = train(**chosen)
     assert_same_training(train("dp=2,tp=2,pp=2", **chosen, **{"train.zero": 2}), one)
     assert not np.allclose(losses(one), losses(train()), rtol=LOSS_RTOL)
@@ -143,3 +147,45 @@ def test_resuming_with_another_optimizer_is_refused_unless_the_state_is_reset(ca
                          "optimizer.reset_state": True})
     result = run(cfg, out, jax.devices()[:1], progress=False)
     assert result.info["resumed_from"] == 2 and sorted(result.losses) == [2]
+
+
+def as_matrices(array: np.ndarray, view: tuple) -> np.ndarray:
+    """(batch, reduction, output) of a stacked param under its matrix view (Param.matrix)."""
+    reduction, output = view
+    batch = [d for d in range(array.ndim) if d not in reduction + output]
+    moved = np.transpose(array, batch + list(reduction) + list(output))
+    size = lambda dims: int(np.prod([array.shape[d] for d in dims]))  # noqa: E731
+    return moved.reshape(size(batch), size(reduction), size(output))
+
+
+def test_one_muon_step_is_optax_muon_on_each_matrix():
+    """Every block matrix's update (each layer's q, k and v, dense gate and up, down stored out
+    first, the router, each expert's gate, up and down: a Llama whose layer 0 is dense and layer 1
+    sparse) equals optax.contrib.muon's on that 2-D matrix alone (rtol 1e-5, float32
+    Newton-Schulz); the embeddings and norms take AdamW. The control: k and v as one matrix differ."""
+    import optax
+    cfg = tiny_config("tiny_moe", **{"optimizer.name": "muon", "optimizer.lr": 0.02, "optimizer.warmup_steps": 0,
+                                     "optimizer.weight_decay": 0.0, "model.moe_every": 2})
+    model = build_model(cfg, 65)
+    params = jax.jit(model.init, static_argnums=0)(0)
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
+    tx = steps.make_optimizer(cfg, model)
+    updates = jax.jit(lambda p, g: tx.update(g, tx.init(p), p)[0])(params, grads)
+    lr = float(optimizers.learning_rate(0, cfg.optimizer, xp=np))
+    one_matrix = optax.contrib.muon(lr, weight_decay=0.0)
+    on_2d = jax.jit(jax.vmap(lambda g: one_matrix.update({"w": g}, one_matrix.init({"w": g}), {"w": g})[0]["w"]))
+    checked, eps = 0, cfg.optimizer.eps
+    for path, param in in_order(model.declared):
+        leaf = lambda tree: np.asarray(functools.reduce(lambda node, key: node[key], path, tree))  # noqa: E731
+        got, g = leaf(updates), leaf(grads)
+        if param.role == MATRIX:
+            expected = on_2d(as_matrices(g, param.matrix))
+            np.testing.assert_allclose(as_matrices(got, param.matrix), expected, rtol=1e-5, atol=1e-7)
+            checked += 1
+        else:  # AdamW's first step: -lr g / (|g| + eps)
+            np.testing.assert_allclose(got, -lr * g / (np.abs(g) + eps), rtol=1e-5)
+    assert checked == sum(param.role == MATRIX for _, param in in_order(model.declared)) == 8
+    kv = np.asarray(grads["blocks"]["kv"]["kernel"])
+    fused = on_2d(as_matrices(kv, ((1,), (2, 3, 4))))
+    assert not np.allclose(as_matrices(np.asarray(updates["blocks"]["kv"]["kernel"]), ((1,), (2, 3, 4))), fused,
+                           rtol=1e-2)

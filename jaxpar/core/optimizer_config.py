@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from jaxpar.core.errors import UserError
 
-OPTIMIZERS = ("adamw", "lion", "adafactor")  # optimizer.name: an entry each in jaxpar.training.optimizers
+OPTIMIZERS = ("adamw", "lion", "adafactor", "muon")  # optimizer.name: an entry each in jaxpar.training.optimizers
 SCHEDULES = ("cosine", "wsd", "constant")  # optimizer.schedule (jaxpar.training.optimizers.learning_rate)
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # wsd's decay
 # Older names of the section's keys, kept working in config files and on the command line.
@@ -48,9 +48,16 @@ class OptimizerConfig:
     # norm scales and biases are not decayed.
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # the gradients' global norm is clipped to this; 0 disables clipping
-    beta1: float = only_for_optimizer(("adamw", "lion"), 0.9)  # Lion: its update's interpolation
-    beta2: float = only_for_optimizer(("adamw", "lion"), 0.99)  # Lion: its momentum's decay
-    eps: float = only_for_optimizer("adamw", 1e-8)  # torch's and nanoGPT's
+    # AdamW's (and Muon's AdamW group's); Lion: its update's interpolation and its momentum's decay.
+    beta1: float = only_for_optimizer(("adamw", "lion", "muon"), 0.9)
+    beta2: float = only_for_optimizer(("adamw", "lion", "muon"), 0.99)
+    eps: float = only_for_optimizer(("adamw", "muon"), 1e-8)  # torch's and nanoGPT's
+    # Muon on the matrices (jaxpar.training.optimizers.muon): its momentum, its Newton-Schulz
+    # iterations, and the lr of the params it leaves to AdamW (embeddings, lm_head, norms, biases;
+    # 0: lr).
+    momentum: float = only_for_optimizer("muon", 0.95)
+    ns_steps: int = only_for_optimizer("muon", 5)
+    adam_lr: float = only_for_optimizer("muon", 0.0)
     # Adafactor (Shazeer & Stern, 2018; optax.adafactor) with an absolute step size, the schedule's
     # lr: the second moment factored into row and column means for dims of at least
     # factored_min_dim, decay_rate its decay exponent, updates clipped to RMS clip_threshold.
@@ -66,7 +73,7 @@ def validate_optimizer(o: OptimizerConfig, key_name) -> None:
     # lr = 0 is a frozen run: Hugging Face weights into a checkpoint, or a step timed without
     # changing the weights.
     for name in ("lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay", "eps", "grad_clip", "decay_from",
-                 "decay_rate", "factored_min_dim", "clip_threshold"):
+                 "decay_rate", "factored_min_dim", "clip_threshold", "momentum", "ns_steps", "adam_lr"):
         if getattr(o, name) < 0:
             raise UserError(f"{key_name(f'optimizer.{name}')} must be >= 0, got {getattr(o, name)}")
     for name, choices in (("schedule", SCHEDULES), ("decay_shape", DECAY_SHAPES)):

@@ -67,6 +67,9 @@ class Transformer:
     def axes(self) -> dict:
         return declared_params.axes_of(self.declared)
 
+    def matrices(self) -> dict:
+        return declared_params.matrices_of(self.declared)
+
     def roles(self) -> dict:
         return declared_params.roles_of(self.declared)
 

@@ -84,8 +84,9 @@ def declare_experts(cfg: ModelConfig, std: float, resid_std: float, stack: str =
     return {
         "router": dense(std, (L, C, E), (stack, "embed", "routes"), 1, False),
         "experts_gate_up": {"kernel": Param((L, E, C, 2, F), (stack, "experts", "embed", "gate_up", "mlp"),
-                                            MATRIX, std)},
-        "experts_out": {"kernel": Param((L, E, F, C), (stack, "experts", "mlp", "embed"), MATRIX, resid_std)},
+                                            MATRIX, std, matrix=((2,), (4,)))},
+        "experts_out": {"kernel": Param((L, E, F, C), (stack, "experts", "mlp", "embed"), MATRIX, resid_std,
+                                        matrix=((2,), (3,)))},
     }
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 MATRIX, EMBEDDING, NORM, BIAS = "matrix", "embedding", "norm", "bias"
+FUSED = ("qkv", "gate_up")  # the axis of a fused kernel's parts (q, k, v or gate, up)
 ROLES = (MATRIX, EMBEDDING, NORM, BIAS)
 
 
@@ -26,6 +27,10 @@ class Param:
     role: str
     std: float = 0.0
     transposed: bool = False
+    # A matrix's view as matrices, for Muon: (the dims its input contracts, its output dims); the
+    # rest are batch dims (layers, experts, and the parts of a fused q/k/v or gate/up kernel,
+    # each its own matrix).
+    matrix: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
     @property
     def random(self) -> bool:
@@ -47,9 +52,12 @@ def dense(std: float, shape: tuple, axes: tuple, n_out_dims: int, bias: bool, tr
     axis) (layers, out, in) as torch's nn.Linear stores it; bias (layers, *out)."""
     if transposed:
         layers, inp, out = shape
-        kernel = Param((layers, out, inp), (axes[0], axes[2], axes[1]), MATRIX, std, transposed=True)
+        kernel = Param((layers, out, inp), (axes[0], axes[2], axes[1]), MATRIX, std, transposed=True,
+                       matrix=((2,), (1,)))
     else:
-        kernel = Param(shape, axes, MATRIX, std)
+        n = len(shape)
+        outputs = tuple(d for d in range(n - n_out_dims, n) if axes[d] not in FUSED)
+        kernel = Param(shape, axes, MATRIX, std, matrix=(tuple(range(1, n - n_out_dims)), outputs))
     declared = {"kernel": kernel}
     if bias:
         declared["bias"] = Param(shape[:1] + shape[-n_out_dims:], axes[:1] + axes[-n_out_dims:], BIAS)
@@ -113,3 +121,8 @@ def axes_of(declared: dict) -> dict:
 
 def roles_of(declared: dict) -> dict:
     return tree_of(declared, lambda p: p.role)
+
+
+def matrices_of(declared: dict) -> dict:
+    """Each param's matrix view (Param.matrix), or None where it is not a matrix."""
+    return tree_of(declared, lambda p: p.matrix if p.role == MATRIX else None)

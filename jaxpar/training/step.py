@@ -33,7 +33,7 @@ class TrainState(NamedTuple):
 
 def make_optimizer(cfg: Config, model: Transformer) -> optax.GradientTransformation:
     """The optimizer [optimizer] names, its parameter groups from the model's param roles."""
-    return optimizers.make_optimizer(cfg.optimizer, model.roles())
+    return optimizers.make_optimizer(cfg.optimizer, model.roles(), model.matrices())
 
 
 def state_shardings(cfg: Config, model: Transformer, mesh, tx) -> tuple[TrainState, zero.ZeroPlan]:
@@ -46,10 +46,16 @@ def state_shardings(cfg: Config, model: Transformer, mesh, tx) -> tuple[TrainSta
     plan = zero.plan(cfg.train.zero, shardings_for(model.axes(), shapes, mesh), shapes, mesh)
     replicated = NamedSharding(mesh, P())
     # A param-shaped leaf (AdamW's moments, Lion's) follows the plan; a factored one (Adafactor's
-    # row and column means) is small, and replicated.
-    opt_state = optax.tree_map_params(
-        tx, lambda leaf, sharding, shape: sharding if leaf.shape == shape.shape else replicated,
-        jax.eval_shape(tx.init, shapes), plan.moments, shapes, transform_non_params=lambda _: replicated)
+    # row and column means) is small, and replicated; a group's masked-out params (Muon's
+    # partition) hold nothing.
+    def where(leaf, sharding, shape):
+        if isinstance(leaf, optax.MaskedNode):
+            return leaf
+        return sharding if leaf.shape == shape.shape else replicated
+
+    opt_state = optax.tree_map_params(tx, where, jax.eval_shape(tx.init, shapes), plan.moments, shapes,
+                                      transform_non_params=lambda _: replicated,
+                                      is_leaf=lambda node: isinstance(node, optax.MaskedNode))
     return TrainState(replicated, plan.params, opt_state), plan
 
 
