@@ -26,7 +26,7 @@ def only_for_optimizer(names: str | tuple[str, ...], default):
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"  # adamw, lion or adafactor
+    name: str = "adamw"  # adamw, lion, adafactor or muon
     # Every schedule warms up linearly to lr over warmup_steps. `cosine` (nanoGPT's): a cosine
     # decay to min_lr at decay_steps (nanoGPT's lr_decay_iters; 0: the run's steps), then flat.
     # `wsd` (warmup-stable-decay): lr until the decay, which reaches min_lr at decay_steps; it

@@ -82,11 +82,12 @@ def weights_per_chip(n_params: int, expert_params: int, layout: dict) -> float:
 def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
                  in_flight: int, expert_params: int = 0) -> float:
     """Bytes per chip, roughly: float32 params, grads and the optimizer's param-sized state (two
-    AdamW moments, Lion's one; Adafactor's factored rows and columns are left out) split as the
+    AdamW moments, Lion's one, Muon's one on the matrices, which are most of the params;
+    Adafactor's factored rows and columns are left out) split as the
     layout splits them, plus the saved activations of `in_flight` passes (placement.activation_bytes)."""
     dp, tp, pp, zero = layout["dp"], layout["tp"], layout["pp"], layout["zero"]  # weights: not split by cp
     share = weights_per_chip(n_params, expert_params, layout)
-    copies = {"adamw": 2, "lion": 1, "adafactor": 0}[cfg.optimizer.name]
+    copies = {"adamw": 2, "lion": 1, "adafactor": 0, "muon": 1}[cfg.optimizer.name]
     state = 4 * share * ((1 / dp if zero >= 3 else 1) + (1 / dp if zero >= 2 else 1)
                          + copies * (1 / dp if zero >= 1 else 1))
     saved = activation_bytes(cfg, vocab, rows_per_pass, tp, layers=cfg.model.n_layer // pp, cp=layout.get("cp", 1))

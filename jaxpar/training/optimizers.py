@@ -83,12 +83,10 @@ def muon(o: OptimizerConfig, schedule, roles: dict, matrices: dict) -> optax.Gra
     decoupled weight decay. Embeddings, the lm_head, norm scales and biases take AdamW with its
     own lr, adam_lr (modded-nanogpt's split), decayed by the roles' rule."""
     from optax.contrib import _muon  # scale_by_shape: optax.contrib.muon's own, not exported
-    views = jax.tree.map(lambda view: None if view is None else _muon.MuonDimensionNumbers(*view), matrices,
-                         is_leaf=lambda view: view is None or isinstance(view, tuple))
-    labels = jax.tree.map(lambda view: "adamw" if view is None else "muon", views,
-                          is_leaf=lambda view: view is None or isinstance(view, _muon.MuonDimensionNumbers))
-    masked = jax.tree.map(lambda view: optax.MaskedNode() if view is None else view, views,
-                          is_leaf=lambda view: view is None or isinstance(view, _muon.MuonDimensionNumbers))
+    is_view = lambda view: view is None or isinstance(view, tuple)  # noqa: E731
+    labels = jax.tree.map(lambda view: "adamw" if view is None else "muon", matrices, is_leaf=is_view)
+    masked = jax.tree.map(lambda view: optax.MaskedNode() if view is None else _muon.MuonDimensionNumbers(*view),
+                          matrices, is_leaf=is_view)  # the muon group's tree: AdamW's params masked out
     adam_lr = o.adam_lr or o.lr
     on_matrices = optax.chain(
         _muon.scale_by_muon(ns_steps=o.ns_steps, beta=o.momentum, nesterov=True, weight_dimension_numbers=masked),
