@@ -64,6 +64,22 @@ def test_two_processes_with_a_pipeline_match_one(reference, tmp_path):
     assert_close(logged_values(out, "val_loss"), reference.val_losses, [0, 5, 10])
 
 
+# Each optimizer's layouts in one process: tests/test_optimizers.py; two processes: the default
+# AdamW above. Each launch is ~25 s: marked slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("name, lr", [("muon", 0.02), ("lion", 3e-4), ("adafactor", 3e-3)])
+def test_each_optimizer_in_two_processes_matches_one_device(tmp_path, name, lr):
+    """dp=2,tp=2 with ZeRO 3 over 2 processes: Muon's Newton-Schulz work split over all 4 devices
+    and gathered across the processes."""
+    chosen = {"optimizer.name": name, "optimizer.lr": lr}
+    reference = train(evaluate=True, **chosen)
+    out = tmp_path / "run"
+    launch(out, "--mesh", "dp=2,tp=2", "--steps", str(STEPS), "--train.zero=3",
+           *(f"--{key}={value}" for key, value in chosen.items()))
+    assert_close(logged_losses(out), reference.losses, range(STEPS))
+    assert_close(logged_values(out, "val_loss"), reference.val_losses, [0, 5, 10])
+
+
 def test_tensor_groups_stay_inside_a_process(tmp_path):
     """2 processes x 4 devices, dp=2,tp=4: each tp=4 group is one process's devices, dp crosses."""
     out = tmp_path / "run"

@@ -120,8 +120,18 @@ FUSED = """HloModule fused
   ROOT %dynamic-slice.11 = f32[4,256,1024]{2,1,0} dynamic-slice(%all-reduce.3, %c0, %o, %c0), dynamic_slice_sizes={4,256,1024}
 }
 
+%async_collective_fusion.1 (p: f32[16,64]) -> f32[128,64] {
+  ROOT %all-gather.5 = f32[128,64]{1,0} all-gather(%p), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+%async_collective_fusion.2 (p: f32[16,64]) -> f32[128,64] {
+  ROOT %all-gather.6 = f32[128,64]{1,0} all-gather(%p), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}
+}
+
 ENTRY %main (x: f32[4,512,1024]) -> f32[4,256,1024] {
   ROOT %fusion = f32[4,256,1024]{2,1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter
+  %async-collective-start.1 = f32[128,64]{1,0} fusion(%g), kind=kCustom, calls=%async_collective_fusion.1
+  %fusion.2 = f32[128,64]{1,0} fusion(%g), kind=kCustom, calls=%async_collective_fusion.2
   %collective-permute-start = (f32[8,1024]{1,0:T(8,128)S(1)}, f32[8,1024]{1,0:T(8,128)S(1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%m), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
   %collective-permute-done = f32[8,1024]{1,0:T(8,128)S(1)} collective-permute-done(%collective-permute-start)
 }
@@ -130,9 +140,11 @@ ENTRY %main (x: f32[4,512,1024]) -> f32[4,256,1024] {
 
 def test_hlo_reads_xla_tpus_fused_reduce_scatters_and_async_permutes():
     """An all-reduce fused with the slice a device keeps is a reduce-scatter of that slice; an
-    async collective-permute's bytes are its result's, not its scalar contexts'."""
+    async collective-permute's bytes are its result's, not its scalar contexts'; an all-gather
+    that XLA:TPU runs in pieces over two fusions (one channel) counts once."""
     assert hlo.collective_ops(FUSED) == [
         {"kind": "reduce-scatter", "bytes": 4 * 256 * 1024 * 4, "group": 2, "count": 1},
+        {"kind": "all-gather", "bytes": 128 * 64 * 4, "group": 8, "count": 1},
         {"kind": "collective-permute", "bytes": 8 * 1024 * 4, "group": None, "count": 1}]
 
 

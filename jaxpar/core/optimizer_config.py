@@ -54,10 +54,12 @@ class OptimizerConfig:
     eps: float = only_for_optimizer(("adamw", "muon"), 1e-8)  # torch's and nanoGPT's
     # Muon on the matrices (jaxpar.training.optimizers.muon): its momentum, its Newton-Schulz
     # iterations, and the lr of the params it leaves to AdamW (embeddings, lm_head, norms, biases;
-    # 0: lr).
+    # 0: lr). ns_split: each device orthogonalises its share of the matrices and the results are
+    # gathered (jaxpar.training.muon); false: every device orthogonalises every matrix.
     momentum: float = only_for_optimizer("muon", 0.95)
     ns_steps: int = only_for_optimizer("muon", 5)
     adam_lr: float = only_for_optimizer("muon", 0.0)
+    ns_split: bool = only_for_optimizer("muon", True)
     # Adafactor (Shazeer & Stern, 2018; optax.adafactor) with an absolute step size, the schedule's
     # lr: the second moment factored into row and column means for dims of at least
     # factored_min_dim, decay_rate its decay exponent, updates clipped to RMS clip_threshold.

@@ -34,6 +34,7 @@ KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 SCALAR_CONSTANT = re.compile(r"=\s*[su](?:32|64)\[\]\S*\s+constant\((\d+)\)")
 GROUP_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 GROUP_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]")
+CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 # Newer XLA: replica_groups=mesh['axis_0'=16,'axis_1'=2] {'axis_0'}: the named axes form a group.
 GROUP_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
@@ -126,10 +127,19 @@ def collective_ops(hlo_text: str) -> list[dict]:
     comps, entry = computations(hlo_text)
     runs = multiplicities(comps, entry) if entry else defaultdict(lambda: 1)
     found: dict = defaultdict(int)
+    channels: dict = {}  # channel id: (op, runs)
     for name, lines in (comps or {"": hlo_text.splitlines()}).items():
         for line in lines:
-            if op := collective_of(line, name):
+            if not (op := collective_of(line, name)):
+                continue
+            if channel := CHANNEL.search(line):  # XLA:TPU runs one async collective as pieces in
+                # several fusions (start, continuations, done), each naming the op and its channel
+                seen = channels.get(channel.group(1), (op, 0))[1]
+                channels[channel.group(1)] = (op, max(seen, runs[name]))
+            else:
                 found[op] += runs[name]
+    for op, count in channels.values():
+        found[op] += count
     return [{"kind": kind, "bytes": size, "group": group, "count": count}
             for (kind, size, group), count in found.items() if count]
 

@@ -67,7 +67,7 @@ def compile_abstract_step(cfg: Config, vocab: int, mesh):
     """The train step `jaxpar.train` runs, compiled for `mesh` from ShapeDtypeStructs (nothing is
     allocated, so the devices may be compile-only)."""
     model = build_model(cfg, vocab)
-    tx = steps.make_optimizer(cfg, model)
+    tx = steps.make_optimizer(cfg, model, mesh)
     shardings, plan = steps.state_shardings(cfg, model, mesh, tx)  # eager work: outside the mesh
     micro = steps.microbatches_for(cfg, mesh)
     rows = batch_sharding(mesh)
@@ -114,7 +114,7 @@ def dry_run(cfg: Config, devices=None) -> str:
     mesh = build_mesh(cfg, devices)
     with jax.set_mesh(mesh):
         model = build_model(cfg, vocab)
-        tx = steps.make_optimizer(cfg, model)
+        tx = steps.make_optimizer(cfg, model, mesh)
         shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
         shapes = model.shapes()
         abstract_opt = jax.eval_shape(tx.init, shapes)

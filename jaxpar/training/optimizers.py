@@ -18,6 +18,7 @@ import optax
 from jaxpar.core.optimizer_config import OPTIMIZERS as OPTIMIZER_NAMES
 from jaxpar.core.optimizer_config import SCHEDULES, OptimizerConfig, decay_start
 from jaxpar.models.params import EMBEDDING, MATRIX
+from jaxpar.training import muon as muon_split
 
 
 def learning_rate(step, o: OptimizerConfig, xp=jnp):
@@ -56,19 +57,19 @@ def decayed(roles: dict) -> dict:
     return jax.tree.map(lambda role: role in (MATRIX, EMBEDDING), roles)
 
 
-def adamw(o: OptimizerConfig, schedule, roles: dict, matrices=None) -> optax.GradientTransformation:
+def adamw(o: OptimizerConfig, schedule, roles: dict, matrices=None, split=None) -> optax.GradientTransformation:
     """AdamW, decoupled weight decay on the decayed roles."""
     return optax.adamw(schedule, b1=o.beta1, b2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
                        mask=decayed(roles))
 
 
-def lion(o: OptimizerConfig, schedule, roles: dict, matrices=None) -> optax.GradientTransformation:
+def lion(o: OptimizerConfig, schedule, roles: dict, matrices=None, split=None) -> optax.GradientTransformation:
     """Lion (Chen et al., 2023): the sign of an interpolated momentum; decoupled weight decay on
     the decayed roles. Its steps are all of size lr: it wants a smaller lr than AdamW."""
     return optax.lion(schedule, b1=o.beta1, b2=o.beta2, weight_decay=o.weight_decay, mask=decayed(roles))
 
 
-def adafactor(o: OptimizerConfig, schedule, roles: dict, matrices=None) -> optax.GradientTransformation:
+def adafactor(o: OptimizerConfig, schedule, roles: dict, matrices=None, split=None) -> optax.GradientTransformation:
     """Adafactor with the schedule's lr as its absolute step (no relative step, no parameter
     scaling), factored second moments, no momentum; decoupled weight decay on the decayed roles."""
     return optax.adafactor(schedule, min_dim_size_to_factor=o.factored_min_dim, decay_rate=o.decay_rate,
@@ -76,7 +77,7 @@ def adafactor(o: OptimizerConfig, schedule, roles: dict, matrices=None) -> optax
                            weight_decay_rate=o.weight_decay or None, weight_decay_mask=decayed(roles))
 
 
-def muon(o: OptimizerConfig, schedule, roles: dict, matrices: dict) -> optax.GradientTransformation:
+def muon(o: OptimizerConfig, schedule, roles: dict, matrices: dict, split=None) -> optax.GradientTransformation:
     """Muon (Jordan et al., 2024) on the matrices, as optax.contrib.muon computes it: Nesterov
     momentum, orthogonalised by ns_steps Newton-Schulz iterations per matrix of each param's matrix
     view (a layer's q, k and v, or gate and up, each a matrix), scaled by sqrt(max(1, out / in)),
@@ -89,7 +90,7 @@ def muon(o: OptimizerConfig, schedule, roles: dict, matrices: dict) -> optax.Gra
                           matrices, is_leaf=is_view)  # the muon group's tree: AdamW's params masked out
     adam_lr = o.adam_lr or o.lr
     on_matrices = optax.chain(
-        _muon.scale_by_muon(ns_steps=o.ns_steps, beta=o.momentum, nesterov=True, weight_dimension_numbers=masked),
+        muon_split.scale_by_muon(o, masked, split),
         _muon.scale_by_shape(weight_dimension_numbers=masked),
         optax.add_decayed_weights(o.weight_decay), optax.scale_by_learning_rate(schedule))
     others = optax.adamw(lambda step: schedule(step) * (adam_lr / o.lr if o.lr else 0.0), b1=o.beta1, b2=o.beta2,
@@ -101,10 +102,12 @@ OPTIMIZERS = {"adamw": adamw, "lion": lion, "adafactor": adafactor, "muon": muon
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "jaxpar.core.optimizer_config names the same optimizers"
 
 
-def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None) -> optax.GradientTransformation:
+def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None,
+                   split=None) -> optax.GradientTransformation:
     """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles (and,
-    for Muon, these matrix views: jaxpar.models.params.Param.matrix)."""
-    return OPTIMIZERS[o.name](o, lambda step: learning_rate(step, o), roles, matrices)
+    for Muon, these matrix views, jaxpar.models.params.Param.matrix, and the mesh its work is split
+    over, jaxpar.training.muon.Split)."""
+    return OPTIMIZERS[o.name](o, lambda step: learning_rate(step, o), roles, matrices, split)
 
 
 def clip(grads, grad_norm: jax.Array, o: OptimizerConfig):

@@ -21,7 +21,7 @@ from jaxpar.core.config import Config, TrainConfig
 from jaxpar.core.sharding import shardings_for, split_ways
 from jaxpar.models.family import Transformer
 from jaxpar.parallel import pipeline, zero
-from jaxpar.training import optimizers
+from jaxpar.training import muon, optimizers
 from jaxpar.training.passes import make_grad_fn, make_loss_fn, traced_for_mesh
 
 
@@ -31,9 +31,15 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def make_optimizer(cfg: Config, model: Transformer) -> optax.GradientTransformation:
-    """The optimizer [optimizer] names, its parameter groups from the model's param roles."""
-    return optimizers.make_optimizer(cfg.optimizer, model.roles(), model.matrices())
+def make_optimizer(cfg: Config, model: Transformer, mesh=None) -> optax.GradientTransformation:
+    """The optimizer [optimizer] names, its parameter groups from the model's param roles. With
+    `mesh`, Muon's Newton-Schulz work is split over it (optimizer.ns_split)."""
+    split = None
+    if mesh is not None and cfg.optimizer.name == "muon" and cfg.optimizer.ns_split:
+        shapes = model.shapes()
+        at_rest = zero.plan(cfg.train.zero, shardings_for(model.axes(), shapes, mesh), shapes, mesh).params
+        split = muon.Split(mesh, at_rest)
+    return optimizers.make_optimizer(cfg.optimizer, model.roles(), model.matrices(), split)
 
 
 def state_shardings(cfg: Config, model: Transformer, mesh, tx) -> tuple[TrainState, zero.ZeroPlan]:

@@ -89,7 +89,7 @@ def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bo
     under `jax.set_mesh(mesh)`."""
     model = build_model(cfg, model_vocab(cfg, dataset.tokenizer))
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
-    tx = steps.make_optimizer(cfg, model)
+    tx = steps.make_optimizer(cfg, model, mesh)
     shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
     restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, dataset.tokenizer,
                                                                        tx, shardings)
