@@ -145,3 +145,19 @@ def placed(spec: str, zero: int, hf_dir: Path, **overrides):
     model = build_model(cfg, vocab)
     shardings, _ = steps.state_shardings(cfg, model, mesh, steps.make_optimizer(cfg, model))
     return cfg, vocab, mesh, shardings.params
+
+
+def save_random_gpt2(run_dir: Path, cfg, tokenizer, step: int, scale: float):
+    """A checkpoint in run_dir of a GPT-2 with params drawn N(0, scale^2) (seed 0), its norms'
+    scales moved to 1 + N(0, scale^2): a model whose logits are far from uniform."""
+    from jaxpar.models.family import abstract_model
+    from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+    _, shapes, _ = abstract_model(cfg, tokenizer.vocab_size)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: scale * rng.standard_normal(s.shape, np.float32), shapes)
+    for norm in (params["blocks"]["ln_1"], params["blocks"]["ln_2"], params["ln_f"]):
+        norm["scale"] += 1.0
+    checkpoints = Checkpoints(Path(run_dir) / CHECKPOINTS)
+    checkpoints.save(step, params, {"left_out": np.zeros(())}, make_meta(cfg, tokenizer, step))
+    checkpoints.wait()
+    checkpoints.close()

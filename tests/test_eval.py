@@ -14,13 +14,13 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
+from helpers import save_random_gpt2
 
 from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
 from jaxpar.inference import sample
 from jaxpar.inference.evaluate import evaluate, main
 from jaxpar.models.family import abstract_model
-from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 
 RTOL = 1e-5
 BLOCK = 32  # configs/tiny.toml
@@ -37,15 +37,7 @@ def saved(tmp_path_factory):
     prepare([str(text)], root / "bytes", "bytes")
     cfg = tiny_config(**{"data.path": str(root / "bytes")})
     tokenizer = load_dataset(cfg.data, BLOCK).tokenizer
-    _, shapes, _ = abstract_model(cfg, tokenizer.vocab_size)
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: 0.1 * rng.standard_normal(s.shape, np.float32), shapes)
-    for norm in (params["blocks"]["ln_1"], params["blocks"]["ln_2"], params["ln_f"]):
-        norm["scale"] += 1.0
-    checkpoints = Checkpoints(root / "run" / CHECKPOINTS)
-    checkpoints.save(STEP, params, {"left_out": np.zeros(())}, make_meta(cfg, tokenizer, STEP))
-    checkpoints.wait()
-    checkpoints.close()
+    save_random_gpt2(root / "run", cfg, tokenizer, STEP, scale=0.1)
     val = load_dataset(cfg.data, BLOCK).val
     assert len(val) == 3_001 and (len(val) - 1) // BLOCK == 93
     return SimpleNamespace(run=root / "run", data=root / "bytes", text=text, val=val)

@@ -79,6 +79,17 @@ class CkptConfig:
 
 
 @dataclass
+class EvalConfig:
+    # Multiple-choice tasks scored during training (jaxpar.data.tasks): comma-separated names read
+    # from tasks_dir, every tasks_every updates (0: at train.eval_every) and at the end, on each
+    # task's first tasks_limit items (0: all).
+    tasks: str = ""
+    tasks_dir: str = ""
+    tasks_every: int = 0
+    tasks_limit: int = 0
+
+
+@dataclass
 class LogConfig:
     tensorboard: bool = True  # scalars into <out>/tensorboard (process 0), beside --profile's trace
     wandb: str = ""  # a W&B project name: log the same scalars there too (needs `pip install wandb`)
@@ -95,6 +106,7 @@ class Config:
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         # Keys set through an older name (train.lr for optimizer.lr): messages use the user's word.
@@ -214,7 +226,7 @@ def validate(cfg: Config) -> None:
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
                 "train.log_every", "ckpt.keep"]
     non_negative = ["model.vocab_size", "train.micro_batch", "train.eval_every", "pipeline.microbatches",
-                    "ckpt.every"]
+                    "ckpt.every", "eval.tasks_every", "eval.tasks_limit"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731
     for key in positive:
         if get(key) <= 0:
@@ -228,6 +240,8 @@ def validate(cfg: Config) -> None:
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size={t.batch_size} must be divisible by "
                         f"train.grad_accum={t.grad_accum}")
+    if cfg.eval.tasks and not cfg.eval.tasks_dir:
+        raise UserError("eval.tasks needs eval.tasks_dir: the folder holding the tasks (see the guide)")
     if not 0 < cfg.data.val_fraction < 1:
         raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     if cfg.pipeline.schedule not in SCHEDULES:

@@ -1,5 +1,7 @@
 """`python -m jaxpar.eval --ckpt RUN_DIR [--data DIR] [--mesh SPEC]`: a checkpoint's loss over the
 whole val split, every non-overlapping block of it (not a sample of random batches), as one JSON line.
+With `--tasks hellaswag,arc_easy --tasks-dir DIR` instead: multiple-choice accuracy, one JSON line
+per task (jaxpar.training.task_scoring).
 
 The loss is the mean next-token cross-entropy over all scored tokens; the perplexity is its exp.
 """
@@ -21,6 +23,7 @@ from jaxpar.data.loader import load_dataset
 from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.models.family import abstract_model
 from jaxpar.models.layers import cross_entropy
+from jaxpar.training import task_scoring
 
 
 def blocks_of(tokens: np.ndarray, block_size: int) -> int:
@@ -100,22 +103,72 @@ def without_spec(meta: dict) -> dict:
     return {k: v for k, v in meta.items() if k != "spec"}
 
 
-def main(argv: list[str] | None = None) -> None:
-    with exit_on_user_error("jaxpar.eval"):
-        parser = ArgumentParser(prog="jaxpar.eval", description="Loss over the whole val split.")
-        add_model_source(parser)
-        parser.add_argument("--data", help="a jaxpar.prepare directory or text file (default: "
-                            "the run's own data; needed with --hf)")
-        parser.add_argument("--rows", type=int, default=16, help="blocks per forward pass")
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        if args.rows < 1:
-            raise UserError(f"--rows must be at least 1, got {args.rows}")
+def evaluate_tasks(model: Model, args) -> list[dict]:
+    """One result per task of --tasks; --samples writes each item's log-likelihoods."""
+    if model.tokenizer is None:
+        raise UserError(f"'{args.hf}' has no tokenizer.json; --tasks needs the model's tokenizer")
+    loaded = task_scoring.load_requests(args.tasks, args.tasks_dir, model.tokenizer,
+                                        model.cfg.model.block_size, args.limit)
+    scorer = task_scoring.make_scorer(abstract_model(model.cfg, model.vocab_size)[0], model.mesh)
+    results, samples = [], []
+    for task, requests in loaded:
+        result, items = task_scoring.score_task(task, requests, scorer, model.params, model.mesh,
+                                                args.rows, progress=True)
+        results.append(result)
+        samples += [{"task": task.name, **item} for item in items]
+        if result["dropped_chars"]:
+            print(f"jaxpar.eval: note: {task.name}: the tokenizer lacks {result['dropped_chars']} of the "
+                  "task's characters; they were left out of the texts", file=sys.stderr)
+    if args.samples:
+        with open(args.samples, "w") as f:
+            f.writelines(json.dumps(sample) + "\n" for sample in samples)
+    return results
+
+
+def parse_args(argv):
+    parser = ArgumentParser(prog="jaxpar.eval", description="Loss over the whole val split, or "
+                            "multiple-choice accuracy on downstream tasks.")
+    add_model_source(parser)
+    parser.add_argument("--data", help="a jaxpar.prepare directory or text file (default: "
+                        "the run's own data; needed with --hf)")
+    parser.add_argument("--rows", type=int, default=None, help="rows per forward pass (default: 16 "
+                        "blocks for the loss, 32 requests for tasks)")
+    parser.add_argument("--tasks", help="comma-separated: hellaswag, arc_easy, arc_challenge, piqa, winogrande")
+    parser.add_argument("--tasks-dir", help="where the tasks are: save_to_disk folders, .arrow or .jsonl")
+    parser.add_argument("--limit", type=int, help="with --tasks: each task's first N items")
+    parser.add_argument("--samples", help="with --tasks: write each item's log-likelihoods here (jsonl)")
+    args = parser.parse_args(argv)
+    if args.rows is not None and args.rows < 1:
+        raise UserError(f"--rows must be at least 1, got {args.rows}")
+    if args.tasks is None:
+        extra = [flag for flag, value in (("--tasks-dir", args.tasks_dir), ("--limit", args.limit),
+                                          ("--samples", args.samples)) if value is not None]
+        if extra:
+            raise UserError(f"{extra[0]} is for --tasks; name the tasks to run, e.g. --tasks hellaswag")
         if args.hf and args.data is None:
             raise UserError("--hf needs --data: a jaxpar.prepare directory made with the model's tokenizer")
+    else:
+        if args.tasks_dir is None:
+            raise UserError("--tasks needs --tasks-dir DIR: the folder holding the tasks (see the guide)")
+        if args.limit is not None and args.limit < 1:
+            raise UserError(f"--limit must be at least 1, got {args.limit}")
+        task_scoring.find_all(args.tasks, args.tasks_dir)  # a bad task fails before the model loads
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    with exit_on_user_error("jaxpar.eval"):
+        args = parse_args(sys.argv[1:] if argv is None else argv)
         model = load_source(args, "jaxpar.eval")
+        source = {"step": model.step} if args.ckpt else {"hf": args.hf}
+        if args.tasks is not None:
+            args.rows = args.rows or 32
+            for result in evaluate_tasks(model, args):
+                print(json.dumps({**source, **result}))
+            return
         tokens = data_for(model, args.data)
-        result = evaluate(model, tokens, args.rows, progress=True)
-    print(json.dumps({"step": model.step, **result} if args.ckpt else {"hf": args.hf, **result}))
+        result = evaluate(model, tokens, args.rows or 16, progress=True)
+    print(json.dumps({**source, **result}))
 
 
 if __name__ == "__main__":

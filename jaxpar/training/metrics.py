@@ -128,6 +128,9 @@ class MetricsWriters:
         from jaxpar.models.family import family_of
         # Each auxiliary loss the model logs is a train/ scalar too.
         self.scalars = SCALARS | {name: f"train/{name}" for name in family_of(cfg.model).loss_weights()}
+        # Each task's accuracies (--eval.tasks) are eval/ scalars.
+        self.scalars |= {f"{task.strip()}/{m}": f"eval/{task.strip()}/{m}" for task in cfg.eval.tasks.split(",")
+                         if task.strip() for m in ("acc", "acc_norm")}
         self.jsonl = open_metrics(out_dir / "metrics.jsonl", resume_step)
         self.tensorboard = self.wandb = None
         if cfg.log.tensorboard:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from jaxpar.core.errors import UserError, exit_on_user_error
 
+EMA_WEIGHT = 0.9  # the train curve's smoothing, as TensorBoard's slider sets it
+
 
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend."""
@@ -25,20 +27,32 @@ def save(plt, fig, out_png) -> Path:
     return Path(out_png)
 
 
-def read_metrics(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """(train [(step, loss)], val [(step, val_loss)]) from run_dir/metrics.jsonl; a diverged step's
-    null loss is left out."""
+def read_metrics(run_dir: Path) -> tuple[list, list, dict]:
+    """(train [(step, loss)], val [(step, val_loss)], {"<task>/<acc|acc_norm>": [(step, value)]})
+    from run_dir/metrics.jsonl; a diverged step's null loss is left out."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"'{run_dir}' has no metrics.jsonl; pass a jaxpar.train output directory")
-    train, val = [], []
+    train, val, tasks = [], [], {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
         if record.get("loss") is not None:
             train.append((record["step"], record["loss"]))
         elif record.get("val_loss") is not None:
             val.append((record["step"], record["val_loss"]))
-    return train, val
+        for key, value in record.items():
+            if key.endswith(("/acc", "/acc_norm")):
+                tasks.setdefault(key, []).append((record["step"], value))
+    return train, val, tasks
+
+
+def ema(values: list[float], weight: float = EMA_WEIGHT) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased at the start."""
+    out, mean = [], 0.0
+    for i, value in enumerate(values, 1):
+        mean = weight * mean + (1 - weight) * value
+        out.append(mean / (1 - weight ** i))
+    return out
 
 
 def mesh_label(mesh: dict) -> str:
@@ -55,20 +69,36 @@ def run_label(run_dir: Path) -> str:
 
 
 def plot_runs(run_dirs: list, out_png) -> Path:
-    """Overlay runs' losses in one PNG: train solid, val dashed with markers, a colour per run."""
+    """Overlay runs' losses in one PNG: train faint with its EMA over it, a colour per run; val
+    with markers, in a colour of its own for one run; the tasks' accuracies in a second panel."""
     runs = [(run_label(d), *read_metrics(d)) for d in run_dirs]  # a bad dir fails before drawing
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for i, (label, train, val) in enumerate(runs):
-        colour = f"C{i % 10}"
+    with_tasks = any(tasks for *_, tasks in runs)
+    fig, axes = plt.subplots(1, 2 if with_tasks else 1, figsize=(14 if with_tasks else 8, 5), squeeze=False)
+    ax, acc_ax = axes[0][0], axes[0][-1]
+    for i, (label, train, val, tasks) in enumerate(runs):
+        colour = f"C{(2 * i) % 10}"
+        val_colour = f"C{(2 * i + 1) % 10}" if len(runs) == 1 else colour
         if train:
-            ax.plot(*zip(*train), color=colour, label=f"{label} train")
+            steps, losses = zip(*train)
+            ax.plot(steps, losses, color=colour, alpha=0.25, linewidth=0.8)
+            ax.plot(steps, ema(losses), color=colour, label=f"{label} train (EMA {EMA_WEIGHT})")
         if val:
-            ax.plot(*zip(*val), color=colour, linestyle="--", marker="o", label=f"{label} val")
+            ax.plot(*zip(*val), color=val_colour, linestyle="--", marker="o", markeredgecolor="black",
+                    zorder=3, label=f"{label} val")
+        for j, (key, points) in enumerate(sorted(tasks.items())):
+            acc_ax.plot(*zip(*points), marker="o", linestyle="-" if key.endswith("/acc") else ":",
+                        color=f"C{j % 10}", label=f"{label} {key}" if len(runs) > 1 else key)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if with_tasks:
+        acc_ax.set_xlabel("step")
+        acc_ax.set_ylabel("accuracy")
+        acc_ax.set_title("downstream tasks")
+        acc_ax.grid(alpha=0.3)
+        acc_ax.legend()
     return save(plt, fig, out_png)
 
 

@@ -25,6 +25,8 @@ from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.training import step as steps
+from jaxpar.training.evaluation import make_evaluate
+from jaxpar.training.task_scoring import TaskEval, find_all, task_eval_for
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
 from jaxpar.training.metrics import (
     FETCH_EVERY,
@@ -72,6 +74,7 @@ class Compiled:
     train_batches: BatchLoader
     val_batches: list
     info: dict
+    tasks: TaskEval | None = None  # --eval.tasks, scored during training
 
 
 def versions() -> dict:
@@ -127,6 +130,7 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
     train_step = steps.make_train_step(cfg, p.model, p.tx, p.shardings, p.plan, train_batches.sharding)
     eval_step = steps.make_eval_step(cfg, p.model, p.shardings.params, val_loader.sharding)
+    tasks = task_eval_for(cfg, p.model, mesh, p.dataset.tokenizer)  # a bad task fails before writing
 
     compile_start = time.perf_counter()
     compiled = train_step.lower(p.state, train_batches(0)).compile()
@@ -152,7 +156,7 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
         "compiled": compiled_summary, "pipeline": pipeline.summary(cfg, mesh, vocab),
         "resumed_from": p.start, "checkpoints": str(p.ckpt.directory) if p.ckpt else None,
     }
-    return Compiled(compiled, eval_step, train_batches, val_batches, info)
+    return Compiled(compiled, eval_step, train_batches, val_batches, info, tasks)
 
 
 def open_outputs(p: Prepared, info: dict, out_dir: Path | None, fresh: bool) -> MetricsWriters | None:
@@ -189,20 +193,6 @@ def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result
                       {"bubble": info["pipeline"]["bubble_fraction"]})
 
 
-def make_evaluate(c: Compiled, writers: MetricsWriters | None, result: RunResult, bar):
-    """evaluate(updates, params): the mean val loss over the fixed val batches, recorded."""
-    def evaluate(updates: int, params):
-        # One eval in flight at a time: many multi-device evals queued at once deadlocked
-        # XLA:CPU's collectives (rendezvous timeout, abort) on dp=2.
-        val = sum(float(c.eval_step(params, b)) for b in c.val_batches) / len(c.val_batches)
-        result.val_losses[updates] = val
-        if writers:
-            writers.write({"step": updates, "val_loss": val})
-        if not bar.disable:
-            bar.write(f"step {updates}: val loss {val:.4f}")
-    return evaluate
-
-
 def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult,
                profiler: StepProfiler, progress: bool, stop_at: int | None):
     """Phase 3: steps from p.start to train.steps, with logs, evals and checkpoints; returns the
@@ -214,9 +204,9 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
     cfg, t, ckpt = p.cfg, p.cfg.train, p.ckpt
     bar = tqdm(total=t.steps, initial=p.start, disable=not (progress and is_main_process()),
                dynamic_ncols=True, mininterval=0.5)
-    logger, evaluate = make_logger(p, c, writers, result, bar), make_evaluate(c, writers, result, bar)
+    logger, (due, evaluate) = make_logger(p, c, writers, result, bar), make_evaluate(c, t, writers, result, bar)
     state = p.state
-    if c.val_batches and p.start % t.eval_every == 0:  # a resumed run repeats its eval
+    if due(p.start):  # a resumed run repeats its eval
         evaluate(p.start, state.params)
     batches = Prefetcher(c.train_batches, p.start)
     logger.restart_clock(p.start - 1)
@@ -231,7 +221,7 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
                     logger.flush()
                 bar.update(1)
                 updates = step + 1
-                if c.val_batches and (updates % t.eval_every == 0 or updates == t.steps):
+                if due(updates):
                     logger.flush(step)
                     evaluate(updates, state.params)
                     logger.restart_clock(step)
@@ -277,6 +267,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
+    if cfg.eval.tasks:
+        find_all(cfg.eval.tasks, cfg.eval.tasks_dir)  # a bad task fails before any compile
     mesh = build_mesh(cfg, devices)
     peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
     result = RunResult()
