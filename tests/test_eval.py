@@ -151,3 +151,28 @@ def test_bad_arguments_are_one_line(saved, tmp_path, capsys):
     fails_with(capsys, ["--ckpt", str(saved.run), "--data", str(tmp_path / "none")],
                f"data file '{tmp_path / 'none'}' not found")
     assert not any(tmp_path.iterdir())
+
+
+def test_an_export_evaluates_on_the_data_it_was_trained_on(saved, char_data, tmp_path, capsys):
+    """The export's tokenizer.json is the bytes tokenizer under another name: `eval --hf` takes
+    the run's data, at the checkpoint's loss (rtol 1e-5); char data is still refused."""
+    from jaxpar.inference.export import main as export_main
+    export_main(["--ckpt", str(saved.run), "--out", str(tmp_path / "hf")])
+    capsys.readouterr()
+    main(["--ckpt", str(saved.run), "--data", str(saved.data)])
+    from_ckpt = json.loads(capsys.readouterr().out)
+    main(["--hf", str(tmp_path / "hf"), "--data", str(saved.data), "--block-size", str(BLOCK)])
+    from_hf = json.loads(capsys.readouterr().out)
+    np.testing.assert_allclose(from_hf["loss"], from_ckpt["loss"], rtol=RTOL)
+    fails_with(capsys, ["--hf", str(tmp_path / "hf"), "--data", str(char_data)], "uses another tokenizer (char")
+
+
+def test_tokenizers_compare_by_what_they_map():
+    from jaxpar.data import vocab
+    from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, same_mapping
+    from tokenizers import Tokenizer
+    as_json = lambda text: HFTokenizer(Tokenizer.from_str(text), "x/tokenizer.json")  # noqa: E731
+    assert same_mapping(ByteTokenizer(), as_json(vocab.byte_tokenizer_json(256)))
+    assert same_mapping(CharTokenizer("abc"), as_json(vocab.char_tokenizer_json("abc")))
+    assert not same_mapping(CharTokenizer("abc"), as_json(vocab.char_tokenizer_json("abd")))  # control
+    assert not same_mapping(ByteTokenizer(), CharTokenizer("abc"))

@@ -4,7 +4,8 @@ and tiktoken's encodings. `load_tokenizer(spec, inputs)` makes one; `from_meta` 
 Each has `encode(text) -> int32 ids`, `decode(ids) -> str`, `vocab_size`, `eot_id` (the
 end-of-text token between documents; None for char), `spec` (what --tokenizer said) and
 `to_meta()` (a self-contained JSON-able dict). `tokenizer_json(tok)` is a Hugging Face
-tokenizer.json that encodes as `tok` does, for every kind but tiktoken.
+tokenizer.json that encodes as `tok` does, for every kind but tiktoken; `same_mapping(a, b)`
+compares two tokenizers by what they map.
 
 The kinds, by --tokenizer spec:
   char            the sorted set of the inputs' characters; no end-of-text token
@@ -197,6 +198,23 @@ def tokenizer_json(tok: Tokenizer) -> str | None:
     if isinstance(tok, ByteTokenizer):
         return vocab.byte_tokenizer_json(tok.eot_id)
     return None
+
+
+def same_mapping(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers map text to the same ids, however each was named or made: a
+    `bytes` run's data and the tokenizer.json its export wrote are one tokenizer. Kinds with a
+    tokenizer.json are compared by it, as Hugging Face tokenizers reads it back (vocabulary,
+    merges, special tokens, pre-tokenizer, normalizer, decoder); tiktoken by its encoding."""
+    meta_a, meta_b = ({k: v for k, v in t.to_meta().items() if k != "spec"} for t in (a, b))
+    if meta_a == meta_b:
+        return True
+    json_a, json_b = tokenizer_json(a), tokenizer_json(b)
+    if json_a is None or json_b is None:
+        return False
+    import json
+
+    from tokenizers import Tokenizer
+    return json.loads(Tokenizer.from_str(json_a).to_str()) == json.loads(Tokenizer.from_str(json_b).to_str())
 
 
 def load_tokenizer(spec: str, inputs: list[Path] | None = None, vocab_size: int | None = None,

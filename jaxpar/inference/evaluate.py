@@ -20,6 +20,7 @@ from jaxpar.core.config import DataConfig
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.core.sharding import batch_sharding, split_ways, with_axes_unsplit
 from jaxpar.data.loader import load_dataset
+from jaxpar.data.tokenizer import same_mapping
 from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.models.family import abstract_model
 from jaxpar.models.layers import cross_entropy
@@ -90,17 +91,12 @@ def data_for(model: Model, path: str | None):
             raise UserError(f"the data '{cfg.path}' has {dataset.tokenizer.vocab_size} tokens, more than "
                             f"the model's {model.vocab_size}; pass data prepared with the model's tokenizer")
         return dataset.val
-    if without_spec(dataset.tokenizer.to_meta()) != without_spec(model.tokenizer.to_meta()):
+    if not same_mapping(dataset.tokenizer, model.tokenizer):
         raise UserError(f"the data '{cfg.path or 'built-in'}' uses another tokenizer "
                         f"({dataset.tokenizer.spec}, {dataset.tokenizer.vocab_size} tokens) than "
                         f"the model ({model.tokenizer.spec}, {model.tokenizer.vocab_size}); pass "
                         "data prepared with the model's tokenizer")
     return dataset.val
-
-
-def without_spec(meta: dict) -> dict:
-    """A tokenizer's meta less how it was named: the same tokenizer.json from two paths is one."""
-    return {k: v for k, v in meta.items() if k != "spec"}
 
 
 def evaluate_tasks(model: Model, args) -> list[dict]:

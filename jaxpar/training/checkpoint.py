@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import model_vocab
-from jaxpar.data.tokenizer import from_meta
+from jaxpar.data.tokenizer import from_meta, same_mapping
 from jaxpar.models.family import build_model, family_of
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
@@ -185,7 +185,7 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
     saved = meta["config"]
     fresh = "or start over with --fresh"
     saved_tokenizer, vocab = saved_vocab(meta)
-    if saved_tokenizer.to_meta() != tokenizer.to_meta():
+    if not same_mapping(saved_tokenizer, tokenizer):
         raise UserError(f"the checkpoint in '{directory}' was trained with another tokenizer "
                         f"({saved_tokenizer.spec}, {saved_tokenizer.vocab_size} tokens) than this "
                         f"data's ({tokenizer.spec}, {tokenizer.vocab_size} tokens); use the same "

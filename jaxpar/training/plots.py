@@ -10,6 +10,7 @@ from pathlib import Path
 from jaxpar.core.errors import UserError, exit_on_user_error
 
 EMA_WEIGHT = 0.9  # the train curve's smoothing, as TensorBoard's slider sets it
+CHANCE = {"hellaswag": 0.25, "piqa": 0.5, "winogrande": 0.5}  # ARC's items have 3 to 5 choices
 
 
 def pyplot():
@@ -94,6 +95,10 @@ def plot_runs(run_dirs: list, out_png) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     if with_tasks:
+        for task in sorted({key.split("/")[0] for *_, tasks in runs for key in tasks} & set(CHANCE)):
+            acc_ax.axhline(CHANCE[task], color="grey", linestyle="--", linewidth=0.8)
+            acc_ax.annotate(f"{task} chance", (0, CHANCE[task]), xycoords=("axes fraction", "data"),
+                            fontsize=8, color="grey", va="bottom")
         acc_ax.set_xlabel("step")
         acc_ax.set_ylabel("accuracy")
         acc_ax.set_title("downstream tasks")

@@ -191,4 +191,8 @@ def task_eval_for(cfg, net, mesh, tokenizer) -> TaskEval | None:
     if not e.tasks:
         return None
     loaded = load_requests(e.tasks, e.tasks_dir, tokenizer, cfg.model.block_size, e.tasks_limit)
+    for task, req in loaded:
+        if (req.dropped_chars or req.truncated) and jax.process_index() == 0:
+            print(f"jaxpar.train: note: {task.name}: {req.dropped_chars} characters the tokenizer lacks are left "
+                  f"out, {req.truncated} of {len(req.inputs)} continuations outgrow the block", file=sys.stderr)
     return TaskEval(loaded, make_scorer(net, mesh), mesh, e.tasks_every or cfg.train.eval_every or cfg.train.steps)
