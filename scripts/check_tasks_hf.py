@@ -129,14 +129,15 @@ def main() -> None:
         (hf_dir / "tokenizer.json").write_text((data / "tokenizer.json").read_text())
         for task, limit, where in RUNS:
             rows = read_split(args.tasks_dir, where)[:limit]
-            lls, acc, acc_norm = reference(model, tokenizer, (hellaswag_docs if task == "hellaswag" else arc_docs)(rows))
+            docs = hellaswag_docs if task == "hellaswag" else arc_docs
+            lls, acc, acc_norm = reference(model, tokenizer, docs(rows))
             result, samples = jaxpar_samples(args.jaxpar_python, hf_dir, args.tasks_dir, task, limit,
                                              args.work / f"{arch}_{task}.jsonl")
             ours = np.array([ll for s in samples for ll in s["loglikelihoods"]])
             theirs = np.array([ll for item in lls for ll in item])
             worst = float(np.max(np.abs(ours - theirs) / np.abs(theirs)))
             # Control: the continuation without lm-eval's leading space must miss the tolerance.
-            context, choices, _ = next((hellaswag_docs if task == "hellaswag" else arc_docs)(rows[:1]))
+            context, choices, _ = next(docs(rows[:1]))
             control = loglikelihood(model, tokenizer, context, choices[0])
             control_off = abs(control - ours[0]) / abs(ours[0])
             ok = len(samples) == len(lls) and worst <= RTOL and control_off > RTOL \

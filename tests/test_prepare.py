@@ -211,7 +211,7 @@ def test_an_interrupted_run_leaves_no_train_bin(tmp_path, docs, monkeypatch, exi
     if existing:
         run(out, docs / "doc0.txt", "--tokenizer", "bytes")
 
-    def crash(self):
+    def crash(self, *args):
         raise KeyboardInterrupt
     monkeypatch.setattr(prep.SplitWriter, "end_document", crash)
     with pytest.raises(KeyboardInterrupt):

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.core.errors import UserError
+from jaxpar.data import records
+from jaxpar.data.records import RecordOptions
 
 EOT = "<|endoftext|>"  # the end-of-text token of GPT-2 and of the byte and BPE tokenizers
 CHUNK_BYTES = 1 << 20
@@ -55,6 +57,8 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
 def check_input(path: Path) -> None:
     if not path.exists():
         raise UserError(f"input '{path}' not found; pass existing UTF-8 text files or globs")
+    if path.is_dir() and records.is_records(path):  # a save_to_disk folder
+        return
     if path.is_dir():
         raise UserError(f"input '{path}' is a directory; pass its files, e.g. '{path}/*.txt'")
     if not path.is_file():
@@ -114,6 +118,22 @@ def read_pieces(path: Path, chunk_bytes: int = CHUNK_BYTES, limit: int | None = 
             if last:
                 return
             offset, carry = offset + end, buf[end:]
+
+
+def input_size(path: Path) -> int:
+    return records.input_size(path)
+
+
+def pieces_of(path: Path, options: RecordOptions = RecordOptions(), limit: int | None = None):
+    """A text file's Pieces, or a record file's RecordPieces (jaxpar.data.records)."""
+    if records.is_records(path):
+        return records.read_record_pieces(path, options, limit)
+    return read_pieces(path, limit=limit)
+
+
+def texts_of(piece) -> tuple[list[str], int]:
+    """(the piece's texts: its part of one document, or whole records; bad records skipped)."""
+    return records.documents(piece) if isinstance(piece, records.RecordPiece) else ([decode_piece(piece)], 0)
 
 
 def decode_piece(piece: Piece) -> str:

@@ -5,15 +5,18 @@ DIR gets:
   train.bin, val.bin  the token ids, flat: raw little-endian uint16 when vocab_size <= 65536,
                       else uint32, no header (nanoGPT's format: np.memmap(path, dtype, mode="r"))
   meta.json           {"format": 1, "tokenizer": SPEC, "vocab_size": N, "dtype": "uint16",
-                       "eot_id": ID or null, "val_fraction": F, "input_bytes": B,
+                       "eot_id": ID or null, "val_fraction": F, "val_split": {KIND: HOW},
+                       "input_bytes": B, and for records "text_field", "skipped_records",
                        "splits": {"train": {"tokens": T, "documents": D}, "val": {...}},
                        "tokenizer_meta": the tokenizer's to_meta(), enough to rebuild it}
   tokenizer.json      the Hugging Face tokenizer, for every SPEC but tiktoken:NAME
 
-Each input file is one document. The last val_fraction of its tokens (rounded down) go to val,
-the rest to train, and each part ends with the end-of-text token (char has none: there the
-parts just follow one another). So one file gives both splits, and the split is a pure function
-of the inputs and their order.
+Each text file is one document, and so is each record of a jsonl, parquet or Arrow input
+(jaxpar.data.records). With --val-split tokens (text files' default) the last val_fraction of a
+document's tokens (rounded down) go to val, the rest to train, each part ending with the
+end-of-text token (char has none: there the parts just follow one another), so one file gives
+both splits; with --val-split documents (records' default) every 1/val_fraction-th document
+goes to val whole. Either way the split is a pure function of the inputs and their order.
 
 Everything is written under temporary names and renamed at the end, meta.json last: a run that
 stops early leaves no train.bin, val.bin or meta.json that could pass for complete.
@@ -26,91 +29,58 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
-from jaxpar.data import corpus
+from jaxpar.data import corpus, vocab
 from jaxpar.data.prepared import DTYPES, FORMAT
+from jaxpar.data.records import RecordOptions, RecordPiece, is_records
+from jaxpar.data.split_writer import PARTIAL, SPLITS, SplitWriter, token_dtype
 from jaxpar.data.tokenizer import from_meta, load_tokenizer, tokenizer_json
 
-SPLITS = ("train", "val")
 OUTPUTS = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
-PARTIAL = ".partial"  # the suffix of a file still being written
-COPY_BYTES = 1 << 24
-
-
-def token_dtype(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 2**16 else "uint32"
-
-
-class SplitWriter:
-    """Appends each document's tokens to train.bin, then moves their last val_fraction to
-    val.bin: a document's token count is known only at its end."""
-
-    def __init__(self, out: Path, dtype: str, eot_id: int | None, val_fraction: float):
-        self.dtype, self.eot_id, self.val_fraction = DTYPES[dtype], eot_id, val_fraction
-        self.files = {split: open(out / f"{split}.bin{PARTIAL}", "w+b") for split in SPLITS}
-        self.tokens = dict.fromkeys(SPLITS, 0)
-        self.documents = dict.fromkeys(SPLITS, 0)
-        self.document_start = 0  # in train.bin, in tokens
-
-    def add(self, ids: np.ndarray) -> None:
-        self.files["train"].write(ids.astype(self.dtype).tobytes())
-        self.tokens["train"] += len(ids)
-
-    def end_document(self) -> None:
-        n = self.tokens["train"] - self.document_start
-        n_val = int(n * self.val_fraction)
-        self._move_to_val(self.tokens["train"] - n_val)
-        for split, count in (("train", n - n_val), ("val", n_val)):
-            if count:
-                self.documents[split] += 1
-                if self.eot_id is not None:
-                    self.files[split].write(np.array([self.eot_id], self.dtype).tobytes())
-                    self.tokens[split] += 1
-        self.document_start = self.tokens["train"]
-
-    def _move_to_val(self, cut: int) -> None:
-        train, item = self.files["train"], self.dtype.itemsize
-        train.seek(cut * item)
-        while block := train.read(COPY_BYTES):
-            self.files["val"].write(block)
-        train.truncate(cut * item)
-        train.seek(0, os.SEEK_END)
-        self.tokens["val"] += self.tokens["train"] - cut
-        self.tokens["train"] = cut
-
-    def close(self) -> None:
-        for file in self.files.values():
-            file.close()
 
 
 def _piece_encoder(tokenizer_meta: dict, dtype: str):
+    """piece -> (its input bytes, whether it is whole records, each text's ids, whether the last
+    text ends a document, bad records skipped)."""
     tok = from_meta(tokenizer_meta)
-    return lambda piece: (len(piece.data), piece.last,
-                          tok.encode(corpus.decode_piece(piece)).astype(DTYPES[dtype]))
+
+    def encode(piece):
+        texts, skipped = corpus.texts_of(piece)
+        return (vocab.piece_size(piece), isinstance(piece, RecordPiece),
+                [tok.encode(text).astype(DTYPES[dtype]) for text in texts], piece.last, skipped)
+    return encode
 
 
-def tokenize(writer: SplitWriter, tok, inputs: list[Path], workers: int,
-             progress: bool | None) -> float:
-    """Every input's tokens into `writer`, pieces encoded on `workers` processes; the seconds."""
-    pieces = (piece for path in inputs for piece in corpus.read_pieces(path))
-    start, tokens, shown = time.perf_counter(), 0, 0.0
-    encoded = corpus.ordered_map(_piece_encoder, (tok.to_meta(), writer.dtype.name), pieces,
-                                 workers)
-    with corpus.progress_bar(sum(p.stat().st_size for p in inputs), "tokenizing",
-                             progress) as bar:
-        for size, last, ids in encoded:
-            writer.add(ids)
-            if last:
-                writer.end_document()
-            tokens += len(ids)
+def whole_to_val(document: int, val_fraction: float) -> bool:
+    """Whether the document-th whole document goes to val: every 1/val_fraction-th one."""
+    return int(round((document + 1) * val_fraction, 9)) > int(round(document * val_fraction, 9))
+
+
+def tokenize(writer: SplitWriter, tok, inputs: list[Path], workers: int, progress: bool | None,
+             options: RecordOptions, val_split: str | None) -> tuple[float, int]:
+    """Every input's tokens into `writer`, pieces encoded on `workers` processes. A record is a
+    document; so is a text file, in pieces. Val takes the last val_fraction of each document's
+    tokens, or (val_split "documents", records' default) every 1/val_fraction-th whole document.
+    Returns the seconds and the bad records skipped."""
+    pieces = (piece for path in inputs for piece in corpus.pieces_of(path, options))
+    start, tokens, shown, skipped, whole = time.perf_counter(), 0, 0.0, 0, 0
+    encoded = corpus.ordered_map(_piece_encoder, (tok.to_meta(), writer.dtype.name), pieces, workers)
+    with corpus.progress_bar(sum(corpus.input_size(p) for p in inputs), "tokenizing", progress) as bar:
+        for size, is_records, documents, last, bad in encoded:
+            by_documents = val_split == "documents" or (val_split is None and is_records)
+            for i, ids in enumerate(documents):
+                writer.add(ids)
+                tokens += len(ids)
+                if is_records or (last and i == len(documents) - 1):
+                    writer.end_document(whole_to_val(whole, writer.val_fraction) if by_documents else None)
+                    whole += 1
+            skipped += bad
             bar.update(size)
             elapsed = time.perf_counter() - start
             if elapsed - shown > 0.5:
                 bar.set_postfix_str(f"{tokens / elapsed:,.0f} tokens/s", refresh=False)
                 shown = elapsed
-    return time.perf_counter() - start
+    return time.perf_counter() - start, skipped
 
 
 def pool_size(workers: int | None, input_bytes: int) -> int:
@@ -131,14 +101,17 @@ def check_splits(writer: SplitWriter, val_fraction: float) -> None:
             total = sum(writer.tokens.values())
             raise UserError(f"the {split} split is empty: the inputs' {total} tokens leave none "
                             f"for it with --val-fraction {val_fraction} (each document gives "
-                            "val the last fraction of its tokens, rounded down); pass longer "
-                            "inputs or another --val-fraction")
+                            "val the last fraction of its tokens, rounded down, or with --val-split "
+                            "documents every 1/fraction-th document); pass longer inputs, another "
+                            "--val-fraction or another --val-split")
 
 
-def make_meta(tok, writer: SplitWriter, val_fraction: float, input_bytes: int) -> dict:
+def make_meta(tok, writer: SplitWriter, val_fraction: float, input_bytes: int, val_split: dict,
+              options: RecordOptions, skipped: int) -> dict:
     return {"format": FORMAT, "tokenizer": tok.spec, "vocab_size": tok.vocab_size,
             "dtype": writer.dtype.name, "eot_id": tok.eot_id, "val_fraction": val_fraction,
-            "input_bytes": input_bytes,
+            "val_split": val_split, "input_bytes": input_bytes,
+            **({"text_field": options.field, "skipped_records": skipped} if "records" in val_split else {}),
             "splits": {split: {"tokens": writer.tokens[split],
                                "documents": writer.documents[split]} for split in SPLITS},
             "tokenizer_meta": tok.to_meta()}
@@ -162,9 +135,17 @@ def write_then_rename(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def val_split_of(paths: list[Path], val_split: str | None) -> dict:
+    """meta.json's record of how each kind of input was split: {"text files": "tokens", ...}."""
+    kinds = {"records" if is_records(p) else "text files" for p in paths}
+    default = {"text files": "tokens", "records": "documents"}
+    return {kind: val_split or default[kind] for kind in sorted(kinds)}
+
+
 def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = None,
             val_fraction: float = 0.1, force: bool = False, workers: int | None = None,
-            progress: bool | None = False, bpe_sample_bytes: int | None = None) -> dict:
+            progress: bool | None = False, bpe_sample_bytes: int | None = None,
+            options: RecordOptions = RecordOptions(), val_split: str | None = None) -> dict:
     """Tokenize `inputs` (files or globs) into `out`; returns meta.json's content and "timing".
     Bad input is a UserError, and leaves `out` as it was. With workers > 1, call it under
     `if __name__ == "__main__":`, since the workers are started with spawn."""
@@ -172,13 +153,13 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
     if not 0 < val_fraction < 1:
         raise UserError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     paths = corpus.expand_inputs(inputs)
-    input_bytes = sum(path.stat().st_size for path in paths)
+    input_bytes = sum(corpus.input_size(path) for path in paths)
     if not input_bytes:
         raise UserError(f"the inputs are empty ({', '.join(map(str, paths))}); pass text files")
     check_out_dir(out, force)
     started = time.perf_counter()
     tok = load_tokenizer(tokenizer, paths, vocab_size, workers=pool_size(workers, input_bytes),
-                         progress=progress, sample_bytes=bpe_sample_bytes)
+                         progress=progress, sample_bytes=bpe_sample_bytes, options=options)
     tokenizer_seconds = time.perf_counter() - started
     workers = pool_size(workers or (corpus.default_workers() if tok.parallel else 1),
                         input_bytes)
@@ -187,10 +168,10 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
     out.mkdir(parents=True, exist_ok=True)
     writer = SplitWriter(out, dtype, tok.eot_id, val_fraction)
     try:
-        seconds = tokenize(writer, tok, paths, workers, progress)
+        seconds, skipped = tokenize(writer, tok, paths, workers, progress, options, val_split)
         writer.close()
         check_splits(writer, val_fraction)
-        meta = make_meta(tok, writer, val_fraction, input_bytes)
+        meta = make_meta(tok, writer, val_fraction, input_bytes, val_split_of(paths, val_split), options, skipped)
         commit(out, meta, hf_json)
     except BaseException:
         writer.close()
@@ -210,9 +191,19 @@ def build_parser() -> ArgumentParser:
         prog="jaxpar.prepare", description="Tokenize UTF-8 text files into train.bin, val.bin "
         "(nanoGPT's format), meta.json and tokenizer.json in --out.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="UTF-8 text files or globs of them (quote globs); each file is one "
-                        "document, and documents are separated by the end-of-text token (char "
-                        "has none: its documents are just concatenated)")
+                        help="files or globs (quote globs): UTF-8 text (each file one document), "
+                        "jsonl (.jsonl, .json, .jsonl.gz, .jsonl.zst), .parquet, .arrow or a "
+                        "datasets save_to_disk folder (each record one document); documents are "
+                        "separated by the end-of-text token (char has none)")
+    parser.add_argument("--text-field", default="text", metavar="NAME",
+                        help="the records' field or column holding the text (default: text)")
+    parser.add_argument("--skip-bad-records", action="store_true",
+                        help="leave out records without a string text field and lines that are "
+                        "not JSON, counted in meta.json (default: stop at the first, in one line)")
+    parser.add_argument("--val-split", choices=("tokens", "documents"),
+                        help="tokens: the last --val-fraction of each document's tokens go to val; "
+                        "documents: every 1/fraction-th whole document does (default: tokens for "
+                        "text files, documents for records, which are often short)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     parser.add_argument("--tokenizer", required=True, metavar="SPEC",
                         help="char, bytes, bpe (trained on the inputs; needs --vocab-size), "
@@ -244,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             meta = prepare(args.inputs, args.out, args.tokenizer, args.vocab_size,
                            args.val_fraction, args.force, args.workers, None,
-                           args.bpe_sample_bytes)
+                           args.bpe_sample_bytes, RecordOptions(args.text_field, args.skip_bad_records),
+                           args.val_split)
         except KeyboardInterrupt:
             print(f"jaxpar.prepare: interrupted; nothing new written in {args.out}",
                   file=sys.stderr)

@@ -28,6 +28,7 @@ import numpy as np
 from jaxpar.core.errors import UserError
 from jaxpar.data import vocab
 from jaxpar.data.corpus import EOT, code_points, split_text
+from jaxpar.data.records import RecordOptions
 
 EOT_NAMES = (EOT, "</s>", "<|end_of_text|>", "<eos>")  # a tokenizer.json's end-of-text token
 HF_PIECE_CHARS = 1 << 16  # Hugging Face tokenizers encode many short texts much faster than one
@@ -219,10 +220,11 @@ def same_mapping(a: Tokenizer, b: Tokenizer) -> bool:
 
 def load_tokenizer(spec: str, inputs: list[Path] | None = None, vocab_size: int | None = None,
                    *, workers: int = 1, progress: bool | None = False,
-                   sample_bytes: int | None = None) -> Tokenizer:
+                   sample_bytes: int | None = None, options: RecordOptions = RecordOptions()) -> Tokenizer:
     """The tokenizer `spec` names (see the module docstring). char and bpe read `inputs` (files,
     each streamed in pieces) on `workers` processes; bpe trains on the first `sample_bytes` of
-    them, shared out by file size (default: all)."""
+    them, shared out by file size (default: all). `options`: how record files give their texts
+    (jaxpar.data.records.RecordOptions)."""
     inputs = [Path(path) for path in inputs or []]
     if vocab_size is not None and spec != "bpe":
         raise UserError(f"--vocab-size is for --tokenizer bpe only; --tokenizer {spec} has its "
@@ -232,10 +234,10 @@ def load_tokenizer(spec: str, inputs: list[Path] | None = None, vocab_size: int 
     if spec in ("char", "bpe") and not inputs:
         raise UserError(f"--tokenizer {spec} learns its vocabulary from the inputs; pass some")
     if spec == "char":
-        return CharTokenizer(vocab.collect_chars(inputs, workers, progress))
+        return CharTokenizer(vocab.collect_chars(inputs, workers, progress, options))
     if spec == "bpe":
         check_bpe_vocab_size(vocab_size)
-        return HFTokenizer(vocab.train_bpe(inputs, vocab_size, progress, sample_bytes), "bpe")
+        return HFTokenizer(vocab.train_bpe(inputs, vocab_size, progress, sample_bytes, options), "bpe")
     if spec.startswith("tiktoken:"):
         return TiktokenTokenizer(spec.split(":", 1)[1])
     return HFTokenizer(read_tokenizer_json(spec), spec)

@@ -6,23 +6,29 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.corpus import EOT, code_points, decode_piece, ordered_map, progress_bar, read_pieces, split_text
+from jaxpar.data.corpus import EOT, code_points, input_size, ordered_map, pieces_of, progress_bar, split_text, texts_of
+from jaxpar.data.records import RecordOptions
 
 TRAIN_PIECE_CHARS = 1 << 16  # the BPE trainer's pre-tokenizer is slow on long texts
 
 
 def _piece_code_points():
     def code_points_in(piece):
-        counts = np.bincount(code_points(decode_piece(piece)))
-        return len(piece.data), np.flatnonzero(counts)
+        counts = np.bincount(code_points("".join(texts_of(piece)[0])), minlength=1)
+        return piece_size(piece), np.flatnonzero(counts)
     return code_points_in
 
 
-def collect_chars(inputs: list[Path], workers: int = 1, progress: bool | None = False) -> str:
+def piece_size(piece) -> int:
+    return piece.size if hasattr(piece, "size") else len(piece.data)
+
+
+def collect_chars(inputs: list[Path], workers: int = 1, progress: bool | None = False,
+                  options: RecordOptions = RecordOptions()) -> str:
     """The sorted set of the characters in `inputs`: one pass, its pieces on `workers` processes."""
     points = set()
-    pieces = (piece for path in inputs for piece in read_pieces(path))
-    with progress_bar(sum(p.stat().st_size for p in inputs), "characters", progress) as bar:
+    pieces = (piece for path in inputs for piece in pieces_of(path, options))
+    with progress_bar(sum(input_size(p) for p in inputs), "characters", progress) as bar:
         for size, found in ordered_map(_piece_code_points, (), pieces, workers):
             points.update(found.tolist())
             bar.update(size)
@@ -31,14 +37,14 @@ def collect_chars(inputs: list[Path], workers: int = 1, progress: bool | None = 
 
 def sample_limits(inputs: list[Path], sample_bytes: int | None) -> list[int | None]:
     """How much of each input's start a sample of `sample_bytes` takes: the same share of each."""
-    sizes = [path.stat().st_size for path in inputs]
+    sizes = [input_size(path) for path in inputs]
     if sample_bytes is None or sample_bytes >= sum(sizes):
         return [None] * len(inputs)
     return [max(1, size * sample_bytes // sum(sizes)) for size in sizes]
 
 
 def train_bpe(inputs: list[Path], vocab_size: int, progress: bool | None = False,
-              sample_bytes: int | None = None):
+              sample_bytes: int | None = None, options: RecordOptions = RecordOptions()):
     """A byte-level BPE (GPT-2's pre-tokenizer and byte alphabet) of `vocab_size` tokens with
     <|endoftext|> = 0, trained on `inputs` streamed in pieces (or a `sample_bytes` sample)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -48,13 +54,14 @@ def train_bpe(inputs: list[Path], vocab_size: int, progress: bool | None = False
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     limits = sample_limits(inputs, sample_bytes)
-    total = sum(p.stat().st_size if n is None else n for p, n in zip(inputs, limits))
+    total = sum(input_size(p) if n is None else n for p, n in zip(inputs, limits))
     with progress_bar(total, "training BPE", progress) as bar:
         def texts():
             for path, limit in zip(inputs, limits):
-                for piece in read_pieces(path, limit=limit):
-                    yield from split_text(decode_piece(piece), TRAIN_PIECE_CHARS)
-                    bar.update(len(piece.data))
+                for piece in pieces_of(path, options, limit):
+                    for text in texts_of(piece)[0]:
+                        yield from split_text(text, TRAIN_PIECE_CHARS)
+                    bar.update(piece_size(piece))
             bar.set_description("training BPE: merging")
         tokenizer.train_from_iterator(texts(), trainer)
     return tokenizer
