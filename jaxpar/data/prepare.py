@@ -188,8 +188,8 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="jaxpar.prepare", description="Tokenize UTF-8 text files into train.bin, val.bin "
-        "(nanoGPT's format), meta.json and tokenizer.json in --out.")
+        prog="jaxpar.prepare", description="Tokenize text files or records (jsonl, parquet, Arrow) "
+        "into train.bin, val.bin (nanoGPT's format), meta.json and tokenizer.json in --out.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="files or globs (quote globs): UTF-8 text (each file one document), "
                         "jsonl (.jsonl, .json, .jsonl.gz, .jsonl.zst), .parquet, .arrow or a "
@@ -212,7 +212,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--vocab-size", type=int, metavar="N", help="bpe only: how many tokens (>= 257)")
     parser.add_argument("--val-fraction", type=float, default=0.1, metavar="F",
                         help="the share of each document's tokens, at its end, that goes to "
-                        "val.bin (default 0.1)")
+                        "val.bin, or of the documents with --val-split documents (default 0.1)")
     parser.add_argument("--force", action="store_true",
                         help="write into a non-empty --out, replacing the files it writes")
     parser.add_argument("--workers", type=int, metavar="N",
