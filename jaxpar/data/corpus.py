@@ -35,6 +35,11 @@ class Piece:
     data: bytes
     last: bool  # the end of its file (one document)
 
+    @property
+    def size(self) -> int:
+        """The input bytes it stands for (a RecordPiece has the same)."""
+        return len(self.data)
+
 
 def expand_inputs(patterns: list[str]) -> list[Path]:
     """Each argument as a file, or as a glob (sorted) when no such file exists; order kept."""
@@ -118,10 +123,6 @@ def read_pieces(path: Path, chunk_bytes: int = CHUNK_BYTES, limit: int | None = 
             if last:
                 return
             offset, carry = offset + end, buf[end:]
-
-
-def input_size(path: Path) -> int:
-    return records.input_size(path)
 
 
 def pieces_of(path: Path, options: RecordOptions = RecordOptions(), limit: int | None = None):

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
-from jaxpar.data import corpus, vocab
+from jaxpar.data import corpus
 from jaxpar.data.prepared import DTYPES, FORMAT
-from jaxpar.data.records import RecordOptions, RecordPiece, is_records
+from jaxpar.data.records import RecordOptions, RecordPiece, input_size, is_records
 from jaxpar.data.split_writer import PARTIAL, SPLITS, SplitWriter, token_dtype
 from jaxpar.data.tokenizer import from_meta, load_tokenizer, tokenizer_json
 
@@ -46,7 +46,7 @@ def _piece_encoder(tokenizer_meta: dict, dtype: str):
 
     def encode(piece):
         texts, skipped = corpus.texts_of(piece)
-        return (vocab.piece_size(piece), isinstance(piece, RecordPiece),
+        return (piece.size, isinstance(piece, RecordPiece),
                 [tok.encode(text).astype(DTYPES[dtype]) for text in texts], piece.last, skipped)
     return encode
 
@@ -65,7 +65,7 @@ def tokenize(writer: SplitWriter, tok, inputs: list[Path], workers: int, progres
     pieces = (piece for path in inputs for piece in corpus.pieces_of(path, options))
     start, tokens, shown, skipped, whole = time.perf_counter(), 0, 0.0, 0, 0
     encoded = corpus.ordered_map(_piece_encoder, (tok.to_meta(), writer.dtype.name), pieces, workers)
-    with corpus.progress_bar(sum(corpus.input_size(p) for p in inputs), "tokenizing", progress) as bar:
+    with corpus.progress_bar(sum(input_size(p) for p in inputs), "tokenizing", progress) as bar:
         for size, is_records, documents, last, bad in encoded:
             by_documents = val_split == "documents" or (val_split is None and is_records)
             for i, ids in enumerate(documents):
@@ -153,7 +153,7 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
     if not 0 < val_fraction < 1:
         raise UserError(f"--val-fraction must be between 0 and 1, got {val_fraction}")
     paths = corpus.expand_inputs(inputs)
-    input_bytes = sum(corpus.input_size(path) for path in paths)
+    input_bytes = sum(input_size(path) for path in paths)
     if not input_bytes:
         raise UserError(f"the inputs are empty ({', '.join(map(str, paths))}); pass text files")
     check_out_dir(out, force)

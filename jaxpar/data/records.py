@@ -16,8 +16,8 @@ from pathlib import Path
 from jaxpar.core.errors import UserError
 
 BATCH_BYTES = 1 << 20
-JSONL = (".jsonl", ".json")
-SUFFIXES = JSONL + tuple(s + c for s in JSONL for c in (".gz", ".zst")) + (".parquet", ".arrow")
+JSONL = tuple(s + c for s in (".jsonl", ".json") for c in ("", ".gz", ".zst"))
+SUFFIXES = JSONL + (".parquet", ".arrow")
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def read_record_pieces(path: Path, options: RecordOptions, limit: int | None = N
     files = sorted(path.glob("*.arrow")) if path.is_dir() else [path]
     done = 0
     for file in files:
-        read = read_jsonl if file.name.endswith(tuple(SUFFIXES[:6])) else read_table
+        read = read_jsonl if file.name.endswith(JSONL) else read_table
         for piece in read(file, options):
             yield piece
             done += piece.size
@@ -101,17 +101,10 @@ def read_table(path: Path, options: RecordOptions):
         if path.suffix == ".parquet":
             table = pq.ParquetFile(str(path), pre_buffer=False)  # pre-buffering kept ~600 MB per GB read
             schema, rows = table.schema_arrow, table.metadata.num_rows
-            batches = table.iter_batches(batch_size=1024, columns=_column(path, table.schema_arrow, options))
+            batches = table.iter_batches(batch_size=1024, columns=_column(path, schema, options))
         else:
-            source = pa.memory_map(str(path))
-            try:
-                reader = pa.ipc.open_stream(source)
-            except pa.ArrowInvalid:
-                reader = pa.ipc.open_file(source)
-            schema, rows = reader.schema, None
-            batches = reader if hasattr(reader, "__iter__") else \
-                (reader.get_batch(i) for i in range(reader.num_record_batches))
-        _column(path, schema, options)
+            (schema, batches), rows = arrow_batches(path), None
+            _column(path, schema, options)
         first, size = 0, path.stat().st_size
         for batch in batches:
             values = batch.column(options.field).to_pylist()
@@ -120,6 +113,20 @@ def read_table(path: Path, options: RecordOptions):
             first += len(values)
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"input '{path}' is not a readable {path.suffix[1:]} file ({e}); pass an intact file") from None
+
+
+def arrow_batches(path: Path):
+    """(schema, its record batches) of an Arrow IPC file: the stream format `datasets` writes, or
+    the random-access file format; pyarrow's errors pass through."""
+    import pyarrow as pa
+    source = pa.memory_map(str(path))
+    try:
+        reader = pa.ipc.open_stream(source)
+        return reader.schema, iter(reader)
+    except pa.ArrowInvalid:
+        source.seek(0)
+        reader = pa.ipc.open_file(source)
+        return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
 
 
 def _column(path: Path, schema, options: RecordOptions) -> list[str]:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from jaxpar.core.errors import UserError
+from jaxpar.data.records import arrow_batches
 from jaxpar.data.tasks import Task
 
 
@@ -64,15 +65,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def read_arrow(path: Path) -> list[dict]:
-    """An Arrow IPC file: the stream format `datasets` writes, or the random-access file format."""
+    """An Arrow IPC file's rows (jaxpar.data.records.arrow_batches reads either format)."""
     import pyarrow as pa
     try:
-        with pa.memory_map(str(path)) as source:
-            try:
-                table = pa.ipc.open_stream(source).read_all()
-            except pa.ArrowInvalid:
-                source.seek(0)
-                table = pa.ipc.open_file(source).read_all()
-    except (pa.ArrowInvalid, OSError) as e:
+        schema, batches = arrow_batches(path)
+        return pa.Table.from_batches(list(batches), schema).to_pylist()
+    except (pa.ArrowException, OSError) as e:
         raise UserError(f"{path} is not a readable Arrow file ({e}); pass the task's .arrow or .jsonl files") from None
-    return table.to_pylist()

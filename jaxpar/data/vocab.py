@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.corpus import EOT, code_points, input_size, ordered_map, pieces_of, progress_bar, split_text, texts_of
-from jaxpar.data.records import RecordOptions
+from jaxpar.data.corpus import EOT, code_points, ordered_map, pieces_of, progress_bar, split_text, texts_of
+from jaxpar.data.records import RecordOptions, input_size
 
 TRAIN_PIECE_CHARS = 1 << 16  # the BPE trainer's pre-tokenizer is slow on long texts
 
@@ -15,12 +15,8 @@ TRAIN_PIECE_CHARS = 1 << 16  # the BPE trainer's pre-tokenizer is slow on long t
 def _piece_code_points():
     def code_points_in(piece):
         counts = np.bincount(code_points("".join(texts_of(piece)[0])), minlength=1)
-        return piece_size(piece), np.flatnonzero(counts)
+        return piece.size, np.flatnonzero(counts)
     return code_points_in
-
-
-def piece_size(piece) -> int:
-    return piece.size if hasattr(piece, "size") else len(piece.data)
 
 
 def collect_chars(inputs: list[Path], workers: int = 1, progress: bool | None = False,
@@ -61,7 +57,7 @@ def train_bpe(inputs: list[Path], vocab_size: int, progress: bool | None = False
                 for piece in pieces_of(path, options, limit):
                     for text in texts_of(piece)[0]:
                         yield from split_text(text, TRAIN_PIECE_CHARS)
-                    bar.update(piece_size(piece))
+                    bar.update(piece.size)
             bar.set_description("training BPE: merging")
         tokenizer.train_from_iterator(texts(), trainer)
     return tokenizer
