@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 from jaxpar.core.errors import UserError
+from jaxpar.data.tasks import parse_tasks
 
 FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
 TENSORBOARD = "tensorboard"  # the folder inside a run's --out: scalars, and --profile's trace
@@ -129,8 +130,8 @@ class MetricsWriters:
         # Each auxiliary loss the model logs is a train/ scalar too.
         self.scalars = SCALARS | {name: f"train/{name}" for name in family_of(cfg.model).loss_weights()}
         # Each task's accuracies (--eval.tasks) are eval/ scalars.
-        self.scalars |= {f"{task.strip()}/{m}": f"eval/{task.strip()}/{m}" for task in cfg.eval.tasks.split(",")
-                         if task.strip() for m in ("acc", "acc_norm")}
+        tasks = parse_tasks(cfg.eval.tasks) if cfg.eval.tasks else []
+        self.scalars |= {f"{task.name}/{m}": f"eval/{task.name}/{m}" for task in tasks for m in ("acc", "acc_norm")}
         self.jsonl = open_metrics(out_dir / "metrics.jsonl", resume_step)
         self.tensorboard = self.wandb = None
         if cfg.log.tensorboard:

@@ -167,14 +167,12 @@ def score_task(task: Task, req: Requests, scorer, params, mesh, rows: int = 32,
 
 @dataclass
 class TaskEval:
-    """The tasks --eval.tasks scores during training, every `every` updates and at the end."""
+    """The tasks --eval.tasks scores during training, every `every` updates and at the end
+    (jaxpar.training.evaluation decides when)."""
     loaded: list  # [(task, its Requests)]
     scorer: object
     mesh: object
     every: int
-
-    def due(self, updates: int, last: int) -> bool:
-        return updates % self.every == 0 or updates == last
 
     def __call__(self, updates: int, params) -> dict:
         """{"step", "<task>/acc", "<task>/acc_norm", ...} at this point of training."""

@@ -25,9 +25,8 @@ from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.training import step as steps
-from jaxpar.training.evaluation import make_evaluate
-from jaxpar.training.task_scoring import TaskEval, find_all, task_eval_for
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
+from jaxpar.training.evaluation import make_evaluate
 from jaxpar.training.metrics import (
     FETCH_EVERY,
     Diverged,
@@ -39,6 +38,7 @@ from jaxpar.training.metrics import (
 )
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
+from jaxpar.training.task_scoring import TaskEval, task_eval_for
 
 
 @dataclass
@@ -206,8 +206,8 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
                dynamic_ncols=True, mininterval=0.5)
     logger, (due, evaluate) = make_logger(p, c, writers, result, bar), make_evaluate(c, t, writers, result, bar)
     state = p.state
-    if due(p.start):  # a resumed run repeats its eval
-        evaluate(p.start, state.params)
+    if due(p.start, at_start=True):  # a resumed run repeats its eval
+        evaluate(p.start, state.params, at_start=True)
     batches = Prefetcher(c.train_batches, p.start)
     logger.restart_clock(p.start - 1)
     with StopRequest() as stop:
@@ -267,8 +267,6 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
-    if cfg.eval.tasks:
-        find_all(cfg.eval.tasks, cfg.eval.tasks_dir)  # a bad task fails before any compile
     mesh = build_mesh(cfg, devices)
     peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
     result = RunResult()
