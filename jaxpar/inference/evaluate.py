@@ -9,22 +9,21 @@ The loss is the mean next-token cross-entropy over all scored tokens; the perple
 import json
 import math
 import sys
-import time
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from jaxpar.core.axes import CONTEXT
 from jaxpar.core.config import DataConfig
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
-from jaxpar.core.sharding import batch_sharding, split_ways, with_axes_unsplit
+from jaxpar.core.sharding import with_axes_unsplit
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import same_mapping
 from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.models.family import abstract_model
 from jaxpar.models.layers import cross_entropy
 from jaxpar.training import task_scoring
+from jaxpar.training.row_passes import over_rows, passes_rows
 
 
 def blocks_of(tokens: np.ndarray, block_size: int) -> int:
@@ -57,27 +56,13 @@ def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = 
     if total < 1:
         raise UserError(f"the val split has {len(tokens)} tokens, fewer than a block of {block} "
                         "and its target; use more data")
-    sharding = batch_sharding(model.mesh, leading=0)
-    ways = split_ways(model.mesh, "batch")
-    rows = -(-rows // ways) * ways  # whole rows on every data replica
     row_losses = make_row_losses(model)
-    losses, seconds = [], 0.0
-    with jax.set_mesh(model.mesh), tqdm(total=total, unit="block", disable=not progress,
-                                        file=sys.stderr) as bar:
-        for first in range(0, total, rows):
-            count = min(rows, total - first)
-            inputs, targets = (np.resize(a, (rows, block)) for a in  # padded with repeats
-                               block_rows(tokens, first, count, block))
-            start = time.perf_counter()
-            per_row = row_losses(model.params, *(jax.device_put(a, sharding)
-                                                 for a in (inputs, targets)))
-            losses.append(np.asarray(per_row)[:count])
-            if first:  # the first batch includes the compile
-                seconds += time.perf_counter() - start
-            bar.update(count)
-    loss = float(np.concatenate(losses).astype(np.float64).mean())
+    losses, seconds = over_rows(lambda *batch: row_losses(model.params, *batch),
+                                lambda first, count: block_rows(tokens, first, count, block),
+                                total, model.mesh, rows, progress, unit="block")
+    loss = float(losses.astype(np.float64).mean())
     scored = total * block
-    timed = scored - min(rows, total) * block
+    timed = scored - min(passes_rows(model.mesh, rows), total) * block
     return {"split": "val", "loss": loss, "perplexity": math.exp(loss), "tokens": scored,
             "blocks": total, "tokens_per_s": round(timed / seconds, 1) if seconds else None}
 

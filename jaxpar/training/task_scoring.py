@@ -14,7 +14,6 @@ the padding. Rows are split over the mesh's batch axes as training splits them.
 """
 
 import sys
-import time
 from dataclasses import dataclass
 
 import jax
@@ -22,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tqdm import tqdm
 
 from jaxpar.core.axes import CONTEXT
 from jaxpar.core.errors import UserError
-from jaxpar.core.sharding import batch_sharding, split_ways, with_axes_unsplit
+from jaxpar.core.sharding import with_axes_unsplit
 from jaxpar.data.task_files import find_task_files, read_rows
 from jaxpar.data.tasks import Item, Task, parse_tasks, to_items
+from jaxpar.training.row_passes import over_rows, passes_rows
 
 ROW_MULTIPLE = 16  # a task's row length is rounded up to this
 
@@ -119,24 +118,13 @@ def make_scorer(net, mesh):
 
 
 def loglikelihoods(scorer, params, mesh, req: Requests, rows: int, progress: bool = False):
-    """(each request's summed continuation log-likelihood; the input tokens past the first batch,
+    """(each request's summed continuation log-likelihood; the input tokens past the first pass,
     and the seconds they took)."""
-    ways = split_ways(mesh, "batch")
-    rows = -(-rows // ways) * ways
-    sharding, total = batch_sharding(mesh, leading=0), len(req.inputs)
-    out, seconds = [], 0.0
-    with jax.set_mesh(mesh), tqdm(total=total, unit="request", disable=not progress, file=sys.stderr) as bar:
-        for first in range(0, total, rows):
-            count = min(rows, total - first)
-            batch = [np.resize(a[first:first + count], (rows, a.shape[1]))  # padded with repeats
-                     for a in (req.inputs, req.targets, req.scored)]
-            start = time.perf_counter()
-            lls = np.asarray(scorer(params, *(jax.device_put(a, sharding) for a in batch)))
-            if first:  # the first batch includes the compile
-                seconds += time.perf_counter() - start
-            out.append(lls[:count].astype(np.float64))
-            bar.update(count)
-    return np.concatenate(out), int(req.lengths[rows:].sum()), seconds
+    arrays = (req.inputs, req.targets, req.scored)
+    lls, seconds = over_rows(lambda *batch: scorer(params, *batch),
+                             lambda first, count: [a[first:first + count] for a in arrays],
+                             len(req.inputs), mesh, rows, progress, unit="request")
+    return lls.astype(np.float64), int(req.lengths[passes_rows(mesh, rows):].sum()), seconds
 
 
 def accuracies(items: list[Item], lls: np.ndarray) -> tuple[dict, list[dict]]:
