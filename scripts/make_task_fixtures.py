@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from jaxpar.data.records import arrow_batches
 from jaxpar.data.task_files import find_task_files
 from jaxpar.data.tasks import TASKS
 
@@ -32,8 +33,8 @@ def main() -> None:
     out.mkdir(parents=True)
     for task in TASKS.values():
         (source,) = find_task_files(args.tasks_dir, task)
-        with pa.memory_map(str(source)) as f:
-            table = pa.ipc.open_stream(f).read_all()
+        schema, batches = arrow_batches(source)
+        table = pa.Table.from_batches(list(batches), schema)
         table = table.take(list(range(0, table.num_rows, table.num_rows // args.rows))[:args.rows])
         if task.name in JSONL_TASKS:
             (out / f"{task.name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in table.to_pylist()))
