@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxpar.core.axes import AXES, check_virtual
+from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig, check_family_keys, validate_model  # noqa: F401
 from jaxpar.core.optimizer_config import ALIASES, OptimizerConfig, check_optimizer_keys, check_wsd, validate_optimizer
@@ -44,12 +45,6 @@ class TrainConfig:
     # A Hugging Face GPT-2 or Llama directory (config.json + safetensors) to start from instead of a
     # random init: the model shape comes from its config.json (see jaxpar.interop.hf). Empty: random init.
     init_from: str = ""
-
-
-@dataclass
-class DataConfig:
-    path: str = ""  # empty: the built-in Tiny Shakespeare
-    val_fraction: float = 0.1
 
 
 # One field per mesh axis (jaxpar.core.axes), named by its --mesh key: dp, tp, pp, cp. Each is the
@@ -179,6 +174,8 @@ def _set(cfg: Config, key: str, value, spelled: str) -> None:
     types = {f.name: f.type for f in dataclasses.fields(sub)} if sub is not None else {}
     if name not in types:
         raise UserError(f"unknown config key '{key}'; valid keys: {keys_help(cfg)}")
+    if key == "data.mix" and isinstance(value, dict):  # a [data.mix] table
+        value = mix_text(value)
     setattr(sub, name, _coerce(spelled, types[name], value))
 
 
@@ -242,8 +239,7 @@ def validate(cfg: Config) -> None:
                         f"train.grad_accum={t.grad_accum}")
     if cfg.eval.tasks and not cfg.eval.tasks_dir:
         raise UserError("eval.tasks needs eval.tasks_dir: the folder holding the tasks (see the guide)")
-    if not 0 < cfg.data.val_fraction < 1:
-        raise UserError(f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    validate_data(cfg.data)
     if cfg.pipeline.schedule not in SCHEDULES:
         raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")

@@ -1,5 +1,6 @@
 """Training data and deterministic batches: a `jaxpar.prepare` directory (train.bin and val.bin,
-memory-mapped), or a UTF-8 text file (the built-in Tiny Shakespeare by default) at character level.
+memory-mapped), a UTF-8 text file (the built-in Tiny Shakespeare by default) at character level,
+or a weighted mixture of sources sharing one tokenizer (jaxpar.data.mixture).
 
 The global batch at step s is a pure function of (seed, split, s): the same for every mesh and
 process count. Each process materialises only the rows its devices hold.
@@ -15,9 +16,11 @@ import jax
 import numpy as np
 
 from jaxpar.core.config import DataConfig
+from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import batch_sharding
-from jaxpar.data.tokenizer import CharTokenizer, from_meta
+from jaxpar.data.mixture import Mixture, mixture_rows
+from jaxpar.data.tokenizer import CharTokenizer, from_meta, same_mapping
 
 BUILTIN_NAME = "tinyshakespeare.txt.gz"
 SPLIT_IDS = {"train": 0, "val": 1}
@@ -26,11 +29,16 @@ SPLIT_IDS = {"train": 0, "val": 1}
 @dataclass(frozen=True)
 class Dataset:
     tokenizer: object  # any kind of jaxpar.data.tokenizer
-    train: np.ndarray  # token ids; memory-mapped for prepared data
-    val: np.ndarray
+    train: np.ndarray | None  # token ids; memory-mapped for prepared data; None for a mixture
+    val: np.ndarray | None
+    mixture: Mixture | None = None
+    parts: tuple["Dataset", ...] = ()  # a mixture's sources, in its order
 
-    def split(self, name: str) -> np.ndarray:
-        return self.train if name == "train" else self.val
+    def splits(self, name: str) -> list[np.ndarray]:
+        """The split's tokens, one array per source."""
+        if self.mixture is not None:
+            return [part.train if name == "train" else part.val for part in self.parts]
+        return [self.train if name == "train" else self.val]
 
 
 def read_text(path: str) -> str:
@@ -57,6 +65,8 @@ def read_text(path: str) -> str:
 def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
     """A jaxpar.prepare directory (memory-mapped), or a text file tokenised by character and split
     train/val; both splits must hold a block."""
+    if cfg.mix:
+        return load_mixture(cfg, block_size)
     if cfg.path and Path(cfg.path).is_dir():
         return load_prepared(cfg.path, block_size)
     text = read_text(cfg.path)
@@ -78,6 +88,25 @@ def load_prepared(directory: str, block_size: int) -> Dataset:
                         "python -m jaxpar.prepare again")
     return checked(Dataset(from_meta(meta["tokenizer_meta"]), train, val),
                    f"prepared data '{directory}'", "tokens", block_size)
+
+
+def load_mixture(cfg: DataConfig, block_size: int) -> Dataset:
+    """Each source of data.mix, which must all map text to ids alike."""
+    sources, parts = parse_mix(cfg.mix), []
+    for source in sources:
+        try:
+            parts.append(load_dataset(DataConfig(path=source.path, val_fraction=cfg.val_fraction),
+                                      block_size))
+        except UserError as e:
+            raise UserError(f"data.mix source '{source.name}': {e}") from None
+    first = parts[0].tokenizer
+    for source, part in zip(sources[1:], parts[1:]):
+        if not same_mapping(first, part.tokenizer):
+            raise UserError(f"data.mix sources '{sources[0].name}' ({first.spec}, {first.vocab_size} "
+                            f"tokens) and '{source.name}' ({part.tokenizer.spec}, "
+                            f"{part.tokenizer.vocab_size} tokens) use different tokenizers; prepare "
+                            "every source with the same --tokenizer")
+    return Dataset(first, None, None, Mixture(sources, cfg.mix_block), tuple(parts))
 
 
 def checked(dataset: Dataset, name: str, unit: str, block_size: int) -> Dataset:
@@ -111,9 +140,10 @@ class BatchLoader:
     Rows are split as the rule table splits 'batch' (over 'data'); this process builds only the rows its devices hold.
     """
 
-    def __init__(self, tokens: np.ndarray, split: str, seed: int, batch_size: int,
+    def __init__(self, dataset: Dataset, split: str, seed: int, batch_size: int,
                  microbatches: int, block_size: int, mesh):
-        self.tokens, self.split, self.seed = tokens, split, seed
+        self.sources, self.mixture = dataset.splits(split), dataset.mixture
+        self.split, self.seed = split, seed
         self.batch_size, self.block_size = batch_size, block_size
         self.shape = (microbatches, batch_size // microbatches, block_size)
         self.sharding = batch_sharding(mesh)
@@ -121,12 +151,28 @@ class BatchLoader:
         self.row_start = min(r.start or 0 for r in rows)
         self.row_stop = max(self.shape[1] if r.stop is None else r.stop for r in rows)
 
+    def rows(self, step: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """(source of each row or None for one source, start offsets), shaped (microbatches, rows)."""
+        if self.mixture is None:
+            return None, batch_offsets(self.seed, self.split, step, self.batch_size,
+                                       len(self.sources[0]), self.block_size).reshape(self.shape[:2])
+        which, offsets = mixture_rows(self.mixture, self.seed, SPLIT_IDS[self.split], step,
+                                      self.batch_size, [len(t) for t in self.sources], self.block_size)
+        return which.reshape(self.shape[:2]), offsets.reshape(self.shape[:2])
+
+    def local_rows(self, step: int) -> np.ndarray:
+        """This process's rows of the batch at `step`: (microbatches, local rows, block_size + 1)."""
+        which, offsets = self.rows(step)
+        window = offsets[:, self.row_start:self.row_stop, None] + np.arange(self.block_size + 1)
+        if which is None:
+            return self.sources[0][window].astype(np.int32)
+        which, chunk = which[:, self.row_start:self.row_stop], np.empty(window.shape, np.int32)
+        for source in np.unique(which):
+            chunk[which == source] = self.sources[source][window[which == source]]
+        return chunk
+
     def __call__(self, step: int) -> tuple[jax.Array, jax.Array]:
-        offsets = batch_offsets(self.seed, self.split, step, self.batch_size, len(self.tokens),
-                                self.block_size).reshape(self.shape[:2])
-        local = offsets[:, self.row_start:self.row_stop]
-        window = local[..., None] + np.arange(self.block_size + 1)
-        chunk = self.tokens[window].astype(np.int32)  # (microbatches, local rows, block_size + 1)
+        chunk = self.local_rows(step)
         return tuple(jax.make_array_from_process_local_data(self.sharding, part, self.shape)
                      for part in (chunk[..., :-1], chunk[..., 1:]))
 

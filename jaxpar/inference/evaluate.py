@@ -1,5 +1,6 @@
 """`python -m jaxpar.eval --ckpt RUN_DIR [--data DIR] [--mesh SPEC]`: a checkpoint's loss over the
-whole val split, every non-overlapping block of it (not a sample of random batches), as one JSON line.
+whole val split, every non-overlapping block of it (not a sample of random batches), as one JSON line;
+for a run on a mixture, a line per source and one for the mixture (the losses weighted as data.mix).
 With `--tasks hellaswag,arc_easy --tasks-dir DIR` instead: multiple-choice accuracy, one JSON line
 per task (jaxpar.training.task_scoring).
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from jaxpar.core.axes import CONTEXT
 from jaxpar.core.config import DataConfig
+from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.core.sharding import with_axes_unsplit
 from jaxpar.data.loader import load_dataset
@@ -67,21 +69,37 @@ def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = 
             "blocks": total, "tokens_per_s": round(timed / seconds, 1) if seconds else None}
 
 
-def data_for(model: Model, path: str | None):
-    """The val split of --data (or of the run's own data), which must use the model's tokenizer."""
-    cfg = DataConfig(**{**vars(model.cfg.data), **({"path": path} if path is not None else {})})
+def data_for(model: Model, path: str | None) -> dict:
+    """{source name: its val split} of --data (or of the run's own data: each source of a
+    mixture, else one named ""), which must use the model's tokenizer."""
+    given = {"path": path, "mix": ""} if path is not None else {}
+    cfg = DataConfig(**{**vars(model.cfg.data), **given})
     dataset = load_dataset(cfg, model.cfg.model.block_size)
     if model.tokenizer is None:  # an HF directory without tokenizer.json: the data's ids must fit
         if dataset.tokenizer.vocab_size > model.vocab_size:
             raise UserError(f"the data '{cfg.path}' has {dataset.tokenizer.vocab_size} tokens, more than "
                             f"the model's {model.vocab_size}; pass data prepared with the model's tokenizer")
-        return dataset.val
-    if not same_mapping(dataset.tokenizer, model.tokenizer):
+    elif not same_mapping(dataset.tokenizer, model.tokenizer):
         raise UserError(f"the data '{cfg.path or 'built-in'}' uses another tokenizer "
                         f"({dataset.tokenizer.spec}, {dataset.tokenizer.vocab_size} tokens) than "
                         f"the model ({model.tokenizer.spec}, {model.tokenizer.vocab_size}); pass "
                         "data prepared with the model's tokenizer")
-    return dataset.val
+    if dataset.mixture is None:
+        return {"": dataset.val}
+    return {name: part.val for name, part in zip(dataset.mixture.names, dataset.parts)}
+
+
+def evaluate_sources(model: Model, splits: dict, rows: int) -> list[dict]:
+    """One result per source; for a mixture, then the mixture's: the sources' losses weighted as
+    data.mix weighs its rows."""
+    results = [{**({"source": name} if name else {}), **evaluate(model, tokens, rows, progress=True)}
+               for name, tokens in splits.items()]
+    if len(results) > 1:
+        weights = np.array([s.weight for s in parse_mix(model.cfg.data.mix)])
+        loss = float(np.dot(weights / weights.sum(), [r["loss"] for r in results]))
+        results.append({"source": "mixture", "split": "val", "loss": loss,
+                        "perplexity": math.exp(loss), "weights": model.cfg.data.mix})
+    return results
 
 
 def evaluate_tasks(model: Model, args) -> list[dict]:
@@ -147,9 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             for result in evaluate_tasks(model, args):
                 print(json.dumps({**source, **result}))
             return
-        tokens = data_for(model, args.data)
-        result = evaluate(model, tokens, args.rows or 16, progress=True)
-    print(json.dumps({**source, **result}))
+        for result in evaluate_sources(model, data_for(model, args.data), args.rows or 16):
+            print(json.dumps({**source, **result}))
 
 
 if __name__ == "__main__":

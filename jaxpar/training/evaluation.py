@@ -18,9 +18,12 @@ def make_evaluate(c, t, writers: MetricsWriters | None, result, bar):
         if val_due(updates, at_start):
             # One eval in flight at a time: many multi-device evals queued at once deadlocked
             # XLA:CPU's collectives (rendezvous timeout, abort) on dp=2.
-            val = sum(float(c.eval_step(params, b)) for b in c.val_batches) / len(c.val_batches)
+            mean = lambda batches: sum(float(c.eval_step(params, b)) for b in batches) / len(batches)  # noqa: E731
+            val = mean(c.val_batches)
             result.val_losses[updates] = val
-            record(writers, bar, {"step": updates, "val_loss": val}, f"val loss {val:.4f}")
+            sources = {f"val_loss/{name}": mean(batches) for name, batches in c.source_val.items()}
+            record(writers, bar, {"step": updates, "val_loss": val, **sources},
+                   f"val loss {val:.4f}" + "".join(f", {k[9:]} {v:.4f}" for k, v in sources.items()))
         if tasks_due(updates, at_start):
             scores = c.tasks(updates, params)
             record(writers, bar, scores, ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "step"))

@@ -12,6 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
+from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import UserError
 from jaxpar.data.tasks import parse_tasks
 
@@ -132,6 +133,8 @@ class MetricsWriters:
         # Each task's accuracies (--eval.tasks) are eval/ scalars.
         tasks = parse_tasks(cfg.eval.tasks) if cfg.eval.tasks else []
         self.scalars |= {f"{task.name}/{m}": f"eval/{task.name}/{m}" for task in tasks for m in ("acc", "acc_norm")}
+        # A mixture's per-source val losses (jaxpar.data.mixture) are val/ scalars.
+        self.scalars |= {f"val_loss/{s.name}": f"val/loss/{s.name}" for s in parse_mix(cfg.data.mix)}
         self.jsonl = open_metrics(out_dir / "metrics.jsonl", resume_step)
         self.tensorboard = self.wandb = None
         if cfg.log.tensorboard:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, model_vocab
+from jaxpar.data.mixture import mix_change
 from jaxpar.models import flops, kernels
 from jaxpar.models.family import Transformer, build_model
 from jaxpar.parallel import hlo, pipeline, zero
@@ -64,6 +65,7 @@ class Prepared:
     state: steps.TrainState
     start: int  # the step the state is at
     damaged: list[int]  # unreadable checkpoints newer than `start`
+    mix_changed: dict | None = None  # data.mix against the checkpoint's: {step, before, after}
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Compiled:
     val_batches: list
     info: dict
     tasks: TaskEval | None = None  # --eval.tasks, scored during training
+    source_val: dict = field(default_factory=dict)  # a mixture's source name -> its val batches
 
 
 def versions() -> dict:
@@ -101,7 +104,8 @@ def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bo
     if start > cfg.train.steps:
         raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
                         f"{cfg.train.steps}; pass --steps {start} or more, or start over with --fresh")
-    return Prepared(cfg, dataset, mesh, ckpt, tx, model, shardings, plan, state, start, damaged)
+    changed = mix_change(meta["config"]["data"], cfg.data, start) if meta else None
+    return Prepared(cfg, dataset, mesh, ckpt, tx, model, shardings, plan, state, start, damaged, changed)
 
 
 def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainState) -> steps.TrainState:
@@ -124,10 +128,14 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     vocab = model_vocab(cfg, p.dataset.tokenizer)
     zero.check_state(p.state, p.shardings)
     microbatches = steps.microbatches_for(cfg, mesh)
-    loader = lambda split: BatchLoader(p.dataset.split(split), split, t.seed, t.batch_size,  # noqa: E731
-                                       microbatches, cfg.model.block_size, mesh)
-    train_batches, val_loader = loader("train"), loader("val")
-    val_batches = [val_loader(i) for i in range(t.eval_batches)] if t.eval_every else []
+    loader = lambda data, split: BatchLoader(data, split, t.seed, t.batch_size,  # noqa: E731
+                                             microbatches, cfg.model.block_size, mesh)
+    train_batches, val_loader = loader(p.dataset, "train"), loader(p.dataset, "val")
+    fixed = lambda val: [val(i) for i in range(t.eval_batches)] if t.eval_every else []  # noqa: E731
+    val_batches = fixed(val_loader)
+    # A mixture's val loss is also taken per source, each over its own val split.
+    source_val = {source.name: fixed(loader(part, "val")) for source, part in
+                  zip(p.dataset.mixture.sources, p.dataset.parts)} if p.dataset.mixture else {}
     train_step = steps.make_train_step(cfg, p.model, p.tx, p.shardings, p.plan, train_batches.sharding)
     eval_step = steps.make_eval_step(cfg, p.model, p.shardings.params, val_loader.sharding)
     tasks = task_eval_for(cfg, p.model, mesh, p.dataset.tokenizer)  # a bad task fails before writing
@@ -155,8 +163,9 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
         "peak_flops_source": peak[1], "compile_s": round(compile_s, 3),
         "compiled": compiled_summary, "pipeline": pipeline.summary(cfg, mesh, vocab),
         "resumed_from": p.start, "checkpoints": str(p.ckpt.directory) if p.ckpt else None,
+        **({"mix_changed": p.mix_changed} if p.mix_changed else {}),
     }
-    return Compiled(compiled, eval_step, train_batches, val_batches, info, tasks)
+    return Compiled(compiled, eval_step, train_batches, val_batches, info, tasks, source_val)
 
 
 def open_outputs(p: Prepared, info: dict, out_dir: Path | None, fresh: bool) -> MetricsWriters | None:
