@@ -17,7 +17,7 @@ def global_batch(spec: str, step: int, grad_accum: int = 1):
     n = cfg.mesh.dp * cfg.mesh.tp * cfg.mesh.pp
     mesh = build_mesh(cfg, jax.devices()[:n])
     data = load_dataset(cfg.data, cfg.model.block_size)
-    loader = BatchLoader(data.train, "train", 7, 8, grad_accum, cfg.model.block_size, mesh)
+    loader = BatchLoader(data, "train", 7, 8, grad_accum, cfg.model.block_size, mesh)
     return [np.asarray(a) for a in loader(step)], loader
 
 

@@ -42,6 +42,38 @@ def test_splash_equals_xla_forward_and_gradients(heads, kv_heads):
         assert relative_error(got, want) < RTOL
 
 
+def test_splash_keeps_documents_apart_as_xla_does():
+    """data.document_mask's starts as splash's SegmentIds: value and gradients as xla's mask;
+    control: without them splash differs."""
+    keys = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(keys[0], (2, 4, 128, 8))
+    k, v = (jax.random.normal(key, (2, 2, 128, 8)) for key in keys[1:3])
+    starts = jnp.array([[0] * 40 + [40] * 50 + [90] * 38, [0] * 100 + [100] * 28], jnp.int32)
+    weights = jax.random.normal(keys[3], (2, 128, 4, 8))
+    fused = lambda q, k, v: jnp.sum(splash(q, k, v, segments=(starts, starts)) * weights)  # noqa: E731
+    xla = lambda q, k, v: jnp.sum(causal_attention(q, k, v, 0.0, None, starts) * weights)  # noqa: E731
+    np.testing.assert_allclose(fused(q, k, v), xla(q, k, v), rtol=RTOL)
+    for got, want in zip(jax.grad(fused, (0, 1, 2))(q, k, v), jax.grad(xla, (0, 1, 2))(q, k, v)):
+        assert relative_error(got, want) < RTOL
+    assert relative_error(splash(q, k, v), causal_attention(q, k, v, 0.0, None, starts)) > 0.01
+
+
+def test_auto_keeps_documents_off_cudnn_on_a_gpu(monkeypatch):
+    """`attend` with documents on a GPU under `auto`: xla's masked attention, not cuDNN (which has
+    no segment ids); control: without documents the same trace asks for cuDNN."""
+    from jaxpar.models import kernels, layers
+    monkeypatch.setattr(kernels, "platform_of", lambda mesh: "gpu")
+    asked = []
+    monkeypatch.setattr(layers, "fused_attention", lambda kernel, *args: asked.append(kernel))
+    q = k = v = jnp.ones((1, 2, 8, 4))
+    starts = jnp.array([[0] * 3 + [3] * 5], jnp.int32)
+    attend = kernels.traced_with_attention(layers.attend, ModelConfig(dtype="bfloat16", block_size=1024))
+    np.testing.assert_allclose(attend(q, k, v, 0.0, None, starts), causal_attention(q, k, v, 0.0, None, starts))
+    assert asked == []
+    attend(q, k, v, 0.0, None)
+    assert asked == ["cudnn"]
+
+
 def test_splash_residuals_are_the_log_sum_exp():
     """The residual a ring would combine block pairs with: logsumexp of each query's scaled scores."""
     q, k, v = (jax.random.normal(key, (1, 2, 128, 8)) for key in jax.random.split(jax.random.key(1), 3))
@@ -70,10 +102,12 @@ def test_splash_trains_as_one_device_on_dp2_tp2():
     ("tpu", {"context": 4}, "splash", None),  # the ring's chunks: 1024 / 8 = 128 tokens
     ("tpu", {"context": 8}, "xla", "chunks are 64 tokens"),
     ("gpu", {"dtype": "bfloat16", "context": 8}, "cudnn", None),
+    ("gpu", {"dtype": "bfloat16", "documents": True}, "xla", "no segment ids"),
+    ("tpu", {"documents": True}, "splash", None),
 ])
 def test_auto_picks_by_platform(platform, overrides, kernel, note):
-    context = overrides.pop("context", 1)
-    got, why = resolve(ModelConfig(**{"block_size": 1024, **overrides}), platform, context)
+    context, documents = overrides.pop("context", 1), overrides.pop("documents", False)
+    got, why = resolve(ModelConfig(**{"block_size": 1024, **overrides}), platform, context, documents)
     assert got == kernel and (note is None) == (why is None) and (note is None or note in why)
 
 
@@ -84,6 +118,7 @@ def test_auto_picks_by_platform(platform, overrides, kernel, note):
     (["--model.attention=splash"], ["tiles of 128 tokens", "block_size=32"]),
     (["--model.attention=splash", "--model.block_size=128", "--mesh", "dp=4,cp=2"], ["context ring", "cp=2"]),
     (["--model.attention=flash"], ["model.attention must be one of auto, xla, splash, cudnn"]),
+    (["--model.attention=cudnn", "--model.dtype=bfloat16", "--data.document_mask=true"], ["no segment ids"]),
 ])
 def test_kernel_refusals_are_one_line(capsys, tmp_path, args, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny", *args], *expected)

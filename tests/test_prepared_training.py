@@ -8,6 +8,7 @@ run; each final param within 1e-5 of that tensor's largest magnitude (the 2-proc
 are read back from its checkpoint). Batches and tokenizers must be equal.
 """
 
+import dataclasses
 import json
 import math
 import shutil
@@ -26,16 +27,18 @@ from helpers import (
     logged_losses,
     losses,
     param_errors,
+    save_random_gpt2,
     train,
 )
 from helpers import fails_with as train_fails_with
 
 from jaxpar.core.errors import UserError
-from jaxpar.data.loader import BatchLoader, batch_offsets, load_dataset, model_vocab, read_text
+from jaxpar.data.loader import BatchLoader, Dataset, batch_offsets, load_dataset, model_vocab, read_text
 from jaxpar.data.prepare import main as prepare_main
 from jaxpar.data.tokenizer import EOT, ByteTokenizer
 from jaxpar.inference import sample
-from jaxpar.models.family import abstract_model
+from jaxpar.models.decode import empty_cache, forward
+from jaxpar.models.family import Transformer, abstract_model
 from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
@@ -123,7 +126,7 @@ def test_two_processes_train_what_one_device_does(prepared, one_device, tmp_path
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_batches_are_the_same_on_every_mesh_from_a_memmap_or_memory(prepared, split):
     dataset = load_dataset(tiny_config(**on_bpe(prepared)).data, BLOCK)
-    mapped = dataset.split(split)
+    mapped = dataset.splits(split)[0]
     assert isinstance(mapped, np.memmap) and mapped.dtype == np.uint16
     in_memory = np.array(mapped)
     seed, batch = 1337, 8
@@ -138,7 +141,7 @@ def test_batches_are_the_same_on_every_mesh_from_a_memmap_or_memory(prepared, sp
         mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
         microbatches = steps.microbatches_for(cfg, mesh)
         for tokens in (mapped, in_memory):
-            loader = BatchLoader(tokens, split, seed, batch, microbatches, BLOCK, mesh)
+            loader = BatchLoader(Dataset(None, tokens, tokens), split, seed, batch, microbatches, BLOCK, mesh)
             for step, (inputs, targets) in expected.items():
                 got = loader(step)
                 for array, want in zip(got, (inputs, targets)):
@@ -146,7 +149,7 @@ def test_batches_are_the_same_on_every_mesh_from_a_memmap_or_memory(prepared, sp
                     assert array.dtype == np.int32
                     np.testing.assert_array_equal(np.asarray(array).reshape(batch, BLOCK), want,
                                                   err_msg=f"{spec}, step {step}")
-    other_seed = BatchLoader(mapped, split, seed + 1, batch, 1, BLOCK,
+    other_seed = BatchLoader(Dataset(None, mapped, mapped), split, seed + 1, batch, 1, BLOCK,
                              build_mesh(tiny_config(), jax.devices()[:1]))(0)
     assert not np.array_equal(np.asarray(other_seed[0])[0], expected[0][0])
 
@@ -359,3 +362,33 @@ def test_a_damaged_prepared_directory_is_one_line_and_writes_nothing(prepared, t
                                                                      damage, expected):
     data = damaged_copy(prepared, tmp_path, damage)
     train_fails_with(capsys, tmp_path, ["--config", "tiny", f"--data.path={data}"], *expected)
+
+
+def test_a_document_masked_model_samples_from_the_last_document_alone(prepared, tmp_path):
+    """Under data.document_mask a prompt's text before its last end-of-text token is another
+    document: the samples after it are those of the last document alone, with the KV cache and
+    without, where the samples open documents of their own too (end-of-text made likely).
+    Control: without the mask the first document moves the next token's logits."""
+    cfg = tiny_config(**{"data.path": str(prepared.bytes), "data.document_mask": True})
+    save_random_gpt2(tmp_path, cfg, ByteTokenizer(), 1, 0.5)
+
+    def loaded():
+        model = sample.load(tmp_path)
+        params = jax.tree.map(np.array, model.params)
+        params["wte"][256] = 2.5 * params["ln_f"]["bias"]  # end-of-text: about one token in eight
+        return dataclasses.replace(model, params=jax.device_put(params), decoders={})
+
+    def continuations(prompt: str, use_cache: bool = True) -> list[str]:
+        kwargs = dict(max_new_tokens=40, temperature=1.0, top_k=0, num_samples=3, seed=3, use_cache=use_cache)
+        return [text[len(prompt):] for text in sample.generate(loaded(), prompt, **kwargs).texts]
+    alone = continuations(EOT + "ROMEO:")
+    assert sum(text.count(EOT) for text in alone) >= 2
+    assert continuations("First Citizen:\n" + EOT + "ROMEO:") == alone
+    assert continuations("First Citizen:\n" + EOT + "ROMEO:", use_cache=False) == alone
+    model = loaded()
+    ids = model.tokenizer.encode("First Citizen:\n" + EOT + "ROMEO:")[None]
+    starts = np.maximum.accumulate(np.where(ids == 256, np.arange(ids.shape[1]), 0), 1)
+    last = [np.asarray(forward(Transformer(model.cfg.model, 257, eot_id=eot), model.params, ids,
+                               empty_cache(Transformer(model.cfg.model, 257), 1), 0, at)[0][0, -1])
+            for eot, at in ((256, starts), (None, None))]
+    assert np.max(np.abs(last[0] - last[1])) > 1e-3

@@ -240,6 +240,9 @@ def validate(cfg: Config) -> None:
     if cfg.eval.tasks and not cfg.eval.tasks_dir:
         raise UserError("eval.tasks needs eval.tasks_dir: the folder holding the tasks (see the guide)")
     validate_data(cfg.data)
+    if cfg.data.document_mask and m.attention == "cudnn":
+        raise UserError("model.attention=cudnn cannot keep data.document_mask's documents apart: jax's "
+                        "cuDNN attention has no segment ids; use --model.attention=auto (xla on GPUs)")
     if cfg.pipeline.schedule not in SCHEDULES:
         raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")

@@ -127,6 +127,17 @@ def model_vocab(cfg, tokenizer) -> int:
     return wanted or tokenizer.vocab_size
 
 
+def document_eot(cfg, tokenizer) -> int | None:
+    """The end-of-text token that opens documents under data.document_mask, else None."""
+    if not cfg.data.document_mask:
+        return None
+    if tokenizer.eot_id is None:
+        raise UserError(f"data.document_mask needs an end-of-text token, and the data's tokenizer "
+                        f"({tokenizer.spec}) has none; prepare the data with --tokenizer bytes, bpe, "
+                        "gpt2 or a tokenizer.json that has one, or drop data.document_mask")
+    return tokenizer.eot_id
+
+
 def batch_offsets(seed: int, split: str, step: int, batch_size: int, n_tokens: int,
                   block_size: int) -> np.ndarray:
     """Start offsets of the global batch: a pure function of (seed, split, step)."""

@@ -42,7 +42,7 @@ def block_rows(tokens: np.ndarray, first: int, count: int, block_size: int):
 
 def make_row_losses(model: Model):
     """jit(params, inputs, targets) -> each row's mean loss."""
-    net, _, _ = abstract_model(model.cfg, model.vocab_size)
+    net, _, _ = abstract_model(model.cfg, model.vocab_size, model.documents_eot)  # documents as trained
 
     def row_losses(params, inputs, targets):
         logits = net(params, inputs)

@@ -32,6 +32,11 @@ class Model:
     step: int  # the training step the checkpoint holds
     decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
 
+    @property
+    def documents_eot(self) -> int | None:
+        """The end-of-text token that opens documents, for a model trained with data.document_mask."""
+        return self.tokenizer.eot_id if self.cfg.data.document_mask and self.tokenizer is not None else None
+
 
 def load(path, mesh: str = "dp=1", devices=None) -> Model:
     """The newest readable checkpoint's params in `path` (a run's --out or its checkpoints folder),

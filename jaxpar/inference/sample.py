@@ -43,23 +43,23 @@ def make_decoders(model: Model, temperature: float, top_k: int):
     uses the key fold_in(key(seed), i) on either path, so both sample the same way."""
     # Rows of the embedding beyond the tokenizer's (model.vocab_size) are never sampled: the
     # logits mask them as the vocabulary's padding.
-    net = Transformer(model.cfg.model, model.tokenizer.vocab_size)
+    net = Transformer(model.cfg.model, model.tokenizer.vocab_size, eot_id=model.documents_eot)
 
     def next_token(logits, seed, i):
         return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)
 
-    def prefill(params, tokens, seed, i):
-        logits, cache = forward(net, params, tokens, empty_cache(net, tokens.shape[0]), 0)
+    def prefill(params, tokens, seed, i, starts=None):
+        logits, cache = forward(net, params, tokens, empty_cache(net, tokens.shape[0]), 0, starts)
         return next_token(logits[:, -1], seed, i), cache
 
-    def step(params, cache, token, pos, seed, i):
-        logits, cache = forward(net, params, token[:, None], cache, pos)
+    def step(params, cache, token, pos, seed, i, starts=None):
+        logits, cache = forward(net, params, token[:, None], cache, pos, starts)
         return next_token(logits[:, 0], seed, i), cache
 
-    def recompute(params, tokens, length, seed, i):
+    def recompute(params, tokens, length, seed, i, starts=None):
         """The whole window again; tokens are padded to block_size, and causal attention keeps
         the padding from reaching position length - 1."""
-        logits, _ = forward(net, params, tokens, empty_cache(net, tokens.shape[0]), 0)
+        logits, _ = forward(net, params, tokens, empty_cache(net, tokens.shape[0]), 0, starts)
         return next_token(jax.lax.dynamic_index_in_dim(logits, length - 1, 1, False), seed, i)
 
     return jax.jit(prefill), jax.jit(step, donate_argnums=1), jax.jit(recompute)
@@ -94,6 +94,19 @@ def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
     return Generation(texts, tokens.shape[1], seconds, start - compile_start)
 
 
+def window_starts(model: Model, window: np.ndarray, last: int | None = None):
+    """Each window token's document start (the window's index of the end-of-text token that
+    opened it, 0 before any), on the mesh; its last `last` columns; None without documents. A
+    document opened before the window's start counts from the window's first token, as a
+    restarted window's positions do."""
+    eot = model.documents_eot
+    if eot is None:
+        return None
+    index = np.arange(window.shape[1])
+    starts = np.maximum.accumulate(np.where(window == eot, index, 0), axis=1)
+    return on_mesh(model, starts if last is None else starts[:, -last:])
+
+
 def on_mesh(model: Model, tokens) -> jax.Array:
     """int32 tokens, replicated over the model's mesh."""
     return jax.device_put(np.asarray(tokens, np.int32), NamedSharding(model.mesh, P()))
@@ -106,16 +119,26 @@ def padded(model: Model, window: np.ndarray) -> jax.Array:
     return on_mesh(model, out)
 
 
+def padded_starts(model: Model, window: np.ndarray):
+    """window_starts of the padded window (the padding in the last document), or None."""
+    starts = window_starts(model, window)
+    if starts is None:
+        return None
+    return on_mesh(model, np.pad(np.asarray(starts), ((0, 0), (0, model.cfg.model.block_size - window.shape[1])),
+                                 mode="edge"))
+
+
 def warm_up(model: Model, decoders, window: np.ndarray, seed: int, use_cache: bool) -> None:
     """Compile outside the timing: one call of each decoder, on the shapes the loop will use."""
     prefill, step, recompute = decoders
     rows, keep = window.shape[0], max(model.cfg.model.block_size // 2, 1)
     if use_cache:
         for n in {window.shape[1], keep}:
-            token, cache = prefill(model.params, on_mesh(model, np.zeros((rows, n))), seed, 0)
-        jax.block_until_ready(step(model.params, cache, token, 0, seed, 0))
+            zeros = np.zeros((rows, n))
+            token, cache = prefill(model.params, on_mesh(model, zeros), seed, 0, window_starts(model, zeros))
+        jax.block_until_ready(step(model.params, cache, token, 0, seed, 0, window_starts(model, zeros, 1)))
     else:
-        jax.block_until_ready(recompute(model.params, padded(model, window), 1, seed, 0))
+        jax.block_until_ready(recompute(model.params, padded(model, window), 1, seed, 0, padded_starts(model, window)))
 
 
 def sample_tokens(model: Model, decoders, window: np.ndarray, max_new_tokens: int, seed: int,
@@ -129,11 +152,11 @@ def sample_tokens(model: Model, decoders, window: np.ndarray, max_new_tokens: in
     ended, new, new_window = np.zeros(window.shape[0], bool), [], True
     for i in range(max_new_tokens):
         if not use_cache:
-            token = recompute(params, padded(model, window), window.shape[1], seed, i)
+            token = recompute(params, padded(model, window), window.shape[1], seed, i, padded_starts(model, window))
         elif new_window:
-            token, cache = prefill(params, on_mesh(model, window), seed, i)
+            token, cache = prefill(params, on_mesh(model, window), seed, i, window_starts(model, window))
         else:
-            token, cache = step(params, cache, token, window.shape[1] - 1, seed, i)
+            token, cache = step(params, cache, token, window.shape[1] - 1, seed, i, window_starts(model, window, 1))
         new_window = False
         latest = np.asarray(token)
         new.append(latest)

@@ -6,7 +6,8 @@ q is (batch, heads, seq, head_dim); k and v are (batch, kv_heads, seq, head_dim)
 dividing heads (grouped-query attention; GPT-2 has as many as heads). Query head h attends with KV
 head h // (heads / kv_heads), as Hugging Face's `repeat_kv` pairs them, but K and V are never
 repeated: a group's queries are rows of one matrix against its KV head. Dropout masks the
-attention probabilities.
+attention probabilities. With documents (`doc_starts`, jaxpar.models.layers), a query sees the
+keys of its own document alone.
 """
 
 import functools
@@ -30,16 +31,17 @@ def apply_dropout(x: jax.Array, keep, rate: float) -> jax.Array:
     return x if keep is None else jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
-def causal_attention(q, k, v, rate: float, key) -> jax.Array:
+def causal_attention(q, k, v, rate: float, key, doc_starts=None) -> jax.Array:
     """softmax(q k^T / sqrt(d) + causal mask) v for q (batch, heads, seq, head_dim) and k, v
-    (batch, kv_heads, seq, head_dim); returns (batch, seq, heads, head_dim)."""
+    (batch, kv_heads, seq, head_dim); returns (batch, seq, heads, head_dim). doc_starts (batch,
+    seq) or None: the documents' mask too."""
     B, H, T, D = q.shape
     K = k.shape[1]
     keep = None
     if key is not None and rate > 0.0:
         keep = jax.random.bernoulli(key, 1.0 - rate, q.shape[:3] + k.shape[2:3])
         keep = keep.reshape(B, K, H // K, T, -1)
-    out = attention_core(q.reshape(B, K, H // K, T, D), k, v, keep, rate)
+    out = attention_core(q.reshape(B, K, H // K, T, D), k, v, keep, doc_starts, rate)
     return out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
 
 
@@ -86,38 +88,42 @@ def query_blocks(seq_len: int) -> list[tuple[int, int]]:
     return [(i * step, (i + 1) * step) for i in range(n)]
 
 
-def attention_scores(q, k, start: int, group: int) -> jax.Array:
+def attention_scores(q, k, start: int, group: int, docs=None) -> jax.Array:
     """Masked, scaled scores of `group` heads' queries [start, start + n) (their rows stacked)
-    against keys [0, len(k))."""
+    against keys [0, len(k)); docs (batch, seq) or None: only keys of a query's own document."""
     T, S, D = q.shape[2] // group, k.shape[2], q.shape[3]
     scores = jnp.einsum("bhtd,bhsd->bhts", q, k, preferred_element_type=F32)
-    causal = jnp.tile(jnp.tril(jnp.ones((T, S), dtype=bool), k=start), (group, 1))
-    return jnp.where(causal, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
+    visible = jnp.tile(jnp.tril(jnp.ones((T, S), dtype=bool), k=start), (group, 1))
+    if docs is not None:
+        same = docs[:, start:start + T, None] == docs[:, None, :S]  # (batch, queries, keys)
+        visible = visible & jnp.tile(same, (1, group, 1))[:, None]
+    return jnp.where(visible, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def attention_core(q, k, v, keep, rate: float) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def attention_core(q, k, v, keep, docs, rate: float) -> jax.Array:
     """Attention of q (batch, kv_heads, group, seq, head_dim) with k, v (batch, kv_heads, seq,
-    head_dim); `keep` is the dropout mask of the probs or None.
+    head_dim); `keep` is the dropout mask of the probs or None; `docs` the document starts
+    (batch, seq) or None.
 
     The backward pass is autodiff's, written out so that every dot is in XLA:CPU's fast form.
     """
-    return attention_forward(q, k, v, keep, rate)[0]
+    return attention_forward(q, k, v, keep, docs, rate)[0]
 
 
 def block_mask(keep, start: int, stop: int):
     return None if keep is None else group_rows(keep[..., :stop], start, stop)
 
 
-def attention_forward(q, k, v, keep, rate: float):
+def attention_forward(q, k, v, keep, docs, rate: float):
     outs, probs, group = [], [], q.shape[2]
     for start, stop in query_blocks(q.shape[3]):
-        p = jax.nn.softmax(attention_scores(group_rows(q, start, stop), k[:, :, :stop], start, group), axis=-1)
+        p = jax.nn.softmax(attention_scores(group_rows(q, start, stop), k[:, :, :stop], start, group, docs), axis=-1)
         dropped = apply_dropout(p, block_mask(keep, start, stop), rate).astype(v.dtype)
         out = jnp.einsum("bhts,bhsd->bhtd", dropped, v[:, :, :stop], preferred_element_type=F32)
         outs.append(ungroup_rows(out.astype(v.dtype), group))
         probs.append(p)
-    return jnp.concatenate(outs, axis=3), (q, k, v, keep, probs)
+    return jnp.concatenate(outs, axis=3), (q, k, v, keep, docs, probs)
 
 
 def sum_by_key_block(parts: list, blocks: list[tuple[int, int]]) -> jax.Array:
@@ -128,7 +134,7 @@ def sum_by_key_block(parts: list, blocks: list[tuple[int, int]]) -> jax.Array:
 
 
 def attention_backward(rate: float, saved, d_out):
-    q, k, v, keep, probs = saved
+    q, k, v, keep, docs, probs = saved
     group, blocks = q.shape[2], query_blocks(q.shape[3])
     d_q, d_k, d_v = [], [], []
     for (start, stop), p in zip(blocks, probs):
@@ -145,7 +151,7 @@ def attention_backward(rate: float, saved, d_out):
         d_k.append(key_gradient(d_scores, q_rows))
     # float32 sums over the key blocks, then the inputs' dtype
     return (jnp.concatenate(d_q, axis=3).astype(q.dtype), sum_by_key_block(d_k, blocks).astype(k.dtype),
-            sum_by_key_block(d_v, blocks).astype(v.dtype), None)
+            sum_by_key_block(d_v, blocks).astype(v.dtype), None, None)
 
 
 attention_core.defvjp(attention_forward, attention_backward)

@@ -20,17 +20,20 @@ def empty_cache(model: Transformer, batch: int) -> KVCache:
     return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype), jnp.int32(0))
 
 
-def forward(model: Transformer, params: dict, tokens, cache: KVCache, pos):
+def forward(model: Transformer, params: dict, tokens, cache: KVCache, pos, doc_starts=None):
     """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, padded vocab) f32, new cache).
-    Every device of the mesh's data and context axes computes every sample whole."""
-    return with_axes_unsplit(cached_forward, DATA, CONTEXT, EXPERT)(model, params, tokens, cache, pos)
+    doc_starts (B, T): each token's document start (the cache's slot of the end-of-text token
+    that opened it), or None without documents. Every device of the mesh's data and context axes
+    computes every sample whole."""
+    return with_axes_unsplit(cached_forward, DATA, CONTEXT, EXPERT)(model, params, tokens, cache, pos, doc_starts)
 
 
-def cached_forward(model: Transformer, params: dict, tokens, cache: KVCache, pos):
+def cached_forward(model: Transformer, params: dict, tokens, cache: KVCache, pos, doc_starts=None):
     top, top_axes, layer_params, layer_axes = split_layers(params, model.axes())
     top = weights_for_compute(top, top_axes)
-    x = model.family.embed(top, tokens, positions=pos + jnp.arange(tokens.shape[1]))
-    x, _, cache = model.run_layers(layer_params, layer_axes, x, cache=cache._replace(pos=pos))
+    positions = pos + jnp.arange(tokens.shape[1])
+    x = model.family.embed(top, tokens, positions=positions if doc_starts is None else positions - doc_starts)
+    x, _, cache = model.run_layers(layer_params, layer_axes, x, cache=cache._replace(pos=pos), doc_starts=doc_starts)
     return model.family.logits(top, x, model.vocab_size), cache
 
 

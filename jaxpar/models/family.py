@@ -15,7 +15,7 @@ from jaxpar.core.config import Config, ModelConfig
 from jaxpar.models import params as declared_params
 from jaxpar.models.gpt import GPT2
 from jaxpar.models.interface import Family
-from jaxpar.models.layers import GATHERED, KVCache, weights_for_compute
+from jaxpar.models.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
 from jaxpar.models.llama import Llama
 
 FAMILIES = {"gpt2": GPT2, "llama": Llama}
@@ -45,10 +45,13 @@ class Transformer:
     """A family's model for one vocabulary: its params declared, initialised, and applied.
 
     `regather_weights`: recompute each layer's gathered weights in the backward pass instead of
-    saving them (ZeRO-3, which gathers each layer's weights where it runs)."""
+    saving them (ZeRO-3, which gathers each layer's weights where it runs). `eot_id`: with
+    data.document_mask, the end-of-text token that opens each document of a row (attention stays
+    within a document, positions restart at its start); None: a row is one sequence."""
     cfg: ModelConfig
     vocab_size: int
     regather_weights: bool = False
+    eot_id: int | None = None
 
     @cached_property
     def family(self) -> Family:
@@ -85,14 +88,21 @@ class Transformer:
         if dropout_key is not None:
             keys = jax.random.split(dropout_key, self.cfg.n_layer + 1)
             layer_keys = keys[1:]
-        x = self.family.embed(top, tokens, None if keys is None else keys[0])
-        x, losses, _ = self.run_layers(layer_params, layer_axes, x, layer_keys)
+        doc_starts = self.doc_starts(tokens)
+        x = self.family.embed(top, tokens, None if keys is None else keys[0],
+                              document_positions(doc_starts, tokens.shape[1]))
+        x, losses, _ = self.run_layers(layer_params, layer_axes, x, layer_keys, doc_starts=doc_starts)
         return self.family.logits(top, x, self.vocab_size), losses
 
-    def run_layers(self, layer_params: dict, layer_axes: dict, x: jax.Array, layer_keys=None, cache=None):
+    def doc_starts(self, tokens: jax.Array) -> jax.Array | None:
+        """Each token's document start (jaxpar.models.layers), or None without documents."""
+        return None if self.eot_id is None else document_starts(tokens, self.eot_id)
+
+    def run_layers(self, layer_params: dict, layer_axes: dict, x: jax.Array, layer_keys=None, cache=None,
+                   doc_starts=None):
         """x through the stacked layers in `layer_params` (all of them, or one pipeline stage's):
         (x, auxiliary losses summed over them, the new cache). `cache`: the layers' KV caches
-        while decoding (a KVCache of stacked arrays, one pos)."""
+        while decoding (a KVCache of stacked arrays, one pos). doc_starts: the rows' documents."""
         cfg = self.cfg
         # Recomputation needs a rolled scan: unrolled, XLA:CPU schedules the reruns early and keeps
         # every layer's activations all the same (the tiny model at block 128: 34 MB of temporaries
@@ -101,20 +111,22 @@ class Transformer:
         kv = None if cache is None else (cache.k, cache.v)
         stacks = self.stacks()
         if set(stacks.values()) == {"layers"}:
-            step = self.layer_step(layer_axes, cache)
+            step = self.layer_step(layer_axes, cache, doc_starts)
             x, (losses, kv) = jax.lax.scan(step, x, (layer_params, layer_keys, kv), unroll=unroll)
         else:
-            x, (losses, kv) = self.scan_mixed(layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll)
+            x, (losses, kv) = self.scan_mixed(layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll,
+                                              doc_starts)
         summed = {name: jnp.sum(values) for name, values in losses.items()}
         return x, summed, None if cache is None else KVCache(*kv, cache.pos)
 
-    def layer_step(self, layer_axes: dict, cache=None):
+    def layer_step(self, layer_axes: dict, cache=None, doc_starts=None):
         """(x, (one layer's params, dropout key, KV cache)) -> (x, (losses, KV cache)), remat as asked."""
         family, cfg = self.family, self.cfg
 
         def step(x, layer):
             p, key, kv = layer
-            x, losses, kv = family.block(x, p, layer_axes, key, None if kv is None else KVCache(*kv, cache.pos))
+            x, losses, kv = family.block(x, p, layer_axes, key, None if kv is None else KVCache(*kv, cache.pos),
+                                         doc_starts)
             return x, (losses, None if kv is None else (kv.k, kv.v))
 
         if cfg.remat == "full":  # save each layer's input alone; the backward reruns the layer
@@ -130,7 +142,7 @@ class Transformer:
         return {name: jax.tree.leaves(axes, is_leaf=lambda n: isinstance(n, tuple))[0][0]
                 for name, axes in self.axes()["blocks"].items()}
 
-    def scan_mixed(self, layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll):
+    def scan_mixed(self, layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll, doc_starts=None):
         """The scan over layers of mixed kinds: over groups of `period` layers, the shortest
         repeat of the kinds (all the layers if they do not repeat), each group's layers in order,
         each taking its shared params and the next of its own kind's."""
@@ -148,8 +160,8 @@ class Transformer:
         params = {name: jax.tree.map(lambda a, s=stacks[name]: grouped(a, s), tree)
                   for name, tree in layer_params.items()}
         keys, kv = jax.tree.map(lambda a: grouped(a, "layers"), (layer_keys, kv))
-        steps = {s: self.layer_step({k: v for k, v in layer_axes.items() if stacks[k] in ("layers", s)}, cache)
-                 for s in kinds}
+        steps = {s: self.layer_step({k: v for k, v in layer_axes.items() if stacks[k] in ("layers", s)}, cache,
+                                    doc_starts) for s in kinds}
 
         def group_step(x, group):
             p, group_keys, group_kv = group
@@ -168,13 +180,16 @@ class Transformer:
         return x, (losses, jax.tree.map(lambda a: a.reshape((n,) + a.shape[2:]), kv))
 
 
-def build_model(cfg: Config, vocab_size: int) -> Transformer:
+def build_model(cfg: Config, vocab_size: int, eot_id: int | None = None) -> Transformer:
+    """The model of cfg; `eot_id`: the tokenizer's end-of-text token, which opens documents when
+    data.document_mask is on."""
     # ZeRO-3 gathers each layer's weights when it runs; recomputing the gather in the backward
     # pass (rather than saving the gathered weights) is what keeps them from piling up.
-    return Transformer(cfg.model, vocab_size, regather_weights=cfg.train.zero == 3)
+    return Transformer(cfg.model, vocab_size, regather_weights=cfg.train.zero == 3,
+                       eot_id=eot_id if cfg.data.document_mask else None)
 
 
-def abstract_model(cfg: Config, vocab_size: int) -> tuple[Transformer, dict, dict]:
+def abstract_model(cfg: Config, vocab_size: int, eot_id: int | None = None) -> tuple[Transformer, dict, dict]:
     """(the model, a pure dict of ShapeDtypeStructs, a pure dict of logical axes), with no allocation."""
-    model = build_model(cfg, vocab_size)
+    model = build_model(cfg, vocab_size, eot_id)
     return model, model.shapes(), model.axes()

@@ -79,9 +79,10 @@ def exact_qkv_bias(bias: jax.Array) -> jax.Array:
     return jnp.where(is_key, jax.lax.stop_gradient(bias), bias)
 
 
-def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None):
+def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None):
     """One block on one layer's params -> (x, cache). The residual stream stays float32; matmuls
-    run in dtype. With a KV cache (decoding), attention reads and extends it.
+    run in dtype. With a KV cache (decoding), attention reads and extends it; with doc_starts, it
+    stays within each document.
 
     The stream, with LayerNorm, dropout and the residual adds, is (batch, seq, embed) in the
     STREAM layout (split along the sequence under sequence parallelism). Matmuls see the
@@ -106,7 +107,7 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     # three zero-padded copies of the whole qkv.
     q, k, v = (constrain(part[:, :, 0].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
                for part in jnp.split(qkv, 3, axis=2))
-    y, cache = attention(q, k, v, rate, keys[0], cache)
+    y, cache = attention(q, k, v, rate, keys[0], cache, doc_starts)
     y = constrain(y.reshape(B * T, *q.shape[1:2], q.shape[3]), ("tokens", "heads", "head_dim"))
     x = add_to_stream(x, project("nhd,hdc->nc", y, p["attn_out"]["kernel"], dtype), p["attn_out"], keys[1])
     h = project("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"], dtype)
@@ -135,14 +136,14 @@ class GPT2(Family):
 
     def embed(self, top: dict, tokens: jax.Array, key=None, positions=None) -> jax.Array:
         """Token + position embeddings of (batch, seq) tokens, with dropout; `positions`: each
-        token's, when not the sequence's own (decoding)."""
+        token's, (seq,) or (batch, seq), when not the sequence's own (decoding, documents)."""
         if positions is None:
             positions = sequence_positions(tokens.shape[1])  # None: in order
         x = top["wte"][tokens] + (top["wpe"][: tokens.shape[1]] if positions is None else top["wpe"][positions])
         return dropout(constrain(x, STREAM), self.cfg.dropout, key)
 
-    def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None):
-        x, cache = block(x, p, axes, self.cfg, self.dtype, key, cache)
+    def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
+        x, cache = block(x, p, axes, self.cfg, self.dtype, key, cache, doc_starts)
         return x, self.block_losses(x), cache
 
     def logits(self, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:

@@ -10,9 +10,12 @@ parameters and computes with them:
     shape_fields                        the model config fields `declare` reads
     head_names                          the top-level params the loss needs after the last block
     embed(top, tokens, key, positions)  (batch, seq) tokens -> the float32 residual stream
-    block(x, p, axes, key, cache)       one layer on its params -> (x, auxiliary losses, cache):
-                                        training's and cached decoding's one block (cache: None,
-                                        or the layer's jaxpar.models.layers.KVCache)
+                                        (positions: (seq,) or (batch, seq), or None: in order)
+    block(x, p, axes, key, cache,       one layer on its params -> (x, auxiliary losses, cache):
+          doc_starts)                   training's and cached decoding's one block (cache: None,
+                                        or the layer's jaxpar.models.layers.KVCache; doc_starts:
+                                        None, or each token's document start, which attention
+                                        and positions keep to)
     logits(head, x, vocab_size)         the stream -> float32 logits over the padded vocabulary
     kv_heads, head_dim                  the KV cache's shape
     vmappable                           whether a block runs under jax.vmap (the local gradient

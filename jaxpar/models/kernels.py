@@ -7,6 +7,10 @@ platform. A fused kernel runs per device under `shard_map`, split as the rule ta
 (batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim); grouped-query attention
 goes in as it is (splash's MQA form per KV head; cuDNN takes fewer KV heads). Neither has dropout
 of the attention probabilities, so `auto` keeps `xla` when model.dropout > 0.
+
+Documents (data.document_mask) go to splash as its SegmentIds. `jax.nn.dot_product_attention` has
+sequence lengths but no segment ids (cuDNN's packed-document offsets are in jax's private API
+alone, for Hopper), so with documents `auto` runs xla on GPUs and model.attention=cudnn is refused.
 """
 
 import contextvars
@@ -29,7 +33,7 @@ Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv
 _requested = contextvars.ContextVar("jaxpar_attention", default=None)  # the traced model's ModelConfig
 
 
-def resolve(model_cfg, platform: str, context: int = 1) -> tuple[str, str | None]:
+def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False) -> tuple[str, str | None]:
     """(the kernel that runs, a one-line note when `auto` keeps xla where a fused kernel exists)."""
     if model_cfg.attention != "auto":
         return model_cfg.attention, None
@@ -37,6 +41,7 @@ def resolve(model_cfg, platform: str, context: int = 1) -> tuple[str, str | None
     if fused is None:
         return "xla", None
     why = (f"{fused} has no attention dropout (model.dropout={model_cfg.dropout})" if model_cfg.dropout > 0
+           else "jax's cuDNN attention has no segment ids for data.document_mask" if fused == "cudnn" and documents
            else "cuDNN's fused attention takes bfloat16 only (model.dtype=float32)"
            if fused == "cudnn" and model_cfg.dtype == "float32"
            else f"splash's tiles are {SPLASH_TILE} tokens (model.block_size={model_cfg.block_size})"
@@ -68,14 +73,14 @@ def ring_chunks_too_small(model_cfg, context: int) -> str | None:
     return None
 
 
-def resolve_on(model_cfg, mesh) -> tuple[str, str | None]:
+def resolve_on(model_cfg, mesh, documents: bool = False) -> tuple[str, str | None]:
     """resolve, on a (concrete or abstract) mesh: its platform and its context ring."""
-    return resolve(model_cfg, platform_of(mesh), mesh.shape.get(CONTEXT, 1))
+    return resolve(model_cfg, platform_of(mesh), mesh.shape.get(CONTEXT, 1), documents)
 
 
-def describe(model_cfg, mesh) -> str:
+def describe(model_cfg, mesh, documents: bool = False) -> str:
     """'splash', or 'xla (model.attention=auto runs xla: ...)': for run.json, --dry-run and plans."""
-    kernel, note = resolve_on(model_cfg, mesh)
+    kernel, note = resolve_on(model_cfg, mesh, documents)
     return f"{kernel} ({note})" if note else kernel
 
 
@@ -96,19 +101,26 @@ def traced_with_attention(fn, model_cfg):
     return traced_with(fn, _requested, model_cfg)
 
 
-def active_kernel() -> str:
-    """The kernel for the model being traced, on the mesh it is traced for."""
+def active_kernel(documents: bool = False) -> str:
+    """The kernel for the model being traced, on the mesh it is traced for; `documents`: the rows
+    hold documents kept apart (cuDNN cannot take them)."""
     model_cfg = _requested.get()
-    return "xla" if model_cfg is None else resolve_on(model_cfg, jax.sharding.get_abstract_mesh())[0]
+    return "xla" if model_cfg is None else resolve_on(model_cfg, jax.sharding.get_abstract_mesh(), documents)[0]
 
 
-def fused_attention(kernel: str, q, k, v):
+def fused_attention(kernel: str, q, k, v, doc_starts=None):
     """Causal attention by `kernel` ('splash' or 'cudnn'): q (batch, heads, seq, head_dim), k, v
-    (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), per device."""
+    (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), per device; within
+    documents when doc_starts (batch, seq) is given (splash alone)."""
     local = local_kernel(kernel)
+    if doc_starts is None:
+        in_axes, args = (Q_AXES, KV_AXES, KV_AXES), (q, k, v)
+    else:
+        local = functools.partial(lambda q, k, v, docs, fn: fn(q, k, v, segments=(docs, docs)), fn=local)
+        in_axes, args = (Q_AXES, KV_AXES, KV_AXES, ("batch", "seq")), (q, k, v, doc_starts)
     if jax.sharding.get_abstract_mesh().empty:
-        return local(q, k, v)
-    return per_device(local, (Q_AXES, KV_AXES, KV_AXES), OUT_AXES)(q, k, v)
+        return local(*args)
+    return per_device(local, in_axes, OUT_AXES)(*args)
 
 
 def local_kernel(kernel: str):
@@ -126,10 +138,11 @@ def block_sizes(seq_len: int, kv_len: int | None = None):
                       block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 
 
-def splash(q, k, v, residuals: bool = False, interpret: bool = True, causal: bool = True):
+def splash(q, k, v, residuals: bool = False, interpret: bool = True, causal: bool = True, segments=None):
     """Splash attention on one device's heads: the MQA kernel per (row, KV head) with that head's
     group of queries, q pre-scaled by 1/sqrt(d) as the kernel expects; causal, or every query
-    against every key. `interpret`: off TPU (tests), the kernel in Pallas interpret mode."""
+    against every key; segments: (the queries', the keys') (batch, seq) document ids, or None.
+    `interpret`: off TPU (tests), the kernel in Pallas interpret mode."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
     B, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
@@ -137,19 +150,27 @@ def splash(q, k, v, residuals: bool = False, interpret: bool = True, causal: boo
     kernel = sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * (H // K)), block_sizes=block_sizes(T, S),
                                               save_residuals=residuals, interpret=interpret)
     grouped = (q * (1.0 / math.sqrt(D))).astype(q.dtype).reshape(B, K, H // K, T, D)
-    result = jax.vmap(jax.vmap(kernel))(grouped, k, v)
+    if segments is None:
+        result = jax.vmap(jax.vmap(kernel))(grouped, k, v)
+    else:  # one row's ids for each of its KV heads
+        def per_row(q, k, v, q_ids, kv_ids):
+            ids = sa.SegmentIds(q=q_ids, kv=kv_ids)
+            return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q, k, v)
+        result = jax.vmap(per_row)(grouped, k, v, *segments)
     out, lse = result if residuals else (result, None)
     out = out.reshape(B, H, T, D).transpose(0, 2, 1, 3)
     return (out, lse[0].reshape(B, H, T)) if residuals else out
 
 
-def block_attention(kernel: str, q, k, v, causal: bool):
+def block_attention(kernel: str, q, k, v, causal: bool, segments=None):
     """One block pair of a context ring on one device, by a fused kernel: q (batch, kv_heads,
     group, queries, head_dim), k, v (batch, kv_heads, keys, head_dim) -> (the output, float32, in
-    q's shape; the float32 log-sum-exp of each query row), for the ring's online softmax."""
+    q's shape; the float32 log-sum-exp of each query row), for the ring's online softmax.
+    segments: (the queries', the keys') document ids, or None."""
     b, kv_heads, group, t, d = q.shape
     flat = q.reshape(b, kv_heads * group, t, d)
-    out, lse = local_kernel(kernel)(flat, k, v, residuals=True, causal=causal)
+    extra = {} if segments is None else {"segments": segments}
+    out, lse = local_kernel(kernel)(flat, k, v, residuals=True, causal=causal, **extra)
     out = out.transpose(0, 2, 1, 3).reshape(q.shape).astype(jnp.float32)
     return out, lse.reshape(b, kv_heads, group, t).astype(jnp.float32)
 

@@ -1,6 +1,11 @@
 """What every model family is made of: dropout, the weights' compute layout, the residual stream's
-layout, attention (causal, or against a KV cache while decoding), the masked lm_head logits and the
-loss.
+layout, documents in a row, attention (causal, or against a KV cache while decoding), the masked
+lm_head logits and the loss.
+
+Documents (data.document_mask): an end-of-text token opens a document, as modded-nanogpt's BOS
+does. `doc_starts` (batch, seq) holds each token's document start, the position of the end-of-text
+token that opened it (0 for the row's first document). Two tokens share a document when their
+starts are equal, and a token's position in its document is its position less its start.
 
 Layers are stacked on a leading 'layers' axis; the code names logical axes only.
 """
@@ -10,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.core.axes import zigzag_permutation
@@ -70,6 +76,22 @@ def sequence_positions(seq_len: int) -> jax.Array | None:
     return None if ring == 1 else jnp.asarray(zigzag_permutation(seq_len, ring))
 
 
+def document_starts(tokens: jax.Array, eot_id: int) -> jax.Array:
+    """Each token's document start, (batch, seq) int32, in the sequence's layout: a context ring's
+    tokens are put back in order for the running maximum, and the starts laid out as they were."""
+    T, (_, ring) = tokens.shape[1], sequence_ring()
+    order = None if ring == 1 else zigzag_permutation(T, ring)
+    in_order = tokens if order is None else tokens[:, np.argsort(order)]
+    index = jnp.arange(T, dtype=jnp.int32)
+    starts = jax.lax.cummax(jnp.where(in_order == eot_id, index, 0), axis=1)
+    return constrain(starts if order is None else starts[:, order], ("batch", "seq"))
+
+
+def document_positions(doc_starts: jax.Array | None, seq_len: int) -> jax.Array | None:
+    """Each token's position in its document, (batch, seq); None without documents."""
+    return None if doc_starts is None else token_positions(seq_len, None) - doc_starts
+
+
 class KVCache(NamedTuple):
     """One layer's cache while decoding: k and v (batch, kv_heads, block_size, head_dim) of every
     position so far, and `pos`, the position of the first token being fed."""
@@ -84,52 +106,68 @@ class KVCache(NamedTuple):
                        self.pos)
 
 
-def token_positions(seq_len: int, cache: KVCache | None) -> jax.Array:
-    """Each token's position: after the cache's, while decoding; else in the sequence's layout."""
+def token_positions(seq_len: int, cache: KVCache | None, doc_starts: jax.Array | None = None) -> jax.Array:
+    """Each token's position: after the cache's, while decoding; else in the sequence's layout;
+    with documents, less its document's start ((batch, seq) then)."""
     if cache is not None:
-        return cache.pos + jnp.arange(seq_len)
-    positions = sequence_positions(seq_len)
-    return jnp.arange(seq_len) if positions is None else positions
+        positions = cache.pos + jnp.arange(seq_len)
+    else:
+        positions = sequence_positions(seq_len)
+        positions = jnp.arange(seq_len) if positions is None else positions
+    return positions if doc_starts is None else positions - doc_starts
 
 
-def attention(q, k, v, rate: float, key, cache: KVCache | None = None):
+def attention(q, k, v, rate: float, key, cache: KVCache | None = None, doc_starts: jax.Array | None = None):
     """(causal attention of q with k, v as `attend` computes it, or with a cache: q against every
-    cached position up to its own after k and v are written in; the cache, or None)."""
+    cached position up to its own after k and v are written in; the cache, or None). With
+    `doc_starts`, a query sees its own document's keys alone."""
     if cache is None:
-        return attend(q, k, v, rate, key), None
+        return attend(q, k, v, rate, key, doc_starts), None
     cache = cache.write(k, v)
-    return cached_attention(q, cache), cache
+    return cached_attention(q, cache, doc_starts), cache
 
 
-def cached_attention(q: jax.Array, cache: KVCache) -> jax.Array:
+def cached_attention(q: jax.Array, cache: KVCache, doc_starts: jax.Array | None = None) -> jax.Array:
     """q (B, H, T, D) for positions pos..pos+T-1 against the cache (B, K, T_max, D) -> (B, T, H, D);
-    query head h reads KV head h // (H / K)."""
+    query head h reads KV head h // (H / K). With doc_starts (B, T), a query sees the cached
+    positions from its document's start on."""
     B, H, T, D = q.shape
     K, T_max = cache.k.shape[1], cache.k.shape[2]
     q = q.reshape(B, K, H // K, T, D)
     scores = jnp.einsum("bkgtd,bksd->bkgts", q, cache.k, preferred_element_type=jnp.float32)
     # A query sees the cached positions up to its own; later slots are empty or stale.
-    visible = jnp.arange(T_max)[None, :] <= cache.pos + jnp.arange(T)[:, None]
+    slots = jnp.arange(T_max)[None, None, :]
+    visible = slots <= cache.pos + jnp.arange(T)[None, :, None]
+    if doc_starts is not None:
+        visible &= slots >= doc_starts[:, :, None]
+    visible = visible[:, None, None]  # (B, 1, 1, T, T_max)
     scores = jnp.where(visible, scores / math.sqrt(D), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     y = jnp.einsum("bkgts,bksd->btkgd", probs.astype(cache.v.dtype), cache.v)
     return y.reshape(B, T, H, D)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key, doc_starts=None) -> jax.Array:
     """Causal attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq,
-    head_dim) -> (batch, seq, heads, head_dim): on one device's whole sequence, or as a ring over
-    the mesh axis the sequence is split over (context parallelism; no dropout there)."""
+    head_dim) -> (batch, seq, heads, head_dim), within documents when doc_starts is given: on one
+    device's whole sequence, or as a ring over the mesh axis the sequence is split over (context
+    parallelism; no dropout there)."""
     axis, ring = sequence_ring()
-    kernel = active_kernel()
+    kernel = active_kernel(doc_starts is not None)
     if ring == 1:
-        return causal_attention(q, k, v, rate, key) if kernel == "xla" else fused_attention(kernel, q, k, v)
+        if kernel == "xla":
+            return causal_attention(q, k, v, rate, key, doc_starts)
+        return fused_attention(kernel, q, k, v, doc_starts)
 
-    def ring_of_shards(q, k, v):
+    def ring_of_shards(q, k, v, *segments):
         B, H, T, D = q.shape
         K = k.shape[1]
-        return ring_attention(q.reshape(B, K, H // K, T, D), k, v, axis_name=axis, kernel=kernel).reshape(B, H, T, D)
-    return per_device(ring_of_shards, (Q_AXES, KV_AXES, KV_AXES), Q_AXES)(q, k, v).transpose(0, 2, 1, 3)
+        return ring_attention(q.reshape(B, K, H // K, T, D), k, v, axis_name=axis, kernel=kernel,
+                              segments=segments[0] if segments else None).reshape(B, H, T, D)
+    in_axes, args = (Q_AXES, KV_AXES, KV_AXES), (q, k, v)
+    if doc_starts is not None:
+        in_axes, args = in_axes + (("batch", "seq"),), args + (doc_starts,)
+    return per_device(ring_of_shards, in_axes, Q_AXES)(*args).transpose(0, 2, 1, 3)
 
 
 def head_logits(x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Array:

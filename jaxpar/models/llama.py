@@ -108,11 +108,12 @@ def heads_first(a: jax.Array, B: int, T: int, axes: tuple) -> jax.Array:
     return constrain(a.reshape(B, T, *a.shape[1:]).transpose(0, 2, 1, 3), axes)
 
 
-def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None):
+def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None):
     """One block on one layer's params -> (x, the router's losses, cache): the stream float32,
     (batch, seq, embed) in the STREAM layout; matmuls in dtype on the gathered (batch*seq,
     features) activations. With a KV cache (decoding), the rotated keys and the values go into it
-    and attention reads it."""
+    and attention reads it. With doc_starts, positions count from each document's start and
+    attention stays within it."""
     B, T, C = x.shape
     keys = jax.random.split(key, 3) if key is not None else (None,) * 3
     p = {name: w if name == "router" else jax.tree.map(lambda a: a.astype(dtype), w)  # the router: float32
@@ -129,10 +130,10 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     if cfg.qk_norm != "none":  # over (head_dim,) or (heads, head_dim) of the (tokens, heads, head_dim)
         axes_normed = (-1,) if cfg.qk_norm == "head" else (-2, -1)
         q, k = (rms_norm(a, p[name], cfg.norm_eps, axes_normed) for a, name in ((q, "q_norm"), (k, "k_norm")))
-    cos, sin = rope.angles(cfg, q.shape[-1], token_positions(T, cache))
+    cos, sin = rope.angles(cfg, q.shape[-1], token_positions(T, cache, doc_starts))
     q = rope.apply(heads_first(q, B, T, ("batch", "heads", "seq", "head_dim")), cos, sin)
     k, v = (heads_first(a, B, T, ("batch", "kv_heads", "seq", "head_dim")) for a in (k, v))
-    y, cache = attention(q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0], cache)
+    y, cache = attention(q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0], cache, doc_starts)
     y = project("nhd,hdc->nc", constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
                 p["attn_out"]["kernel"], dtype)
     x = x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[1])
@@ -176,8 +177,8 @@ class Llama(Family):
         """The token embedding (positions enter as RoPE, in the blocks), with dropout."""
         return dropout(constrain(top["wte"][tokens], STREAM), self.cfg.dropout, key)
 
-    def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None):
-        x, losses, cache = block(x, p, axes, self.cfg, self.dtype, key, cache)
+    def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
+        x, losses, cache = block(x, p, axes, self.cfg, self.dtype, key, cache, doc_starts)
         return x, self.block_losses(x) | losses, cache
 
     def loss_weights(self) -> dict[str, float]:

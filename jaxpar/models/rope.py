@@ -30,9 +30,13 @@ def inverse_frequencies(cfg: ModelConfig, head_dim: int) -> np.ndarray:
 
 
 def angles(cfg: ModelConfig, head_dim: int, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin), each (len(positions), head_dim) float32, the halves repeated as HF's are."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inverse_frequencies(cfg, head_dim))[None, :]
+    """(cos, sin), each (seq, head_dim) float32 for positions (seq,), the halves repeated as HF's
+    are; for positions (batch, seq), each (batch, 1, seq, head_dim), to rotate (batch, heads, seq,
+    head_dim)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies(cfg, head_dim))
     both = jnp.concatenate([freqs, freqs], axis=-1)
+    if both.ndim == 3:
+        both = both[:, None]
     return jnp.cos(both), jnp.sin(both)
 
 

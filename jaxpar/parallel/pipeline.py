@@ -16,7 +16,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.sharding import constrain, sequence_ring, split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
-from jaxpar.models.layers import STREAM, cross_entropy
+from jaxpar.models.layers import STREAM, cross_entropy, document_positions
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule
 
@@ -62,10 +62,10 @@ class StageOps:
     """
 
     def __init__(self, model: Transformer, layer_axes: dict, schedule: Schedule, table: dict,
-                 layer_params, head, x0, targets, layer_keys):
+                 layer_params, head, x0, targets, layer_keys, doc_starts=None):
         self.model, self.layer_axes, self.schedule = model, layer_axes, schedule
         self.weights = {name: jnp.float32(w) for name, w in model.family.loss_weights().items()}
-        self.head, self.x0, self.targets = head, x0, targets
+        self.head, self.x0, self.targets, self.doc_starts = head, x0, targets, doc_starts
         self.V, self.train = schedule.virtual, schedule.name != "forward"
         self.split_backward = schedule.name == "zb-h1"  # B the input gradient only; W the weights
         self.stage = jax.lax.axis_index(PIPE)
@@ -86,7 +86,8 @@ class StageOps:
     def run_chunk(self, params, x, k, chunk):
         """(the chunk's output, its layers' auxiliary losses) for microbatch k."""
         keys = None if self.key_chunks is None else self.key_chunks[k, chunk]
-        y, aux, _ = self.model.run_layers(params, self.layer_axes, x, keys)
+        docs = None if self.doc_starts is None else self.doc_starts[k]
+        y, aux, _ = self.model.run_layers(params, self.layer_axes, x, keys, doc_starts=docs)
         return y, aux
 
     def loss_of(self, head, y, k):
@@ -182,9 +183,11 @@ def store(buffer, slot, value):
 
 
 def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: Schedule, mesh):
-    """run(layer_params, head, x0, targets, layer_keys) -> (losses, aux, layer_grads, head_grads, dx0).
+    """run(layer_params, head, x0, targets, layer_keys, doc_starts) -> (losses, aux, layer_grads,
+    head_grads, dx0).
 
-    x0 (M, rows, seq, embed) is the embedded input of every microbatch; losses (M,) are each
+    x0 (M, rows, seq, embed) is the embedded input of every microbatch, doc_starts (M, rows, seq)
+    its tokens' document starts or None; losses (M,) are each
     microbatch's mean loss, aux each auxiliary loss's (M,) over every stage's layers; the gradients
     are summed over microbatches (in order, as one device's gradient accumulation sums them). A
     forward-only schedule returns the losses alone. With V layer chunks per stage, layer_params and
@@ -205,8 +208,8 @@ def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: S
              and cfg.train.zero < 3)
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
 
-    def per_stage(layer_params, head, x0, targets, layer_keys):
-        ops = StageOps(model, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys)
+    def per_stage(layer_params, head, x0, targets, layer_keys, doc_starts):
+        ops = StageOps(model, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys, doc_starts)
         carry, _ = jax.lax.scan(lambda c, t: ops.tick(c, t, to_next, to_previous), ops.initial_carry(),
                                 jnp.arange(schedule.ticks))
         # Only the last stage has losses and head gradients, only the first has dx0: psum shares them.
@@ -221,14 +224,15 @@ def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: S
             dx0 = dx0 / mesh.shape[DATA]
         return losses, aux, layer_grads, head_grads, dx0
 
-    def run(layer_params, head, x0, targets, layer_keys=None):
+    def run(layer_params, head, x0, targets, layer_keys=None, doc_starts=None):
         out_specs = (P(), P(), P(PIPE), P(), rows) if train else P()
-        in_specs = (P(PIPE), P(), rows, rows, None if layer_keys is None else P(None, PIPE))
+        in_specs = (P(PIPE), P(), rows, rows, None if layer_keys is None else P(None, PIPE),
+                    None if doc_starts is None else rows)
         # check_vma=False: nothing differentiates through this map (backwards are explicit vjps).
         # Inside it the rule table leaves out the manual axes (pipe, and data when local).
         return jax.shard_map(per_stage, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=manual, check_vma=False)(
-            layer_params, head, x0, targets, layer_keys)
+            layer_params, head, x0, targets, layer_keys, doc_starts)
 
     return run
 
@@ -258,18 +262,24 @@ def make_round_fn(cfg: Config, model: Transformer, mesh, forward_only: bool = Fa
         run = make_executor(cfg, model, layer_axes, schedule, mesh)
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
         head = {name: top[name] for name in family.head_names}
+        doc_starts = None if model.eot_id is None else jax.vmap(model.doc_starts)(inputs)
+        positions = None if doc_starts is None else jax.vmap(
+            lambda starts: document_positions(starts, inputs.shape[-1]))(doc_starts)
 
         def embed_all(top):
-            if embed_keys is None:
-                return jax.vmap(lambda tokens: family.embed(top, tokens))(inputs)
-            return jax.vmap(lambda tokens, key: family.embed(top, tokens, key))(inputs, embed_keys)
+            keys = () if embed_keys is None else (embed_keys,)
+
+            def embed(tokens, at, *key):
+                return family.embed(top, tokens, key[0] if key else None, at)
+            return jax.vmap(embed, in_axes=(0, None if positions is None else 0) + (0,) * len(keys))(
+                inputs, positions, *keys)
 
         if forward_only:
-            return run(layer_params, head, embed_all(top), targets, layer_keys).mean()
+            return run(layer_params, head, embed_all(top), targets, layer_keys, doc_starts).mean()
         x0, embed_vjp = jax.vjp(embed_all, top)
         pp, V = schedule.pp, schedule.virtual
         losses, aux, layer_grads, head_grads, dx0 = run(
-            chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1))
+            chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1), doc_starts)
         layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
         (top_grads,) = embed_vjp(dx0)
         grads = {**top_grads, **{name: tree_add(top_grads[name], head_grads[name]) for name in family.head_names},

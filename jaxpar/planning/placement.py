@@ -11,7 +11,7 @@ import jax
 from jaxpar.core.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.core.config import Config
 from jaxpar.core.sharding import batch_sharding, split_ways
-from jaxpar.data.loader import load_dataset, model_vocab
+from jaxpar.data.loader import document_eot, load_dataset, model_vocab
 from jaxpar.models import kernels
 from jaxpar.models.family import build_model, family_of
 from jaxpar.models.layers import padded_vocab
@@ -63,10 +63,10 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
             f"activations ({chunk}-layer chunk)": activation_bytes(cfg, vocab, rows_per_pass, tp, layers=chunk)}
 
 
-def compile_abstract_step(cfg: Config, vocab: int, mesh):
+def compile_abstract_step(cfg: Config, vocab: int, mesh, eot_id: int | None = None):
     """The train step `jaxpar.train` runs, compiled for `mesh` from ShapeDtypeStructs (nothing is
-    allocated, so the devices may be compile-only)."""
-    model = build_model(cfg, vocab)
+    allocated, so the devices may be compile-only); `eot_id`: the documents' token, as build_model."""
+    model = build_model(cfg, vocab, eot_id)
     tx = steps.make_optimizer(cfg, model, mesh)
     shardings, plan = steps.state_shardings(cfg, model, mesh, tx)  # eager work: outside the mesh
     micro = steps.microbatches_for(cfg, mesh)
@@ -98,8 +98,8 @@ def tensor_rows(shapes: dict, plan, abstract_opt, opt_shardings) -> list[str]:
     return rows
 
 
-def compiled_rows(cfg: Config, vocab: int, mesh) -> list[str]:
-    memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh))
+def compiled_rows(cfg: Config, vocab: int, mesh, eot_id: int | None) -> list[str]:
+    memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh, eot_id))
     if not memory:
         return []
     peak = memory["peak_memory_bytes"]  # the figure jaxpar.plan reports
@@ -110,17 +110,18 @@ def compiled_rows(cfg: Config, vocab: int, mesh) -> list[str]:
 
 
 def dry_run(cfg: Config, devices=None) -> str:
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+    vocab, eot_id = model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
     mesh = build_mesh(cfg, devices)
     with jax.set_mesh(mesh):
-        model = build_model(cfg, vocab)
+        model = build_model(cfg, vocab, eot_id)
         tx = steps.make_optimizer(cfg, model, mesh)
         shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
         shapes = model.shapes()
         abstract_opt = jax.eval_shape(tx.init, shapes)
         crossing = ", ".join(axes_crossing_processes(mesh)) or "none"
         rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}",
-                f"attention kernel: {kernels.describe(cfg.model, mesh)}", "",
+                f"attention kernel: {kernels.describe(cfg.model, mesh, cfg.data.document_mask)}", "",
                 *tensor_rows(shapes, plan, abstract_opt, shardings.opt_state)]
         micro = steps.microbatches_for(cfg, mesh)
         rows_per_pass = cfg.train.batch_size // micro // split_ways(mesh, "batch")
@@ -133,5 +134,5 @@ def dry_run(cfg: Config, devices=None) -> str:
         rows += ["", "peak memory per device, by part:"]
         rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
-        rows += compiled_rows(cfg, vocab, mesh)
+        rows += compiled_rows(cfg, vocab, mesh, eot_id)
     return "\n".join(rows)

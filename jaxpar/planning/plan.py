@@ -109,8 +109,9 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
             "rows_per_pass": rows, **time}
 
 
-def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
-    """Compile c's train step for `devices` and fill in c.compiled and c.fits; an error is kept."""
+def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int | None = None) -> None:
+    """Compile c's train step for `devices` and fill in c.compiled and c.fits; an error is kept.
+    `eot_id`: the documents' token under data.document_mask (build_model)."""
     from jaxpar.models import kernels
     from jaxpar.parallel import hlo, pipeline
     from jaxpar.parallel.mesh import build_mesh
@@ -118,7 +119,7 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
     from jaxpar.planning.placement import compile_abstract_step
     try:
         mesh = build_mesh(c.cfg, devices)
-        compiled = compile_abstract_step(c.cfg, vocab, mesh)
+        compiled = compile_abstract_step(c.cfg, vocab, mesh, eot_id)
         text = compiled.as_text()
         ops = hlo.collective_ops(text)
         summary = {**hlo.memory_summary(compiled), "collectives": hlo.totals(ops)}
@@ -131,7 +132,7 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip) -> None:
             c.compiled = {"needs_bytes": float(needs.group(1)) * 2**30}
         return
     roof = roofline.estimate(text, chip, len(devices))
-    c.compiled = {**summary, "attention": kernels.describe(c.cfg.model, mesh), "collective_ops": ops,
+    c.compiled = {**summary, "attention": kernels.describe(c.cfg.model, mesh, c.cfg.data.document_mask), "collective_ops": ops,
                   **estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble)}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
     c.status = "compiled"
@@ -237,13 +238,14 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     import jax
     from tqdm import tqdm
 
-    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.data.loader import document_eot, load_dataset, model_vocab
     from jaxpar.models.family import build_model
     from jaxpar.models.params import in_order
     from jaxpar.planning.hardware import chip_for, target_devices
     from jaxpar.planning.plan_report import write_report
     devices = target_devices(target)
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+    vocab, eot_id = model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
     chip = chip_for(target, devices, cfg.model.dtype)
     declared = [param for _, param in in_order(build_model(cfg, vocab).declared)]
     n_params = sum(math.prod(param.shape) for param in declared)
@@ -258,7 +260,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
         c.status, c.reason = "not compiled", f"past --max-compiles {args.max_compiles}"
     for c in tqdm(order[: args.max_compiles], desc=f"compiling for {target.name}", unit="layout",
                   dynamic_ncols=True):
-        compile_candidate(c, vocab, devices, chip)
+        compile_candidate(c, vocab, devices, chip, eot_id)
     command = lambda c: train_command(args.config, overrides, c)
     write_report(args.out, target, chip, cfg, candidates, command, args.top)
     return candidates

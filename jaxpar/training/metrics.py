@@ -7,6 +7,7 @@ to metrics.jsonl (strict JSON: non-finite values as null), TensorBoard and, if a
 
 import json
 import math
+import platform
 import statistics
 import time
 import uuid
@@ -197,3 +198,15 @@ def summarise(info: dict, losses: dict, val_losses: dict, step_times: list[float
         "tokens_per_s_median": round(tokens_per_s, 1),
         "mfu_median": tokens_per_s * info["flops_per_token"] / info["peak_flops"],
     }
+
+
+def versions() -> dict:
+    """The library versions run.json records."""
+    import flax
+    import jax
+    import optax
+
+    import jaxpar
+    return {"jaxpar": jaxpar.__version__, "jax": jax.__version__, "jaxlib": jax.lib.__version__,
+            "flax": flax.__version__, "optax": optax.__version__,
+            "python": platform.python_version()}

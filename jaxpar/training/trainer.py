@@ -6,7 +6,6 @@ gradient norm stops the run with a UserError, leaving the last good checkpoint i
 """
 
 import json
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from tqdm import tqdm
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, model_vocab
+from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, document_eot, load_dataset, model_vocab
 from jaxpar.data.mixture import mix_change
 from jaxpar.models import flops, kernels
 from jaxpar.models.family import Transformer, build_model
@@ -36,6 +35,7 @@ from jaxpar.training.metrics import (
     check_wandb,
     strict_json,
     summarise,
+    versions,
 )
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
@@ -80,20 +80,10 @@ class Compiled:
     source_val: dict = field(default_factory=dict)  # a mixture's source name -> its val batches
 
 
-def versions() -> dict:
-    import flax
-    import optax
-
-    import jaxpar
-    return {"jaxpar": jaxpar.__version__, "jax": jax.__version__, "jaxlib": jax.lib.__version__,
-            "flax": flax.__version__, "optax": optax.__version__,
-            "python": platform.python_version()}
-
-
 def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
     """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
     under `jax.set_mesh(mesh)`."""
-    model = build_model(cfg, model_vocab(cfg, dataset.tokenizer))
+    model = build_model(cfg, model_vocab(cfg, dataset.tokenizer), document_eot(cfg, dataset.tokenizer))
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
     tx = steps.make_optimizer(cfg, model, mesh)
     shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
@@ -146,7 +136,8 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     compiled_summary = hlo.compiled_summary(compiled)
     hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
     info = {
-        "config": cfg.to_dict(), "mesh": mesh_shape(mesh), "attention": kernels.describe(cfg.model, mesh),
+        "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
+        "attention": kernels.describe(cfg.model, mesh, cfg.data.document_mask),
         "mesh_axes_crossing_processes": axes_crossing_processes(mesh),
         "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
                     "kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count()},
@@ -276,6 +267,7 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
+    document_eot(cfg, dataset.tokenizer)  # data.document_mask without an end-of-text token fails here
     mesh = build_mesh(cfg, devices)
     peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
     result = RunResult()
@@ -290,7 +282,8 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         writers = open_outputs(p, c.info, out_dir, fresh)
         if p.start and progress and is_main_process():
             print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
-        note = kernels.resolve_on(cfg.model, mesh)[1]  # auto kept xla where a fused kernel exists
+        # auto kept xla where a fused kernel exists
+        note = kernels.resolve_on(cfg.model, mesh, cfg.data.document_mask)[1]
         if note and is_main_process():
             print(note, file=sys.stderr)
         try:
