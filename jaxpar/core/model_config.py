@@ -47,6 +47,10 @@ class ModelConfig:
     # "full": keep only each layer's input and rerun the layer in the backward pass (jax.checkpoint):
     # activation memory of one layer instead of all, for about a third more FLOPs.
     remat: str = "none"
+    # The lm_head and loss over this many pieces of the sequence, each piece's float32 logits
+    # recomputed in the backward pass: the whole batch's logits (rows x seq x vocab x 4 bytes) are
+    # never held. 1: at once. It divides block_size.
+    loss_chunks: int = 1
     # Megatron sequence parallelism: with tp > 1, the residual stream between the matmuls (LayerNorm,
     # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
     # activations shrink by tp. No effect at tp = 1.
@@ -187,6 +191,9 @@ def validate_model(m: ModelConfig) -> None:
         raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if m.gelu not in GELU_KINDS:
         raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{m.gelu}'")
+    if m.loss_chunks < 1 or m.block_size % m.loss_chunks:
+        raise UserError(f"model.loss_chunks={m.loss_chunks} must be a positive divisor of "
+                        f"model.block_size={m.block_size}")
     if m.remat not in REMAT_KINDS:
         raise UserError(f"model.remat must be one of {', '.join(REMAT_KINDS)}, got '{m.remat}'")
     if m.dtype not in ("float32", "bfloat16"):

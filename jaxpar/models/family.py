@@ -15,7 +15,14 @@ from jaxpar.core.config import Config, ModelConfig
 from jaxpar.models import params as declared_params
 from jaxpar.models.gpt import GPT2
 from jaxpar.models.interface import Family
-from jaxpar.models.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
+from jaxpar.models.layers import (
+    GATHERED,
+    KVCache,
+    document_positions,
+    document_starts,
+    sequence_loss,
+    weights_for_compute,
+)
 from jaxpar.models.llama import Llama
 
 FAMILIES = {"gpt2": GPT2, "llama": Llama}
@@ -82,6 +89,18 @@ class Transformer:
 
     def apply(self, params: dict, tokens: jax.Array, dropout_key=None) -> tuple[jax.Array, dict]:
         """(logits, auxiliary losses summed over the layers) of (batch, seq) tokens."""
+        top, x, losses = self.stream(params, tokens, dropout_key)
+        return self.family.logits(top, x, self.vocab_size), losses
+
+    def loss(self, params: dict, tokens: jax.Array, targets: jax.Array, dropout_key=None) -> tuple[jax.Array, dict]:
+        """(mean next-token cross-entropy, auxiliary losses), the logits over model.loss_chunks
+        pieces of the sequence (jaxpar.models.layers.sequence_loss)."""
+        top, x, losses = self.stream(params, tokens, dropout_key)
+        return sequence_loss(lambda x: self.family.logits(top, x, self.vocab_size), x, targets,
+                             self.cfg.loss_chunks), losses
+
+    def stream(self, params: dict, tokens: jax.Array, dropout_key=None) -> tuple[dict, jax.Array, dict]:
+        """(the top-level weights for compute, the last layer's output stream, auxiliary losses)."""
         top, top_axes, layer_params, layer_axes = split_layers(params, self.axes())
         top = weights_for_compute(top, top_axes)
         keys = layer_keys = None
@@ -92,7 +111,7 @@ class Transformer:
         x = self.family.embed(top, tokens, None if keys is None else keys[0],
                               document_positions(doc_starts, tokens.shape[1]))
         x, losses, _ = self.run_layers(layer_params, layer_axes, x, layer_keys, doc_starts=doc_starts)
-        return self.family.logits(top, x, self.vocab_size), losses
+        return top, x, losses
 
     def doc_starts(self, tokens: jax.Array) -> jax.Array | None:
         """Each token's document start (jaxpar.models.layers), or None without documents."""

@@ -180,10 +180,34 @@ def head_logits(x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Ar
     return jnp.where(is_real, logits, -1e9)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy; logits are float32."""
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Each token's next-token cross-entropy; logits are float32."""
     log_z = jax.nn.logsumexp(logits, axis=-1)
     # A one-hot sum, not a gather: exact all the same, it splits over a vocab-parallel axis, and
     # XLA's partitioner crashes on this gather inside a pipeline stage with data and tensor axes.
     picked = jnp.sum(jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=bool), logits, 0.0), -1)
-    return jnp.mean(log_z - picked)
+    return log_z - picked
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy; logits are float32."""
+    return jnp.mean(token_losses(logits, targets))
+
+
+def sequence_loss(logits_of, x: jax.Array, targets: jax.Array, chunks: int = 1) -> jax.Array:
+    """Mean next-token cross-entropy of the final stream x (batch, seq, embed), logits_of giving
+    its float32 logits (the final norm and lm_head). With chunks > 1 the sequence is cut into
+    that many pieces, scanned: each piece's logits live only inside its step, and the backward
+    pass recomputes them, so the whole batch's float32 logits are never held (Liger-Kernel's,
+    Levanter's blockwise and MaxText's vocabulary-tiling loss do the same)."""
+    if chunks == 1:
+        return cross_entropy(logits_of(x), targets)
+    B, T, C = x.shape
+    pieces = (x.reshape(B, chunks, T // chunks, C).swapaxes(0, 1),
+              targets.reshape(B, chunks, T // chunks).swapaxes(0, 1))
+
+    @jax.checkpoint  # keep the piece's input alone; its logits are recomputed in the backward
+    def summed(x, targets):
+        return jnp.sum(token_losses(logits_of(x), targets))
+    total, _ = jax.lax.scan(lambda acc, piece: (acc + summed(*piece), None), jnp.float32(0), pieces)
+    return total / targets.size

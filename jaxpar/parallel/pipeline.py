@@ -16,7 +16,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.sharding import constrain, sequence_ring, split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
-from jaxpar.models.layers import STREAM, cross_entropy, document_positions
+from jaxpar.models.layers import STREAM, document_positions, sequence_loss
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule
 
@@ -91,7 +91,8 @@ class StageOps:
         return y, aux
 
     def loss_of(self, head, y, k):
-        return cross_entropy(self.model.family.logits(head, y, self.model.vocab_size), self.targets[k])
+        logits_of = lambda x: self.model.family.logits(head, x, self.model.vocab_size)  # noqa: E731
+        return sequence_loss(logits_of, y, self.targets[k], self.model.cfg.loss_chunks)
 
     def op_input(self, c, t):
         """(microbatch, chunk, its input, its output gradient) for the op at tick t."""

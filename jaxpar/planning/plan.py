@@ -132,7 +132,8 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
             c.compiled = {"needs_bytes": float(needs.group(1)) * 2**30}
         return
     roof = roofline.estimate(text, chip, len(devices))
-    c.compiled = {**summary, "attention": kernels.describe(c.cfg.model, mesh, c.cfg.data.document_mask), "collective_ops": ops,
+    attention = kernels.describe(c.cfg.model, mesh, c.cfg.data.document_mask)
+    c.compiled = {**summary, "attention": attention, "collective_ops": ops,
                   **estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble)}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
     c.status = "compiled"

@@ -21,7 +21,6 @@ from jaxpar.core.config import Config
 from jaxpar.core.sharding import rules_for, split_ways, traced_with_rules, with_axes_unsplit, without_axis
 from jaxpar.models.family import Transformer
 from jaxpar.models.kernels import traced_with_attention
-from jaxpar.models.layers import cross_entropy
 from jaxpar.parallel import pipeline
 
 
@@ -30,8 +29,7 @@ def make_loss_fn(model: Transformer):
     weights = model.family.loss_weights()
 
     def loss_fn(params, inputs, targets, dropout_key=None):
-        logits, aux = model.apply(params, inputs, dropout_key)
-        loss = cross_entropy(logits, targets)
+        loss, aux = model.loss(params, inputs, targets, dropout_key)
         total = loss + sum(weights[name] * value for name, value in aux.items()) if aux else loss
         return total, {"loss": loss, **aux}
     return loss_fn
