@@ -50,7 +50,8 @@ def test_full_remat_matches_no_remat(one_device, spec, zero):
     assert_same_training(train(spec, **{"model.remat": "full", "train.zero": zero}), one_device)
 
 
-@pytest.mark.parametrize("spec, zero", [("tp=2", 0), ("dp=2,tp=2", 0), ("tp=2,pp=2", 0), ("dp=2,tp=2", 3)])
+@pytest.mark.parametrize("spec, zero", [pytest.param("tp=2", 0, marks=pytest.mark.slow),  # inside dp=2,tp=2
+                                        ("dp=2,tp=2", 0), ("tp=2,pp=2", 0), ("dp=2,tp=2", 3)])
 def test_sequence_parallel_matches_one_device(one_device_evaluated, spec, zero):
     """The residual stream split over 'tensor' along the sequence: the same math, the same training
     and evaluation."""
