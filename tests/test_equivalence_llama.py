@@ -19,16 +19,22 @@ def one_device():
     return train(config=LLAMA, evaluate=True)
 
 
+# Marked slow: tp=2 alone (dp=2,tp=2 splits the 2 KV heads one per tensor rank too), ZeRO 2 (the
+# family's params split as ZeRO 3 splits them; tests/test_zero.py runs each stage), and the
+# GPipe and ZB-H1 tables (the executor is the family's business nowhere: tests/test_pipeline.py).
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("spec, overrides", [
     ("dp=2,tp=2", {"train.zero": 0}),
-    ("tp=2", {"train.zero": 0}),  # 2 KV heads, one per tensor rank
+    pytest.param("tp=2", {"train.zero": 0}, marks=SLOW),
     ("tp=2", {"model.sequence_parallel": "true"}),
-    ("dp=2", {"train.zero": 2}),
+    pytest.param("dp=2", {"train.zero": 2}, marks=SLOW),
     ("dp=2", {"train.zero": 3}),
     ("dp=2", {"train.grad_accum": 2}),  # ZeRO 1, the default
     ("pp=2", {"pipeline.schedule": "1f1b"}),
-    ("pp=2", {"pipeline.schedule": "gpipe"}),
-    ("pp=2", {"pipeline.schedule": "zb-h1"}),
+    pytest.param("pp=2", {"pipeline.schedule": "gpipe"}, marks=SLOW),
+    pytest.param("pp=2", {"pipeline.schedule": "zb-h1"}, marks=SLOW),
     ("dp=2,tp=2", {"model.remat": "full"}),
 ])
 def test_llama_layout_matches_one_device(one_device, spec, overrides):
