@@ -89,7 +89,7 @@ def document_starts(tokens: jax.Array, eot_id: int) -> jax.Array:
 
 def document_positions(doc_starts: jax.Array | None, seq_len: int) -> jax.Array | None:
     """Each token's position in its document, (batch, seq); None without documents."""
-    return None if doc_starts is None else token_positions(seq_len, None) - doc_starts
+    return None if doc_starts is None else token_positions(seq_len, None, doc_starts)
 
 
 class KVCache(NamedTuple):

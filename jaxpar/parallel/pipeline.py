@@ -264,8 +264,7 @@ def make_round_fn(cfg: Config, model: Transformer, mesh, forward_only: bool = Fa
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
         head = {name: top[name] for name in family.head_names}
         doc_starts = None if model.eot_id is None else jax.vmap(model.doc_starts)(inputs)
-        positions = None if doc_starts is None else jax.vmap(
-            lambda starts: document_positions(starts, inputs.shape[-1]))(doc_starts)
+        positions = document_positions(doc_starts, inputs.shape[-1])  # broadcast over microbatches
 
         def embed_all(top):
             keys = () if embed_keys is None else (embed_keys,)
