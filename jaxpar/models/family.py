@@ -15,15 +15,9 @@ from jaxpar.core.config import Config, ModelConfig
 from jaxpar.models import params as declared_params
 from jaxpar.models.gpt import GPT2
 from jaxpar.models.interface import Family
-from jaxpar.models.layers import (
-    GATHERED,
-    KVCache,
-    document_positions,
-    document_starts,
-    sequence_loss,
-    weights_for_compute,
-)
+from jaxpar.models.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
 from jaxpar.models.llama import Llama
+from jaxpar.models.loss import sequence_loss
 
 FAMILIES = {"gpt2": GPT2, "llama": Llama}
 assert tuple(FAMILIES) == FAMILY_NAMES, "jaxpar.core.config.FAMILIES names the same families"
@@ -94,10 +88,14 @@ class Transformer:
 
     def loss(self, params: dict, tokens: jax.Array, targets: jax.Array, dropout_key=None) -> tuple[jax.Array, dict]:
         """(mean next-token cross-entropy, auxiliary losses), the logits over model.loss_chunks
-        pieces of the sequence (jaxpar.models.layers.sequence_loss)."""
+        pieces of the sequence (jaxpar.models.loss.sequence_loss)."""
         top, x, losses = self.stream(params, tokens, dropout_key)
-        return sequence_loss(lambda x: self.family.logits(top, x, self.vocab_size), x, targets,
-                             self.cfg.loss_chunks), losses
+        head = {name: top[name] for name in self.family.head_names}
+        return sequence_loss(self.logits_of, head, x, targets, self.cfg.loss_chunks), losses
+
+    def logits_of(self, head: dict, x: jax.Array) -> jax.Array:
+        """The float32 logits of the final stream x on the head weights (the family's head_names)."""
+        return self.family.logits(head, x, self.vocab_size)
 
     def stream(self, params: dict, tokens: jax.Array, dropout_key=None) -> tuple[dict, jax.Array, dict]:
         """(the top-level weights for compute, the last layer's output stream, auxiliary losses)."""

@@ -1,6 +1,6 @@
 """What every model family is made of: dropout, the weights' compute layout, the residual stream's
 layout, documents in a row, attention (causal, or against a KV cache while decoding), the masked
-lm_head logits and the loss.
+lm_head logits (the loss: jaxpar.models.loss).
 
 Documents (data.document_mask): an end-of-text token opens a document, as modded-nanogpt's BOS
 does. `doc_starts` (batch, seq) holds each token's document start, the position of the end-of-text
@@ -178,36 +178,3 @@ def head_logits(x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Ar
     logits = constrain(logits, ("batch", "seq", "vocab"))
     is_real = jnp.arange(logits.shape[-1]) < vocab_size
     return jnp.where(is_real, logits, -1e9)
-
-
-def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Each token's next-token cross-entropy; logits are float32."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    # A one-hot sum, not a gather: exact all the same, it splits over a vocab-parallel axis, and
-    # XLA's partitioner crashes on this gather inside a pipeline stage with data and tensor axes.
-    picked = jnp.sum(jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=bool), logits, 0.0), -1)
-    return log_z - picked
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy; logits are float32."""
-    return jnp.mean(token_losses(logits, targets))
-
-
-def sequence_loss(logits_of, x: jax.Array, targets: jax.Array, chunks: int = 1) -> jax.Array:
-    """Mean next-token cross-entropy of the final stream x (batch, seq, embed), logits_of giving
-    its float32 logits (the final norm and lm_head). With chunks > 1 the sequence is cut into
-    that many pieces, scanned: each piece's logits live only inside its step, and the backward
-    pass recomputes them, so the whole batch's float32 logits are never held (Liger-Kernel's,
-    Levanter's blockwise and MaxText's vocabulary-tiling loss do the same)."""
-    if chunks == 1:
-        return cross_entropy(logits_of(x), targets)
-    B, T, C = x.shape
-    pieces = (x.reshape(B, chunks, T // chunks, C).swapaxes(0, 1),
-              targets.reshape(B, chunks, T // chunks).swapaxes(0, 1))
-
-    @jax.checkpoint  # keep the piece's input alone; its logits are recomputed in the backward
-    def summed(x, targets):
-        return jnp.sum(token_losses(logits_of(x), targets))
-    total, _ = jax.lax.scan(lambda acc, piece: (acc + summed(*piece), None), jnp.float32(0), pieces)
-    return total / targets.size

@@ -16,7 +16,8 @@ from jaxpar.core.config import Config
 from jaxpar.core.sharding import constrain, sequence_ring, split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
-from jaxpar.models.layers import STREAM, document_positions, sequence_loss
+from jaxpar.models.layers import STREAM, document_positions
+from jaxpar.models.loss import sequence_loss
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule
 
@@ -91,8 +92,7 @@ class StageOps:
         return y, aux
 
     def loss_of(self, head, y, k):
-        logits_of = lambda x: self.model.family.logits(head, x, self.model.vocab_size)  # noqa: E731
-        return sequence_loss(logits_of, y, self.targets[k], self.model.cfg.loss_chunks)
+        return sequence_loss(self.model.logits_of, head, y, self.targets[k], self.model.cfg.loss_chunks)
 
     def op_input(self, c, t):
         """(microbatch, chunk, its input, its output gradient) for the op at tick t."""
