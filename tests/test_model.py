@@ -147,3 +147,27 @@ def test_bf16_projections_have_float32s_gradients(spec, x_shape, w_shape, for_cp
         assert error < 1e-2, (spec, float(error))
     dots = [e for e in jax.make_jaxpr(low)(g).eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 2 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny_llama"])
+def test_activations_are_recomputed_on_accelerators_alone(config, monkeypatch):
+    """On an accelerator the GELU / SwiGLU keeps its input alone and runs again in the backward
+    pass (jaxpar.models.layers.recomputed): the same gradients to 1e-6 of each tensor's largest
+    magnitude (float32). On the CPU the step is autodiff's, as before (the control)."""
+    from jaxpar.models import layers
+    cfg = tiny_config(config)
+    rows = jnp.asarray(np.random.default_rng(0).integers(0, 65, (2, cfg.model.block_size + 1)), jnp.int32)
+    params = Transformer(cfg.model, 65).init(0)
+
+    def gradient():  # a new model each time: JAX reuses the scan body it traced for a model
+        model = Transformer(cfg.model, 65)
+        return jax.grad(lambda p: model.loss(p, rows[:, :-1], rows[:, 1:])[0])
+
+    on_cpu = jax.make_jaxpr(gradient())(params)
+    reference = jax.jit(gradient())(params) if config == "tiny" else None
+    monkeypatch.setattr(layers, "platform_of", lambda mesh: "gpu")
+    assert "remat" not in str(on_cpu) and "remat" in str(jax.make_jaxpr(gradient())(params))
+    if config == "tiny":  # the numerics once: both families recompute through the same function
+        recomputed = jax.jit(gradient())(params)
+        for a, b in zip(jax.tree.leaves(recomputed), jax.tree.leaves(reference)):
+            assert float(jnp.max(jnp.abs(a - b))) <= 1e-6 * float(jnp.max(jnp.abs(b)))

@@ -20,6 +20,7 @@ from jaxpar.models.layers import (
     gather_stream,
     head_logits,
     padded_vocab,
+    recomputed,
     sequence_positions,
     to_stream,
     weights_for_compute,
@@ -111,7 +112,7 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     y = constrain(y.reshape(B * T, *q.shape[1:2], q.shape[3]), ("tokens", "heads", "head_dim"))
     x = add_to_stream(x, project("nhd,hdc->nc", y, p["attn_out"]["kernel"], dtype), p["attn_out"], keys[1])
     h = project("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"], dtype)
-    h = constrain(gelu(add_bias(h, p["mlp_in"]).astype(dtype), cfg.gelu), ("tokens", "mlp"))
+    h = constrain(recomputed(gelu, cfg.gelu)(add_bias(h, p["mlp_in"]).astype(dtype)), ("tokens", "mlp"))
     x = add_to_stream(x, project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype), p["mlp_out"], keys[2])
     return constrain(x, STREAM), cache
 

@@ -21,7 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.core.axes import zigzag_permutation
 from jaxpar.core.sharding import constrain, per_device, sequence_ring
 from jaxpar.models.attention import apply_dropout, causal_attention
-from jaxpar.models.kernels import KV_AXES, Q_AXES, active_kernel, fused_attention
+from jaxpar.models.kernels import KV_AXES, Q_AXES, active_kernel, fused_attention, platform_of
 from jaxpar.models.matmul import project
 from jaxpar.models.ring_attention import ring_attention
 
@@ -48,6 +48,18 @@ def weights_for_compute(p: dict, axes: dict) -> dict:
     its own weights; otherwise it changes nothing. The name lets a remat policy drop them.
     """
     return jax.tree.map(lambda a, names: checkpoint_name(constrain(a, names), GATHERED), p, axes)
+
+
+def recomputed(fn, *static):
+    """fn(x, *static), which on an accelerator keeps only x for the backward pass and runs fn
+    again there. Autodiff of an elementwise activation otherwise keeps each of its (tokens x
+    features) intermediates (six for the tanh GELU), each written to memory in the forward pass
+    and read back in the backward: the bytes an accelerator's step waits on. A CPU's step waits
+    on arithmetic instead (recomputing the baby GPT's GELU made it about 4% slower), so there fn
+    is autodiff's as before."""
+    def apply(x):
+        return fn(x, *static)
+    return apply if platform_of(jax.sharding.get_abstract_mesh()) == "cpu" else jax.checkpoint(apply)
 
 
 @jax.custom_vjp

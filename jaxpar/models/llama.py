@@ -23,6 +23,7 @@ from jaxpar.models.layers import (
     gather_stream,
     head_logits,
     padded_vocab,
+    recomputed,
     to_stream,
     token_positions,
     weights_for_compute,
@@ -144,7 +145,7 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
             losses[logged] = losses[logged] / sum(cfg.sparse_layers)
     else:
         h = project("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"], dtype)
-        h = constrain(swiglu(h, dtype), ("tokens", "mlp"))
+        h = constrain(recomputed(swiglu, dtype)(h), ("tokens", "mlp"))
         y = project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype)
     return constrain(x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[2]), STREAM), losses, cache
 
