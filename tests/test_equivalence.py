@@ -67,6 +67,9 @@ def test_attention_in_query_blocks_matches_one_block(one_device, monkeypatch):
     assert_same_training(train("dp=2,tp=2"), one_device)
 
 
+# Llama's layouts (tests/test_equivalence_llama.py) hold projections and norms without biases on
+# every mesh: marked slow.
+@pytest.mark.slow
 def test_bias_free_model_matches_across_meshes():
     reference = train(**{"model.bias": "false"})
     assert "bias" not in reference.params["blocks"]["qkv"]
