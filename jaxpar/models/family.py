@@ -90,11 +90,14 @@ class Transformer:
         """(mean next-token cross-entropy, auxiliary losses), the logits over model.loss_chunks
         pieces of the sequence (jaxpar.models.loss.sequence_loss)."""
         top, x, losses = self.stream(params, tokens, dropout_key)
-        head = {name: top[name] for name in self.family.head_names}
-        return sequence_loss(self.logits_of, head, x, targets, self.cfg.loss_chunks), losses
+        return sequence_loss(self.logits_of, self.head(top), x, targets, self.cfg.loss_chunks), losses
+
+    def head(self, top: dict) -> dict:
+        """The top-level weights the loss reads after the last block (the family's head_names)."""
+        return {name: top[name] for name in self.family.head_names}
 
     def logits_of(self, head: dict, x: jax.Array) -> jax.Array:
-        """The float32 logits of the final stream x on the head weights (the family's head_names)."""
+        """The float32 logits of the final stream x on the `head` weights."""
         return self.family.logits(head, x, self.vocab_size)
 
     def stream(self, params: dict, tokens: jax.Array, dropout_key=None) -> tuple[dict, jax.Array, dict]:

@@ -18,11 +18,17 @@ import numpy as np
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Each token's next-token cross-entropy; logits are float32."""
-    log_z = jax.nn.logsumexp(logits, axis=-1)
+    return losses_and_softmax_terms(logits, targets)[0]
+
+
+def losses_and_softmax_terms(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(each token's cross-entropy, its log-sum-exp with the vocab axis kept, the one-hot target
+    mask): the loss, and what its logit gradient softmax - one-hot is made of."""
+    log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     # A one-hot sum, not a gather: exact all the same, it splits over a vocab-parallel axis, and
     # XLA's partitioner crashes on this gather inside a pipeline stage with data and tensor axes.
-    picked = jnp.sum(jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=bool), logits, 0.0), -1)
-    return log_z - picked
+    is_target = jax.nn.one_hot(targets, logits.shape[-1], dtype=bool)
+    return log_z[..., 0] - jnp.sum(jnp.where(is_target, logits, 0.0), -1), log_z, is_target
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -63,9 +69,8 @@ def _forward(logits_of, chunks, head, x, targets):
         total, head_grad = carry
         x, targets = piece
         logits, head_backward = jax.vjp(logits_of, head, x)
-        log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        is_target = jax.nn.one_hot(targets, logits.shape[-1], dtype=bool)
-        total = total + jnp.sum(log_z[..., 0] - jnp.sum(jnp.where(is_target, logits, 0.0), -1))
+        losses, log_z, is_target = losses_and_softmax_terms(logits, targets)
+        total = total + jnp.sum(losses)
         # d(mean loss)/d(logits) = (softmax - one-hot) / tokens: the piece's logits alone give it.
         piece_head_grad, x_grad = head_backward((jnp.exp(logits - log_z) - is_target) / scale)
         return (total, jax.tree.map(jnp.add, head_grad, piece_head_grad)), x_grad

@@ -262,7 +262,7 @@ def make_round_fn(cfg: Config, model: Transformer, mesh, forward_only: bool = Fa
         top, _, layer_params, layer_axes = split_layers(params, model.axes())
         run = make_executor(cfg, model, layer_axes, schedule, mesh)
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
-        head = {name: top[name] for name in family.head_names}
+        head = model.head(top)
         doc_starts = None if model.eot_id is None else jax.vmap(model.doc_starts)(inputs)
         positions = document_positions(doc_starts, inputs.shape[-1])  # broadcast over microbatches
 
