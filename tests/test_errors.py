@@ -37,7 +37,7 @@ def test_bad_mesh(capsys, tmp_path, argv, expected):
     (["--model.n_layer=0"], ["model.n_layer must be positive, got 0"]),
     (["--steps", "0"], ["train.steps must be positive"]),
     (["--train.batch_size=-4"], ["train.batch_size must be positive"]),
-    (["--train.adam_eps=-1e-8"], ["train.adam_eps must be >= 0, got -1e-08"]),
+    (["--train.adam_eps=-1e-8"], ["train.adam_eps must be > 0, got -1e-08"]),
     (["--train.lr=-1e-3"], ["train.lr must be >= 0, got -0.001"]),
     (["--train.min_lr=-1"], ["train.min_lr must be >= 0, got -1.0"]),
     (["--model.foo=1"], ["unknown config key 'model.foo'", "model.n_layer", "train.lr"]),

@@ -4,6 +4,7 @@ The dataclass defaults are nanoGPT's shakespeare_char CPU recipe, so no config f
 """
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +13,8 @@ from jaxpar.core.axes import AXES, check_virtual
 from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig, check_family_keys, validate_model  # noqa: F401
-from jaxpar.core.optimizer_config import ALIASES, OptimizerConfig, check_optimizer_keys, check_wsd, validate_optimizer
+from jaxpar.core.optimizer_config import (ALIASES, OptimizerConfig, check_aliases, check_optimizer_keys, check_wsd,
+                                          validate_optimizer)
 
 # The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
 # the repository's top-level configs/ in an editable install.
@@ -65,6 +67,7 @@ class DistConfig:
     coordinator: str = ""  # HOST:PORT of process 0's coordination service
     num_processes: int = 1
     process_id: int = 0
+    init_timeout: int = 60  # seconds the processes wait for each other to join at start-up
 
 
 @dataclass
@@ -151,7 +154,10 @@ def _coerce(key: str, typ: type, value):
         if typ is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # nan passes every `< 0` check, and inf is no setting
+                raise UserError(f"{key} must be a finite number, got {number}")
+            return number
         return str(value)
     except ValueError:
         raise UserError(f"{key} expects {typ.__name__}, got {value!r}") from None
@@ -186,28 +192,45 @@ def resolve_config_path(name_or_path: str) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    if path.is_dir():
+        raise UserError(f"config file '{name_or_path}' is a directory; pass a TOML file")
     raise UserError(f"config file '{name_or_path}' not found; pass a TOML path or one of: "
                     + ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))))
 
 
+def read_config_file(file: Path) -> dict[str, dict]:
+    """A TOML file's [section] tables; a file that cannot be read, is not UTF-8 or not TOML is one line."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file '{file}' is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"config file '{file}' cannot be read ({e.strerror}); pass a readable TOML file") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"config file '{file}' is not valid TOML: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise UserError(f"config file '{file}': '{section}' must be a [section]; "
+                            f"valid keys: {keys_help(Config())}")
+    return data
+
+
 def load_config(path: str | None, overrides: dict[str, str]) -> Config:
     """Defaults, then the TOML file (if any), then command-line overrides; validated."""
-    cfg = Config()
+    cfg, in_file = Config(), set()
     if path is not None:
         file = resolve_config_path(path)
-        try:
-            data = tomllib.loads(file.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise UserError(f"config file '{file}' is not valid TOML: {e}") from None
+        data = read_config_file(file)
+        in_file = {f"{section}.{name}" for section, table in data.items() for name in table}
+        check_aliases(in_file, f"in config file '{file}'")
         for section, table in data.items():
-            if not isinstance(table, dict):
-                raise UserError(f"config file '{file}': '{section}' must be a [section]; "
-                                f"valid keys: {keys_help(cfg)}")
             for name, value in table.items():
                 set_value(cfg, f"{section}.{name}", value)
+    check_aliases(set(overrides), "on the command line")
     for key, value in overrides.items():
         set_value(cfg, key, value)
-    in_file = set() if path is None else {f"{section}.{name}" for section, table in data.items() for name in table}
     check_family_keys(cfg.model, set(overrides) | in_file)
     check_optimizer_keys(cfg.optimizer, set(overrides), in_file)
     validate(cfg)
@@ -221,7 +244,7 @@ def validate(cfg: Config) -> None:
     """Reject values that cannot train; every message names the key and what it needs."""
     positive = ["model.n_layer", "model.n_head", "model.n_embd", "model.block_size",
                 "train.steps", "train.batch_size", "train.grad_accum", "train.eval_batches",
-                "train.log_every", "ckpt.keep"]
+                "train.log_every", "ckpt.keep", "dist.init_timeout"]
     non_negative = ["model.vocab_size", "train.micro_batch", "train.eval_every", "pipeline.microbatches",
                     "ckpt.every", "eval.tasks_every", "eval.tasks_limit"]
     get = lambda key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])  # noqa: E731

@@ -219,10 +219,13 @@ def validate_model(m: ModelConfig) -> None:
     check_experts(m)
     if m.rope_type not in ROPE_TYPES:
         raise UserError(f"model.rope_type must be one of {', '.join(ROPE_TYPES)}, got '{m.rope_type}'")
-    if m.rope_type == "llama3" and not (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
-                                        and m.rope_original_max_position > 0):
+    # Checked under any rope_type: a value that is set must be one that could be used.
+    if not (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
+            and m.rope_original_max_position > 0):
         raise UserError("llama3 rope scaling needs model.rope_factor > 0, model.rope_high_freq_factor > "
-                        "model.rope_low_freq_factor > 0 and model.rope_original_max_position > 0")
+                        "model.rope_low_freq_factor > 0 and model.rope_original_max_position > 0; got "
+                        f"{m.rope_factor}, {m.rope_high_freq_factor}, {m.rope_low_freq_factor}, "
+                        f"{m.rope_original_max_position}")
 
 
 def check_experts(m: ModelConfig) -> None:

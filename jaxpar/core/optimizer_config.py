@@ -74,15 +74,34 @@ def validate_optimizer(o: OptimizerConfig, key_name) -> None:
         raise UserError(f"optimizer.name must be one of {', '.join(OPTIMIZERS)}, got '{o.name}'")
     # lr = 0 is a frozen run: Hugging Face weights into a checkpoint, or a step timed without
     # changing the weights.
-    for name in ("lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay", "eps", "grad_clip", "decay_from",
-                 "decay_rate", "factored_min_dim", "clip_threshold", "momentum", "ns_steps", "adam_lr"):
+    for name in ("lr", "min_lr", "warmup_steps", "decay_steps", "weight_decay", "grad_clip", "decay_from",
+                 "factored_min_dim", "ns_steps", "adam_lr"):
         if getattr(o, name) < 0:
             raise UserError(f"{key_name(f'optimizer.{name}')} must be >= 0, got {getattr(o, name)}")
+    check_ranges(o, key_name)
     for name, choices in (("schedule", SCHEDULES), ("decay_shape", DECAY_SHAPES)):
         if getattr(o, name) not in choices:
             raise UserError(f"optimizer.{name} must be one of {', '.join(choices)}, got '{getattr(o, name)}'")
     if not 0 <= o.decay_fraction <= 1:
         raise UserError(f"optimizer.decay_fraction must be in [0, 1], got {o.decay_fraction}")
+
+
+def check_ranges(o: OptimizerConfig, key_name) -> None:
+    """The hyper-parameters bounded on both sides, or away from 0."""
+    ranges = {
+        # A moving average's decay: 1 would never take in a new gradient.
+        "beta1": (0 <= o.beta1 < 1, "in [0, 1)"), "beta2": (0 <= o.beta2 < 1, "in [0, 1)"),
+        "momentum": (0 <= o.momentum < 1, "in [0, 1)"),
+        # AdamW divides by sqrt(v) + eps, and v is 0 where a gradient always is (the vocabulary's padding rows).
+        "eps": (o.eps > 0, "> 0"),
+        # Adafactor's second moment decays by 1 - t^-decay_rate (Shazeer & Stern, 2018): 1 is a plain mean.
+        "decay_rate": (0 <= o.decay_rate <= 1, "in [0, 1]"),
+        # optax.adafactor's clipping_threshold "must be >= 1", or None (0 here) for no clipping.
+        "clip_threshold": (o.clip_threshold == 0 or o.clip_threshold >= 1, "0 (no clipping) or >= 1"),
+    }
+    for name, (within, needed) in ranges.items():
+        if not within:
+            raise UserError(f"{key_name(f'optimizer.{name}')} must be {needed}, got {getattr(o, name)}")
 
 
 def check_optimizer_keys(o: OptimizerConfig, command_line: set[str], file: set[str]) -> None:
@@ -96,6 +115,16 @@ def check_optimizer_keys(o: OptimizerConfig, command_line: set[str], file: set[s
         if readers and o.name not in readers and spelled:
             raise UserError(f"{spelled[0]} is a setting of {' and '.join(readers)}, and this run uses optimizer.name="
                             f"{o.name}; drop it, or set --optimizer.name={readers[0]}")
+
+
+def check_aliases(keys: set[str], where: str) -> None:
+    """Refuse a key and its older name both set in one source (one file, or the command line),
+    where which one wins would be an accident of order; the command line overriding a file's
+    value, under either name, is ordinary layering."""
+    for old, key in ALIASES.items():
+        if old in keys and key in keys:
+            raise UserError(f"{old} and {key} are the same key ({old} is its older name) and both are set "
+                            f"{where}; keep one")
 
 
 def check_wsd(o: OptimizerConfig, steps: int) -> None:

@@ -4,6 +4,7 @@ Usable as a library: `model = load(dir, "tp=2")` (jaxpar.inference.loading), the
 `generate(model, "ROMEO:")`.
 """
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -227,14 +228,23 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def check_numbers(args) -> None:
+    """The numeric flags' ranges, before the model loads."""
+    for name, least in [("max_new_tokens", 1), ("temperature", 0), ("top_k", 0),
+                        ("num_samples", 1)]:
+        if getattr(args, name) < least:
+            raise UserError(f"--{name.replace('_', '-')} must be at least {least}, "
+                            f"got {getattr(args, name)}")
+    if not math.isfinite(args.temperature):  # nan passes `< 0`, and inf turns every logit into 0
+        raise UserError(f"--temperature must be a finite number (0: greedy), got {args.temperature}")
+    if not -2**31 <= args.seed < 2**31:  # the seed enters the jitted decoders as an int32
+        raise UserError(f"--seed must fit in 32 bits (from {-2**31} to {2**31 - 1}), got {args.seed}")
+
+
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.sample"):
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        for name, least in [("max_new_tokens", 1), ("temperature", 0), ("top_k", 0),
-                            ("num_samples", 1)]:
-            if getattr(args, name) < least:
-                raise UserError(f"--{name.replace('_', '-')} must be at least {least}, "
-                                f"got {getattr(args, name)}")
+        check_numbers(args)
         model = load_source(args, "jaxpar.sample")
         if model.tokenizer is None:
             raise UserError(f"'{args.hf}' has no tokenizer.json, which jaxpar.sample needs to read the "

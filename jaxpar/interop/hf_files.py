@@ -5,6 +5,7 @@ save_pretrained does. Every problem is a UserError of one line.
 """
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,34 @@ from jaxpar.models.layers import padded_vocab
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
+
+# The type of every config.json field that jaxpar.interop's readers use (GPT-2's, Llama's and
+# its relatives', the mixtures of experts'), checked before any is read. A float field takes
+# an integer too (rope_theta 10000); an integer field takes no float, 2.0 included.
+FIELD_TYPES = {
+    "model_type": str, "architectures": list[str], "vocab_size": int, "tie_word_embeddings": bool,
+    "n_layer": int, "n_head": int, "n_embd": int, "n_positions": int, "n_inner": int, "layer_norm_epsilon": float,
+    "activation_function": str, "scale_attn_by_inverse_layer_idx": bool, "scale_attn_weights": bool,
+    "add_cross_attention": bool,
+    "num_hidden_layers": int, "num_attention_heads": int, "hidden_size": int, "intermediate_size": int,
+    "num_key_value_heads": int, "max_position_embeddings": int, "head_dim": int, "rms_norm_eps": float,
+    "hidden_act": str, "attention_bias": bool, "mlp_bias": bool, "sliding_window": int, "use_sliding_window": bool,
+    "rope_theta": float, "rope_scaling": dict, "rope_parameters": dict,
+    "num_local_experts": int, "num_experts": int, "num_experts_per_tok": int, "moe_intermediate_size": int,
+    "norm_topk_prob": bool, "decoder_sparse_step": int, "mlp_only_layers": list[int],
+    "n_shared_experts": int, "num_shared_experts": int, "shared_expert_intermediate_size": int, "scoring_func": str,
+    "n_group": int, "topk_group": int, "router_jitter_noise": float, "first_k_dense_replace": int,
+}
+ROPE_FIELD_TYPES = {"rope_type": str, "type": str, "rope_theta": float, "factor": float, "low_freq_factor": float,
+                    "high_freq_factor": float, "original_max_position_embeddings": int}
+# Fields that save_pretrained writes as null for "none" or "the default", which the readers take so.
+MAY_BE_NULL = {"model_type", "architectures", "n_inner", "num_key_value_heads", "head_dim", "sliding_window",
+               "attention_bias", "mlp_bias", "rope_scaling", "rope_parameters", "num_local_experts", "num_experts",
+               "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+               "mlp_only_layers", "n_shared_experts", "num_shared_experts", "shared_expert_intermediate_size",
+               "n_group", "topk_group", "router_jitter_noise", "first_k_dense_replace"}
+EXPECTED = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", dict: "an object",
+            list[int]: "a list of integers", list[str]: "a list of strings"}
 
 
 def config_path(hf_dir) -> Path:
@@ -60,7 +89,33 @@ def read_json(path: Path) -> dict:
 def read_hf_config(hf_dir) -> dict:
     path = config_path(hf_dir)
     weight_files(hf_dir)  # the weights are checked for before anything is built
-    return read_json(path)
+    config = read_json(path)
+    check_field_types(config, FIELD_TYPES, path)
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict):
+            check_field_types(config[key], ROPE_FIELD_TYPES, path, f"{key}.")
+    return config
+
+
+def check_field_types(config: dict, types: dict, path: Path, prefix: str = "") -> None:
+    """Each field of `types` that config.json holds has its type (or is a null that may be)."""
+    for key, kind in types.items():
+        value = config.get(key)
+        if key not in config or (value is None and not prefix and key in MAY_BE_NULL) or is_a(kind, value):
+            continue
+        raise UserError(f"'{path}': {prefix}{key} must be {EXPECTED[kind]}, got {json.dumps(value)}; "
+                        "correct that field, or save the model again with save_pretrained")
+
+
+def is_a(kind, value) -> bool:
+    """Whether a JSON value is of `kind`; JSON's true and false are not numbers here."""
+    if kind in (list[int], list[str]):
+        return isinstance(value, list) and all(is_a(kind.__args__[0], item) for item in value)
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, kind)
 
 
 def open_weights(hf_dir) -> tuple[dict[str, np.ndarray], Path]:
