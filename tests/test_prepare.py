@@ -57,8 +57,10 @@ def test_bytes_writes_nanogpts_format_exactly(tmp_path, docs):
     np.testing.assert_array_equal(tokens(tmp_path / "out" / "train.bin"), train)
     np.testing.assert_array_equal(tokens(tmp_path / "out" / "val.bin"), val)
     assert (tmp_path / "out" / "train.bin").stat().st_size == 2 * len(train)
-    assert meta["splits"] == {"train": {"tokens": len(train), "documents": 3},
-                              "val": {"tokens": len(val), "documents": 3}}
+    assert meta["splits"] == {
+        split: {"tokens": len(ids), "documents": 3, "max_token": int(ids.max()),
+                "mtime_ns": (tmp_path / "out" / f"{split}.bin").stat().st_mtime_ns}
+        for split, ids in (("train", train), ("val", val))}
     assert (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["eot_id"]) == \
         ("bytes", 257, "uint16", 256)
     assert meta["tokenizer_meta"] == {"kind": "bytes"}
@@ -115,7 +117,9 @@ def test_one_file_gives_both_splits_the_same_on_every_run_and_worker_count(tmp_p
         outputs.append([(out / name).read_bytes() for name in ("train.bin", "val.bin")])
     assert outputs[0] == outputs[1] == outputs[2]
     n_val = int(len(line) * 60_000 * 0.1)
-    assert meta["splits"]["val"] == {"tokens": n_val + 1, "documents": 1}
+    assert (meta["splits"]["val"]["tokens"], meta["splits"]["val"]["documents"]) == (n_val + 1, 1)
+    for split, data in zip(("train", "val"), outputs[-1]):  # a document of many pieces
+        assert meta["splits"][split]["max_token"] == np.frombuffer(data, "<u2").max()
 
 
 def test_a_non_empty_out_dir_needs_force(capsys, tmp_path, docs):

@@ -7,7 +7,9 @@ DIR gets:
   meta.json           {"format": 1, "tokenizer": SPEC, "vocab_size": N, "dtype": "uint16",
                        "eot_id": ID or null, "val_fraction": F, "val_split": {KIND: HOW},
                        "input_bytes": B, and for records "text_field", "skipped_records",
-                       "splits": {"train": {"tokens": T, "documents": D}, "val": {...}},
+                       "splits": {"train": {"tokens": T, "documents": D, "max_token": M,
+                                  "mtime_ns": the file's}, "val": {...}} (M, the largest id,
+                                  is trusted at load while the mtime is the same),
                        "tokenizer_meta": the tokenizer's to_meta(), enough to rebuild it}
   tokenizer.json      the Hugging Face tokenizer, for every SPEC but tiktoken:NAME
 
@@ -112,8 +114,7 @@ def make_meta(tok, writer: SplitWriter, val_fraction: float, input_bytes: int, v
             "dtype": writer.dtype.name, "eot_id": tok.eot_id, "val_fraction": val_fraction,
             "val_split": val_split, "input_bytes": input_bytes,
             **({"text_field": options.field, "skipped_records": skipped} if "records" in val_split else {}),
-            "splits": {split: {"tokens": writer.tokens[split],
-                               "documents": writer.documents[split]} for split in SPLITS},
+            "splits": {split: writer.record(split) for split in SPLITS},
             "tokenizer_meta": tok.to_meta()}
 
 

@@ -9,6 +9,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -103,16 +104,49 @@ def strict_json(record: dict) -> str:
     return json.dumps(clean, allow_nan=False)
 
 
+def read_metrics(path: Path) -> tuple[list[dict], list[int]]:
+    """metrics.jsonl's records, and the numbers of the lines skipped: torn, not UTF-8, not JSON,
+    or not a record with an integer step. Skipped lines get one warning on stderr that counts them
+    and says where. An interrupted write tears only the last line; one before it means something
+    else damaged the file, which the warning says, but the run's other records are kept either way."""
+    records, skipped, last = [], [], 0
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        last = number
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+            record = None
+        if isinstance(record, dict) and type(record.get("step")) is int:
+            records.append(record)
+        else:
+            skipped.append(number)
+    if skipped:
+        print(f"jaxpar: warning: {path}: {skipped_lines(skipped, last)}", file=sys.stderr)
+    return records, skipped
+
+
+def skipped_lines(skipped: list[int], last: int) -> str:
+    """'skipped N torn or undecodable lines (lines ...: why)'; `last` is the last line's number."""
+    plural = "s" * (len(skipped) > 1)
+    where = ", ".join(map(str, skipped[:5])) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+    why = ("the last, what a write cut short leaves" if skipped == [last] else
+           f"line {skipped[0]} is not the last, so more than a write cut short damaged the file")
+    return f"skipped {len(skipped)} torn or undecodable line{plural} (line{plural} {where}: {why})"
+
+
 def open_metrics(path: Path, resume_step: int):
     """metrics.jsonl opened for appending, holding only lines for steps before `resume_step`.
 
     A resumed run repeats the steps after its checkpoint, so their old lines (train steps >= the
-    checkpoint's and val losses at or after it) would otherwise appear twice.
+    checkpoint's and val losses at or after it) would otherwise appear twice. Lines that do not
+    read (read_metrics) are dropped with the rest.
     """
     kept = []
     if resume_step > 0 and path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] < resume_step]
+        # strict_json gives back the very line it wrote for a record read from it.
+        kept = [strict_json(record) for record in read_metrics(path)[0] if record["step"] < resume_step]
     partial = path.with_name(path.name + ".tmp")
     partial.write_text("".join(line + "\n" for line in kept))
     partial.replace(path)  # never a half-rewritten file

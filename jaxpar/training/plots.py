@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.errors import UserError, exit_on_user_error
+from jaxpar.training import metrics
 
 EMA_WEIGHT = 0.9  # the train curve's smoothing, as TensorBoard's slider sets it
 CHANCE = {"hellaswag": 0.25, "piqa": 0.5, "winogrande": 0.5}  # ARC's items have 3 to 5 choices
@@ -30,13 +31,13 @@ def save(plt, fig, out_png) -> Path:
 
 def read_metrics(run_dir: Path) -> tuple[list, list, dict]:
     """(train [(step, loss)], val [(step, val_loss)], {"<task>/<acc|acc_norm>": [(step, value)]})
-    from run_dir/metrics.jsonl; a diverged step's null loss is left out."""
+    from run_dir/metrics.jsonl; a diverged step's null loss is left out, and so is a line that
+    does not read (a warning counts them)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"'{run_dir}' has no metrics.jsonl; pass a jaxpar.train output directory")
     train, val, tasks = [], [], {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in metrics.read_metrics(path)[0]:
         if record.get("loss") is not None:
             train.append((record["step"], record["loss"]))
         elif record.get("val_loss") is not None:
