@@ -64,8 +64,14 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from jaxpar.training.stopping import StopRequest
+    with StopRequest("jaxpar.train") as stop:  # from the start: a signal at any moment is a request
+        train_command(sys.argv[1:] if argv is None else argv, stop)
+
+
+def train_command(argv: list[str], stop) -> None:
     with exit_on_user_error("jaxpar.train"):
-        cfg, out_dir, args = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg, out_dir, args = parse_args(argv)
         from jaxpar.parallel.distributed import exit_if_a_peer_fails, initialize, is_main_process
         initialize(cfg)
         if args.dry_run:
@@ -73,24 +79,32 @@ def main(argv: list[str] | None = None) -> None:
             print(dry_run(cfg))
             return
         with exit_if_a_peer_fails("jaxpar.train"):
-            result = run(cfg, out_dir, fresh=args.fresh, profile=args.profile)
+            result = run(cfg, out_dir, fresh=args.fresh, profile=args.profile, stop=stop)
         if not is_main_process():
             return
-        plot_after_training(out_dir)
-    info, s = result.info, result.info["summary"]
+        if result.info["summary"] is not None:
+            plot_after_training(out_dir)
+    print(outcome(cfg, out_dir, result.info))
+
+
+def outcome(cfg, out_dir: Path, info: dict) -> str:
+    """The run's last line: how it ended, and what to do next."""
+    s, stop = info["summary"], info.get("interrupted")
+    if stop and stop.get("before_first_step"):
+        kept = (f"{info['checkpoints']}/{stop['step']} is as it was; run the same command again to resume"
+                if stop["step"] else "nothing was written; run the same command again to start")
+        return f"interrupted by {stop['signal']} before the first step; {kept}"
+    if stop:
+        return (f"interrupted by {stop['signal']} at step {stop['step']}; saved "
+                f"{info['checkpoints']}/{stop['step']}; run the same command again to resume")
     if s is None:
-        print(f"nothing to do: {info['checkpoints']} already holds step {cfg.train.steps}; pass a "
-              "larger --steps to train on, or --fresh to start over")
-    elif "interrupted" in info:
-        stop = info["interrupted"]
-        print(f"interrupted by {stop['signal']} at step {stop['step']}; saved "
-              f"{info['checkpoints']}/{stop['step']}; run the same command again to resume")
-    else:
-        print(f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"
-              + (f", val loss {s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "")
-              + f", {s['tokens_per_s_median']:,.0f} tok/s (median), MFU {100 * s['mfu_median']:.1f}%"
-              + f"; wrote {out_dir}/metrics.jsonl, run.json, loss.png, tensorboard/ and "
-              f"checkpoints/{cfg.train.steps}")
+        return (f"nothing to do: {info['checkpoints']} already holds step {cfg.train.steps}; pass a "
+                "larger --steps to train on, or --fresh to start over")
+    return (f"done: {cfg.train.steps} steps, final train loss {s['final_loss']:.4f}"
+            + (f", val loss {s['final_val_loss']:.4f}" if s["final_val_loss"] is not None else "")
+            + f", {s['tokens_per_s_median']:,.0f} tok/s (median), MFU {100 * s['mfu_median']:.1f}%"
+            + f"; wrote {out_dir}/metrics.jsonl, run.json, loss.png, tensorboard/ and "
+            f"checkpoints/{cfg.train.steps}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.zero import check_state
 from jaxpar.train import run
 from jaxpar.training import step as steps
-from jaxpar.training.checkpoint import Checkpoints, restore_train_state
+from jaxpar.training.checkpoint import Checkpoints
+from jaxpar.training.resume import restore_train_state
 
 LOSS_RTOL = 1e-5
 
@@ -101,10 +102,10 @@ def test_restore_onto_another_mesh_and_zero_stage(saved, tmp_path, spec, stage):
         model = build_model(cfg, tokenizer.vocab_size)
         tx = steps.make_optimizer(cfg, model)
         shardings, _ = steps.state_shardings(cfg, model, mesh, tx)
-        state, meta, _ = restore_train_state(Checkpoints(tmp_path / "checkpoints"), cfg, tokenizer,
-                                             tx, shardings)
+        state, found = restore_train_state(Checkpoints(tmp_path / "checkpoints"), cfg, tokenizer,
+                                           tx, shardings)
         check_state(state, shardings)  # where this mesh and stage put each tensor
-    assert meta["step"] == int(state.step) == STOP_AT
+    assert found.meta["step"] == int(state.step) == STOP_AT and found.verified
     assert_trees_equal(state.params, stopped.params)
 
     resumed = train(cfg, tmp_path)
@@ -177,24 +178,32 @@ def test_a_checkpoint_of_another_param_layout_is_named_as_such(saved, tmp_path):
 # A restore that fails can leave reads in flight that later report to orbax's closed event loop
 # (orbax _src/asyncio_utils); the ignored RuntimeError is harmless.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_damaged_checkpoints_fall_back_to_the_newest_readable_one(tmp_path, capsys):
-    """Step 6 has a truncated meta file and step 4 lost its params manifest: resume from 2."""
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_one_and_are_kept(tmp_path, capsys):
+    """Step 6 has a truncated meta file and step 4 lost its params manifest: resume from 2, and
+    keep both, set aside as 6.damaged and 4.damaged, out of the new saves' way."""
     overrides = {"ckpt.every": 2, "train.decay_steps": 100, "train.eval_every": 0}
     first = train(config("dp=2", 6, **overrides), tmp_path)
     assert Checkpoints(tmp_path / "checkpoints").steps() == [2, 4, 6]
     meta = tmp_path / "checkpoints" / "6" / "meta" / "metadata"
     meta.write_bytes(meta.read_bytes()[:20])
     (tmp_path / "checkpoints" / "4" / "params" / "manifest.ocdbt").unlink()
+    damaged = {step: sorted(p.relative_to(tmp_path / "checkpoints" / str(step)) for p in
+                            (tmp_path / "checkpoints" / str(step)).rglob("*")) for step in (4, 6)}
     capsys.readouterr()
 
     second = train(config("dp=2", 8, **overrides), tmp_path)
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
-    assert len(warnings) == 2, warnings
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "damaged" in line]
+    assert len(warnings) == 4, warnings
     for step, warning in zip((6, 4), warnings):
-        assert f"checkpoints/{step} is damaged or incomplete" in warning
+        assert f"checkpoints/{step} is damaged (" in warning and warning.endswith("trying the previous one")
+    for step, warning in zip((6, 4), warnings[2:]):
+        assert f"checkpoints/{step} is kept as {tmp_path}/checkpoints/{step}.damaged" in warning
     assert second.info["resumed_from"] == 2
     assert [second.losses[s] for s in range(2, 6)] == [first.losses[s] for s in range(2, 6)]
     assert Checkpoints(tmp_path / "checkpoints").steps() == [4, 6, 8]
+    for step, files in damaged.items():
+        kept = tmp_path / "checkpoints" / f"{step}.damaged"
+        assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == files
 
 
 def test_sigterm_saves_and_exits_0_with_how_to_resume(tmp_path):

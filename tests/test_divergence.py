@@ -15,7 +15,7 @@ from conftest import tiny_config
 from jaxpar.core.errors import UserError
 from jaxpar.inference.sample import load
 from jaxpar.train import run
-from jaxpar.training import metrics
+from jaxpar.training import checkpoint, metrics
 from jaxpar.training.checkpoint import Checkpoints
 
 DIVERGING = ["--train.lr=50", "--train.grad_clip=0", "--train.warmup_steps=0", "--ckpt.every=2",
@@ -56,29 +56,37 @@ def test_a_diverging_run_stops_at_once_and_keeps_only_finite_checkpoints(tmp_pat
 
 
 
-def test_a_run_resumes_from_the_last_good_checkpoint_as_if_nothing_happened(tmp_path,
-                                                                            monkeypatch):
-    """A NaN loss reported at step 7 (the params stay good): the save of step 8 never happens,
-    and the run resumed from checkpoint 6 gives the losses of a run that never saw a NaN.
+def test_a_run_resumes_from_the_last_verified_checkpoint_as_if_nothing_happened(tmp_path,
+                                                                                monkeypatch):
+    """A NaN loss reported at step 7 (the params stay good): the save of step 8 never happens.
+    Checkpoint 6's params were written with a wrong checksum, as a bad write would leave them, so
+    the last good checkpoint named is 4, the one that reads back intact; the run resumed from it
+    keeps 6 aside and gives the losses of a run that never saw a NaN.
 
     The NaN goes in where the loop hands each step's metrics to the logger, so the step itself
     needs no second compile."""
     cfg = tiny_config(**{"train.steps": 12, "train.eval_every": 0, "ckpt.every": 2})
     straight = run(cfg, None, jax.devices()[:1], progress=False)
-    real_add = metrics.StepLogger.add
+    real_add, real_checksums, sums = metrics.StepLogger.add, checkpoint.tree_checksums, []
 
     def add_poisoned(logger, step, m):
         real_add(logger, step, {**m, "loss": np.float32("nan")} if step == 7 else m)
 
+    def checksums_miswritten(tree):  # params, then opt_state, at each save: the 5th is step 6's params
+        sums.append(real_checksums(tree))
+        return {path: "0" * 16 for path in sums[-1]} if len(sums) == 5 else sums[-1]
+
     monkeypatch.setattr(metrics.StepLogger, "add", add_poisoned)
+    monkeypatch.setattr(checkpoint, "tree_checksums", checksums_miswritten)
     with pytest.raises(UserError, match=r"^loss is nan at step 7 \(grad norm [0-9.]+\); the last "
-                       r"good checkpoint is .*checkpoints/6; lower train.lr$"):
+                       r"good checkpoint is .*checkpoints/4; lower train.lr$"):
         run(cfg, tmp_path, jax.devices()[:1], progress=False)
     assert Checkpoints(tmp_path / "checkpoints").steps() == [2, 4, 6]
     monkeypatch.undo()
     resumed = run(cfg, tmp_path, jax.devices()[:1], progress=False)
-    assert resumed.info["resumed_from"] == 6
-    assert {s: straight.losses[s] for s in range(6, 12)} == resumed.losses
+    assert resumed.info["resumed_from"] == 4
+    assert (tmp_path / "checkpoints" / "6.damaged").is_dir()
+    assert {s: straight.losses[s] for s in range(4, 12)} == resumed.losses
     logged = strict_records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in logged] == list(range(12))
     assert [r["loss"] for r in logged] == [straight.losses[s] for s in range(12)]

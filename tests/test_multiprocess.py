@@ -9,14 +9,16 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import mesh_overrides, tiny_config
+from conftest import fresh_process_env, mesh_overrides, tiny_config
 from helpers import LAUNCH_TIMEOUT_S, LOSS_RTOL, STEPS, launch, logged_losses, logged_values, train
 
 from jaxpar.train import run
@@ -120,3 +122,22 @@ def test_a_dead_process_stops_the_launch_within_a_minute(tmp_path):
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_a_peer_that_never_starts_is_one_line_and_exit_2(tmp_path):
+    """Process 0 of 2 alone: after dist.init_timeout it says which processes to start, instead of
+    XLA's native abort (exit 134) a minute later."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    alone = subprocess.run([sys.executable, "-m", "jaxpar.train", "--config", "tiny", "--mesh", "dp=2", "--out",
+                            str(out), "--dist.num_processes=2", "--dist.process_id=0", "--dist.init_timeout=2",
+                            f"--dist.coordinator=127.0.0.1:{port}"],
+                           capture_output=True, text=True, timeout=120, env=fresh_process_env())
+    assert alone.returncode == 2, alone.stderr[-2000:]
+    last = alone.stderr.strip().splitlines()[-1]
+    assert last == (f"jaxpar.train: error: not every process joined within 2 s (process 0 waits at "
+                    f"127.0.0.1:{port} for dist.num_processes=2); start the others with the same "
+                    "--dist.coordinator and their own --dist.process_id, or raise --dist.init_timeout")
+    assert not out.exists()

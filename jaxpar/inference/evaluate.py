@@ -163,10 +163,19 @@ def main(argv: list[str] | None = None) -> None:
         if args.tasks is not None:
             args.rows = args.rows or 32
             for result in evaluate_tasks(model, args):
-                print(json.dumps({**source, **result}))
+                print(strict_line({**source, **result}))
             return
         for result in evaluate_sources(model, data_for(model, args.data), args.rows or 16):
-            print(json.dumps({**source, **result}))
+            print(strict_line({**source, **result}))
+
+
+def strict_line(result: dict) -> str:
+    """One JSON line any strict parser reads; a non-finite figure is an error, not a NaN token."""
+    try:
+        return json.dumps(result, allow_nan=False)
+    except ValueError:
+        raise UserError(f"the evaluation gave a non-finite figure ({result}); the model's outputs "
+                        "overflow: evaluate it in float32") from None
 
 
 if __name__ == "__main__":

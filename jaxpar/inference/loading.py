@@ -19,7 +19,8 @@ from jaxpar.data.tokenizer import load_tokenizer
 from jaxpar.interop.hf import apply_hf_config, load_hf_params
 from jaxpar.models.family import abstract_model
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
-from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints, saved_vocab
+from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints
+from jaxpar.training.resume import saved_vocab
 
 
 @dataclass
@@ -39,8 +40,9 @@ class Model:
 
 
 def load(path, mesh: str = "dp=1", devices=None) -> Model:
-    """The newest readable checkpoint's params in `path` (a run's --out or its checkpoints folder),
-    placed on a `mesh` over `devices` (default: the first devices the mesh needs)."""
+    """The newest intact checkpoint's params in `path` (a run's --out or its checkpoints folder),
+    placed on a `mesh` over `devices` (default: the first devices the mesh needs), each array
+    checked against its checksum."""
     ckpt = Checkpoints(find_checkpoints(path))
     built = {}
 
@@ -55,8 +57,23 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
     found = ckpt.restore_latest(targets_for)
     if found is None:
         raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
-    step, _, items, _ = found
-    return Model(built["cfg"], built["tokenizer"], built["vocab"], items.params, built["mesh"], step)
+    check_finite(found.items["params"], ckpt.directory / str(found.step))
+    return Model(built["cfg"], built["tokenizer"], built["vocab"], found.items["params"], built["mesh"], found.step)
+
+
+_all_finite = jax.jit(lambda leaves: [jax.numpy.isfinite(x).all() for x in leaves])
+
+
+def check_finite(params, source) -> None:
+    """A model with a NaN or an infinity in its weights is refused: whatever it evaluated,
+    sampled or exported would be garbage that looks like output."""
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])
+    bad = [jax.tree_util.keystr(path) for path, ok in zip(paths, jax.device_get(_all_finite(list(leaves))))
+           if not ok]
+    if bad:
+        raise UserError(f"the weights in '{source}' hold NaN or infinite values (params{bad[0]}"
+                        + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "); use a checkpoint of "
+                        "a run that trained without diverging, or weights saved intact")
 
 
 def set_mesh_spec(cfg: Config, mesh: str) -> None:
@@ -90,6 +107,7 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     mesh_obj = inference_mesh(cfg, mesh, devices)
     _, shapes, axes = abstract_model(cfg, vocab)
     params = load_hf_params(hf_dir, cfg, vocab, shardings_for(axes, shapes, mesh_obj))
+    check_finite(params, hf_dir)
     tokenizer_file = Path(hf_dir) / "tokenizer.json"
     tokenizer = load_tokenizer(str(tokenizer_file)) if tokenizer_file.is_file() else None
     return Model(cfg, tokenizer, vocab, params, mesh_obj, step=0)

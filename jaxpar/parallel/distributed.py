@@ -6,6 +6,7 @@ Must run before JAX initialises its backends. Each process then sees every proce
 import contextlib
 import os
 import sys
+import threading
 
 import jax
 
@@ -17,7 +18,9 @@ from jaxpar.parallel.mesh import force_host_devices, requested_devices
 # with an error instead of waiting in a collective forever. Well inside a minute, well above a
 # long compile's pause (heartbeats come from a separate thread).
 HEARTBEAT_TIMEOUT_S = 20
-INIT_TIMEOUT_S = 60  # how long processes wait for each other at start-up
+# XLA's own start-up timeout ends the process with a native abort (exit 134 and a C++ trace);
+# jaxpar's watchdog ends it first, with one line, this long before.
+WATCHDOG_LEAD_S = 30
 SHUTDOWN_TIMEOUT_S = 30
 
 
@@ -40,9 +43,44 @@ def initialize(cfg: Config) -> None:
         force_host_devices(cfg.mesh, per_process=needed // d.num_processes)
     explicit = {"coordinator_address": d.coordinator, "num_processes": d.num_processes,
                 "process_id": d.process_id} if d.num_processes > 1 else {}
-    jax.distributed.initialize(**explicit, initialization_timeout=INIT_TIMEOUT_S,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-                               shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+    with start_up_watchdog(d):
+        jax.distributed.initialize(**explicit, initialization_timeout=d.init_timeout + WATCHDOG_LEAD_S,
+                                   heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                                   shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def start_up_watchdog(d):
+    """Exit with one line and code 2 if the processes have not all joined within dist.init_timeout
+    seconds. A thread can say so: jax.distributed waits in native code, without the GIL."""
+    joined = threading.Event()
+
+    def watch():
+        if joined.wait(d.init_timeout):
+            return
+        where = d.coordinator or "the cluster's coordinator"
+        if launch_rank(d) == 0:
+            what = (f"not every process joined within {d.init_timeout} s (process 0 waits at {where} for "
+                    f"dist.num_processes={d.num_processes}); start the others with the same "
+                    "--dist.coordinator and their own --dist.process_id")
+        else:
+            what = (f"process {launch_rank(d)} could not join process 0 at {where} within {d.init_timeout} s; "
+                    "start process 0 (dist.process_id=0) there")
+        print(f"jaxpar.train: error: {what}, or raise --dist.init_timeout", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    threading.Thread(target=watch, name="jaxpar-start-up-watchdog", daemon=True).start()
+    try:
+        yield
+    finally:
+        joined.set()
+
+
+def launch_rank(d) -> int:
+    """This process's id, from --dist.process_id or the cluster launcher's environment."""
+    if d.num_processes > 1:
+        return d.process_id
+    return int(os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 
 
 def is_main_process() -> bool:

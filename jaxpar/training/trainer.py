@@ -1,14 +1,17 @@
 """One training run, in four phases: `prepare` the data, mesh and state (new or restored);
 `compile_run` and describe it; `train_loop`; `summarise` (jaxpar.training.metrics). `run` strings them together.
 
-Nothing is written before the compiled step is known to fit in memory. A non-finite loss or
-gradient norm stops the run with a UserError, leaving the last good checkpoint in place.
+A run holds --out's lock throughout (jaxpar.training.run_lock). Nothing is written before the
+compiled step is known to fit in memory. A non-finite loss or gradient norm stops the run with a
+UserError naming the newest checkpoint that verifies. SIGTERM or SIGINT stops it at the next safe
+point (jaxpar.training.stopping): before the first step with nothing new written, after it with
+that step saved.
 """
 
+import contextlib
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -25,59 +28,17 @@ from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.training import step as steps
-from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, StopRequest, make_meta, restore_train_state
+from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 from jaxpar.training.evaluation import make_evaluate
-from jaxpar.training.metrics import (
-    FETCH_EVERY,
-    Diverged,
-    MetricsWriters,
-    StepLogger,
-    check_wandb,
-    strict_json,
-    summarise,
-    versions,
-)
+from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, summarise, versions
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
-from jaxpar.training.task_scoring import TaskEval, task_eval_for
-
-
-@dataclass
-class RunResult:
-    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss before its update
-    val_losses: dict[int, float] = field(default_factory=dict)  # updates applied -> val loss
-    aux: dict[int, dict] = field(default_factory=dict)  # step -> {auxiliary loss: its value}
-    params: dict | None = None
-    info: dict = field(default_factory=dict)
-
-
-@dataclass
-class Prepared:
-    """What phase 1 builds: the data, the mesh and the train state to start from."""
-    cfg: Config
-    dataset: Dataset
-    mesh: jax.sharding.Mesh
-    ckpt: Checkpoints | None
-    tx: object  # the optax optimizer
-    model: Transformer
-    shardings: steps.TrainState
-    plan: zero.ZeroPlan
-    state: steps.TrainState
-    start: int  # the step the state is at
-    damaged: list[int]  # unreadable checkpoints newer than `start`
-    mix_changed: dict | None = None  # data.mix against the checkpoint's: {step, before, after}
-
-
-@dataclass
-class Compiled:
-    """What phase 2 builds: the batches, the compiled steps and the run's description."""
-    step: object  # the compiled train step
-    eval_step: object
-    train_batches: BatchLoader
-    val_batches: list
-    info: dict
-    tasks: TaskEval | None = None  # --eval.tasks, scored during training
-    source_val: dict = field(default_factory=dict)  # a mixture's source name -> its val batches
+from jaxpar.training.resume import restore_train_state
+from jaxpar.training.run_ends import open_outputs, remove_outputs, stop_diverged, stopped_early
+from jaxpar.training.run_lock import locked
+from jaxpar.training.run_state import Compiled, Prepared, RunResult
+from jaxpar.training.stopping import StopRequest
+from jaxpar.training.task_scoring import task_eval_for
 
 
 def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
@@ -89,7 +50,8 @@ def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bo
     shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
     restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, dataset.tokenizer,
                                                                        tx, shardings)
-    state, meta, damaged = restored or (initial_state(cfg, model, tx, shardings), None, [])
+    state, found = restored or (initial_state(cfg, model, tx, shardings), None)
+    meta, damaged = (found.meta, found.damaged) if found else (None, {})
     start = meta["step"] if meta else 0
     if start > cfg.train.steps:
         raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
@@ -159,19 +121,6 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     return Compiled(compiled, eval_step, train_batches, val_batches, info, tasks, source_val)
 
 
-def open_outputs(p: Prepared, info: dict, out_dir: Path | None, fresh: bool) -> MetricsWriters | None:
-    """Clear what a fresh start or a damaged checkpoint leaves; run.json; the metrics writers."""
-    if p.ckpt is not None:
-        if fresh and is_main_process():
-            p.ckpt.remove_all()
-        p.ckpt.delete(p.damaged)  # newer than the restored step: a new save may need the name
-    if out_dir is None or not is_main_process():
-        return None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "run.json").write_text(json.dumps(info, indent=2))
-    return MetricsWriters(out_dir, p.start, p.cfg)
-
-
 def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult, bar) -> StepLogger:
     """The step logger: each record into result.losses, the writers and the progress bar."""
     t, info = p.cfg.train, c.info
@@ -194,9 +143,9 @@ def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result
 
 
 def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult,
-               profiler: StepProfiler, progress: bool, stop_at: int | None):
+               profiler: StepProfiler, progress: bool, stop_at: int | None, stop: StopRequest):
     """Phase 3: steps from p.start to train.steps, with logs, evals and checkpoints; returns the
-    state and the logged steps' times.
+    state and the logged steps' times (a state of None: stopped before the first step).
 
     Raises Diverged at a non-finite step; checkpoint saves check every step before them, so none
     holds non-finite params.
@@ -208,62 +157,67 @@ def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result:
     state = p.state
     if due(p.start, at_start=True):  # a resumed run repeats its eval
         evaluate(p.start, state.params, at_start=True)
+    if stop.now():
+        bar.close()
+        return None, []
     batches = Prefetcher(c.train_batches, p.start)
     logger.restart_clock(p.start - 1)
-    with StopRequest() as stop:
-        try:
-            for step in range(p.start, t.steps):
-                profiler.before_step(step)
-                state, metrics = c.step(state, batches(step))
-                profiler.after_step(step, (state, metrics))
-                logger.add(step, metrics)
-                if (step + 1) % FETCH_EVERY == 0:
-                    logger.flush()
-                bar.update(1)
-                updates = step + 1
-                if due(updates):
-                    logger.flush(step)
-                    evaluate(updates, state.params)
-                    logger.restart_clock(step)
-                if updates == stop_at:
-                    stop.request()
-                stopping = stop.agreed(updates)
-                if ckpt is not None and (cfg.ckpt.every and updates % cfg.ckpt.every == 0
-                                         or updates == t.steps or stopping):
-                    logger.flush()  # the divergence guard sees every step before it is saved
-                    # Training goes on while it writes; the next save waits for this one.
-                    ckpt.save(updates, state.params, state.opt_state, make_meta(cfg, p.dataset.tokenizer, updates))
-                if stopping:
-                    c.info["interrupted"] = {"step": updates, "signal": stopping}
-                    break
-            logger.flush(step)
-        finally:
-            batches.close()
-            bar.close()
-            if ckpt is not None:
-                ckpt.wait()  # inside the handlers: a signal now cannot cut the last write short
-                ckpt.close()
+    try:
+        for step in range(p.start, t.steps):
+            profiler.before_step(step)
+            state, metrics = c.step(state, batches(step))
+            profiler.after_step(step, (state, metrics))
+            logger.add(step, metrics)
+            if (step + 1) % FETCH_EVERY == 0:
+                logger.flush()
+            bar.update(1)
+            updates = step + 1
+            if due(updates):
+                logger.flush(step)
+                evaluate(updates, state.params)
+                logger.restart_clock(step)
+            if updates == stop_at:
+                stop.ask()
+            stopping = stop.agreed(updates)
+            if ckpt is not None and (cfg.ckpt.every and updates % cfg.ckpt.every == 0
+                                     or updates == t.steps or stopping):
+                logger.flush()  # the divergence guard sees every step before it is saved
+                # Training goes on while it writes; the next save waits for this one.
+                ckpt.save(updates, state.params, state.opt_state, make_meta(cfg, p.dataset.tokenizer, updates))
+            if stopping:
+                c.info["interrupted"] = {"step": updates, "signal": stopping}
+                break
+        logger.flush(step)
+    finally:
+        batches.close()
+        bar.close()
+        if ckpt is not None:
+            ckpt.wait()  # a first signal now cannot cut the last write short; a second one does
+            ckpt.close()
     return state, logger.step_times
 
 
-def stop_diverged(p: Prepared, info: dict, out_dir: Path | None, diverged: Diverged) -> UserError:
-    """The one-line error for a diverged run, after recording it in run.json."""
-    kept = p.ckpt.steps() if p.ckpt is not None else []
-    last_good = str(p.ckpt.directory / str(kept[-1])) if kept else None
-    info["diverged"] = json.loads(strict_json({k: diverged.record[k]
-                                               for k in ("step", "loss", "grad_norm")}))
-    if out_dir is not None and is_main_process():
-        (out_dir / "run.json").write_text(json.dumps(info, indent=2))
-    return UserError(diverged.explain(last_good, p.cfg.optimizer.grad_clip))
-
-
 def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool = True, *,
-        fresh: bool = False, stop_at: int | None = None, profile: str | None = None) -> RunResult:
+        fresh: bool = False, stop_at: int | None = None, profile: str | None = None,
+        stop: StopRequest | None = None) -> RunResult:
     """Train per cfg on a mesh over `devices` (default: all). Validates everything before writing.
 
-    With `out_dir`, it checkpoints to out_dir/checkpoints and resumes from the newest checkpoint
-    there, unless `fresh`. `stop_at` stops after that step as SIGTERM would (tests use it).
+    With `out_dir`, it locks out_dir, checkpoints to out_dir/checkpoints and resumes from the
+    newest checkpoint there, unless `fresh`. `stop_at` stops after that step as SIGTERM would
+    (tests use it). `stop`: the signals' flag, if the caller installed it earlier.
     """
+    with contextlib.ExitStack() as held:
+        stop = stop or held.enter_context(StopRequest())
+        if out_dir is not None:
+            lock = held.enter_context(locked(out_dir))
+            if lock is not None:
+                stop.before_forced_exit.append(lock.release)
+        return train(cfg, out_dir, devices, progress, fresh, stop_at, profile, stop)
+
+
+def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: bool, stop_at: int | None,
+          profile: str | None, stop: StopRequest) -> RunResult:
+    """`run`'s phases, under the lock and the signal handlers."""
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
@@ -278,8 +232,12 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
             result.info = {"resumed_from": p.start, "checkpoints": str(p.ckpt.directory),
                            "summary": None}
             return result
-        c = compile_run(p, peak)
-        writers = open_outputs(p, c.info, out_dir, fresh)
+        stopping = stop.now()
+        c = None if stopping else compile_run(p, peak)
+        stopping = stopping or stop.now()
+        if stopping:
+            return stopped_early(p, stopping)
+        writers, created = open_outputs(p, c.info, out_dir, fresh)
         if p.start and progress and is_main_process():
             print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
         # auto kept xla where a fused kernel exists
@@ -287,12 +245,15 @@ def run(cfg: Config, out_dir: Path | None = None, devices=None, progress: bool =
         if note and is_main_process():
             print(note, file=sys.stderr)
         try:
-            state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at)
+            state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at, stop)
         except Diverged as diverged:
             raise stop_diverged(p, c.info, out_dir, diverged) from None
         finally:
             if writers:
                 writers.close()
+        if state is None:
+            remove_outputs(created if p.start == 0 else [])
+            return stopped_early(p, stop.now())
         c.info["summary"] = summarise(c.info, result.losses, result.val_losses, step_times)
         zero.check_state(state, p.shardings)  # out_shardings pin them; this proves it after training
         if writers:

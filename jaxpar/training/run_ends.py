@@ -1,0 +1,73 @@
+"""How a run's outputs start, and how a run ends other than by finishing: stopped by a signal
+before its first step (nothing new left behind), or stopped by a non-finite step (one line that
+names the newest checkpoint that verifies)."""
+
+import json
+import shutil
+from pathlib import Path
+
+from jaxpar.core.errors import UserError
+from jaxpar.parallel.distributed import is_main_process
+from jaxpar.training.metrics import Diverged, MetricsWriters, strict_json
+from jaxpar.training.resume import restore_train_state
+from jaxpar.training.run_state import Prepared, RunResult
+
+OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "wandb", "wandb_id")  # what open_outputs may make
+
+
+def open_outputs(p: Prepared, info: dict, out_dir: Path | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
+    """Clear what a fresh start leaves, set damaged checkpoints aside; run.json; the metrics
+    writers, and the outputs that did not exist before."""
+    if p.ckpt is not None and is_main_process():
+        if fresh:
+            p.ckpt.remove_all()
+        p.ckpt.set_aside(p.damaged)  # newer than the restored step: a new save needs the name
+    if out_dir is None or not is_main_process():
+        return None, []
+    created = [out_dir / name for name in OUTPUTS if not (out_dir / name).exists()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+    return MetricsWriters(out_dir, p.start, p.cfg), created
+
+
+def remove_outputs(paths: list[Path]) -> None:
+    """Undo open_outputs' new files: a run stopped before its first step leaves nothing new."""
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def last_verified(p: Prepared) -> str | None:
+    """The newest checkpoint whose arrays read back and match their checksums (None: there is none)."""
+    if p.ckpt is None:
+        return None
+    try:
+        restored = restore_train_state(p.ckpt, p.cfg, p.dataset.tokenizer, p.tx, p.shardings)
+    except UserError:  # none is intact
+        return None
+    if restored is None:
+        return None
+    found = restored[1]
+    unverified = "" if found.verified else " (saved without checksums: not verified)"
+    return f"{p.ckpt.directory / str(found.step)}{unverified}"
+
+
+def stop_diverged(p: Prepared, info: dict, out_dir: Path | None, diverged: Diverged) -> UserError:
+    """The one-line error for a diverged run, after recording it in run.json."""
+    info["diverged"] = json.loads(strict_json({k: diverged.record[k]
+                                               for k in ("step", "loss", "grad_norm")}))
+    if out_dir is not None and is_main_process():
+        (out_dir / "run.json").write_text(json.dumps(info, indent=2))
+    return UserError(diverged.explain(last_verified(p), p.cfg.optimizer.grad_clip))
+
+
+def stopped_early(p: Prepared, signal_name: str) -> RunResult:
+    """A run stopped by a signal before its first step: it trained and saved nothing."""
+    where = str(p.ckpt.directory) if p.ckpt else None
+    return RunResult(params=p.state.params, info={"resumed_from": p.start, "checkpoints": where, "summary": None,
+                                                  "interrupted": {"step": p.start, "signal": signal_name,
+                                                                  "before_first_step": True}})
+
+

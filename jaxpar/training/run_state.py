@@ -1,0 +1,54 @@
+"""What a run's phases hand each other (jaxpar.training.trainer): the prepared state, the compiled
+step, and the result."""
+
+from dataclasses import dataclass, field
+
+import jax
+
+from jaxpar.core.config import Config
+from jaxpar.data.loader import BatchLoader, Dataset
+from jaxpar.models.family import Transformer
+from jaxpar.parallel import zero
+from jaxpar.training import step as steps
+from jaxpar.training.checkpoint import Checkpoints
+from jaxpar.training.task_scoring import TaskEval
+
+
+@dataclass
+class RunResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss before its update
+    val_losses: dict[int, float] = field(default_factory=dict)  # updates applied -> val loss
+    aux: dict[int, dict] = field(default_factory=dict)  # step -> {auxiliary loss: its value}
+    params: dict | None = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """What phase 1 builds: the data, the mesh and the train state to start from."""
+    cfg: Config
+    dataset: Dataset
+    mesh: jax.sharding.Mesh
+    ckpt: Checkpoints | None
+    tx: object  # the optax optimizer
+    model: Transformer
+    shardings: steps.TrainState
+    plan: zero.ZeroPlan
+    state: steps.TrainState
+    start: int  # the step the state is at
+    damaged: dict[int, str]  # damaged checkpoints newer than `start`: step -> why
+    mix_changed: dict | None = None  # data.mix against the checkpoint's: {step, before, after}
+
+
+@dataclass
+class Compiled:
+    """What phase 2 builds: the batches, the compiled steps and the run's description."""
+    step: object  # the compiled train step
+    eval_step: object
+    train_batches: BatchLoader
+    val_batches: list
+    info: dict
+    tasks: TaskEval | None = None  # --eval.tasks, scored during training
+    source_val: dict = field(default_factory=dict)  # a mixture's source name -> its val batches
+
+
