@@ -168,8 +168,10 @@ class Checkpoints:
                           "trying the previous one", file=sys.stderr)
                     damaged[step] = str(why)
         if damaged:
-            raise UserError(f"no intact checkpoint in '{self.directory}' (steps {', '.join(map(str, damaged))} "
-                            f"are damaged); start over with --fresh, or with another --out to keep them")
+            steps = ", ".join(map(str, damaged))
+            what = f"step {steps} is" if len(damaged) == 1 else f"steps {steps} are"
+            raise UserError(f"no intact checkpoint in '{self.directory}' ({what} damaged); train again with "
+                            "another --out (--fresh would delete them)")
         return None
 
     def _restore(self, manager, step: int, targets_for, explain_mismatch) -> Restored:

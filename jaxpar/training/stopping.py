@@ -45,7 +45,7 @@ class StopRequest:
         if self.signal_name is not None:
             self.exit_at_once(signum)
         self.signal_name = name
-        print(f"\njaxpar: {name}: stopping at the next safe point (a step ends and is saved); "
+        print(f"\n{self.prog}: {name}: stopping at the next safe point (a step ends and is saved); "
               f"send it again to stop at once, without saving", file=sys.stderr, flush=True)
 
     def exit_at_once(self, signum: int) -> None:
