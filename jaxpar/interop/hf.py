@@ -1,8 +1,9 @@
 """Hugging Face checkpoints in and out, for every model family: a directory with config.json and
 model.safetensors (or the shards model.safetensors.index.json names), as save_pretrained writes it.
 
-Each family's names and layouts are a module of their own (hf_gpt2, hf_llama), picked by
-config.json's model_type on the way in and by model.family on the way out.
+Each family's names and layouts are a module of their own (hf_gpt2, hf_llama, hf_moe: each one table
+that jaxpar.interop.hf_mapping reads and writes by), picked by config.json's model_type on the way in
+and by the model's family on the way out.
 In: `apply_hf_config` sets the model's shape from config.json and refuses what jaxpar does not
 compute; `load_hf_params` then puts every weight straight into its sharding on any mesh and ZeRO
 stage, each device reading only its own slice of the memory-mapped files (float32, bfloat16 or
@@ -23,24 +24,21 @@ from jaxpar.interop.hf_files import CONFIG_FILE, open_weights, read_hf_config
 from jaxpar.models.family import build_model
 from jaxpar.models.params import in_order
 
-# config.json's model_type -> the module that reads it (Mistral without a sliding window is Llama's
-# math, Qwen3 Llama's with QK-norm; Qwen2 and the MoEs jaxpar does not compute are named so that
-# their refusals can say why).
-FORMATS = {"gpt2": hf_gpt2, "llama": hf_llama, "mistral": hf_llama, "qwen2": hf_llama, "qwen3": hf_llama,
-           "mixtral": hf_moe, "qwen3_moe": hf_moe, "qwen2_moe": hf_moe, "deepseek_v2": hf_moe,
-           "deepseek_v3": hf_moe}
-BY_FAMILY = {"gpt2": hf_gpt2, "llama": hf_llama}
+# Each family's adapter, found by the config.json model_types it names (MODEL_TYPES) on the way in,
+# and on the way out by model.family (a dense model's: its base architecture's model_type) or, for
+# a mixture of experts, by model.n_experts.
+ADAPTERS = {kind: adapter for adapter in (hf_gpt2, hf_llama, hf_moe) for kind in adapter.MODEL_TYPES}
 SUPPORTED = ("gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), qwen3, mixtral (MixtralForCausalLM) and "
              "qwen3_moe (Qwen3MoeForCausalLM)")
 
 
 def format_of(config: dict, path: Path):
     kind = config.get("model_type")
-    if kind not in FORMATS:
+    if kind not in ADAPTERS:
         names = ", ".join(config.get("architectures") or []) or "no architectures"
         raise UserError(f"'{path}' describes a model_type '{kind}' model ({names}); jaxpar loads "
                         f"{SUPPORTED} checkpoints")
-    return FORMATS[kind]
+    return ADAPTERS[kind]
 
 
 def hf_model_fields(hf_dir) -> tuple[list[tuple[str, object, str]], int, int]:
@@ -97,7 +95,7 @@ def declared_params(cfg: Config, vocab_size: int) -> dict:
 
 def module_for(cfg: Config):
     """The module that names and lays out this model's weights as HF does."""
-    return hf_moe if cfg.model.n_experts else BY_FAMILY[cfg.model.family]
+    return hf_moe if cfg.model.n_experts else ADAPTERS[cfg.model.family]
 
 
 def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) -> dict:

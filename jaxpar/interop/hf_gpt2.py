@@ -3,72 +3,35 @@ names and layouts, and what save_pretrained writes. Used through jaxpar.interop.
 """
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.interop.hf_files import find_tensor, slice_reader
+from jaxpar.interop.hf_mapping import Mapping, Weight
 from jaxpar.models.gpt import LN_EPS
 
 FAMILY = "gpt2"
+MODEL_TYPES = (FAMILY,)  # the config.json model_types read here
 HF_PREFIX = "transformer."  # GPT2LMHeadModel's names; a bare GPT2Model's lack it
 # HF's activation names whose math is jaxpar's model.gelu of that kind.
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
                "gelu": "exact", "gelu_python": "exact"}
 TO_HF_ACTIVATION = {"tanh": "gelu_new", "exact": "gelu"}
-
-
-@dataclass(frozen=True)
-class Weight:
-    """Where a jaxpar param comes from: the HF tensor `hf` (per layer: under h.{i}.), whose dims
-    are `groups` of jaxpar's per-layer dims in order (e.g. c_attn's 3C is (3, heads, head_dim)).
-    HF's Conv1D stores (in, out), as jaxpar's kernels are, so a param declared `transposed`
-    (jaxpar.models.params: stored out first) is swapped on the way."""
-    hf: str
-    groups: tuple | None = None  # None: one jaxpar dim per HF dim
-
-
-LAYER_WEIGHTS = {
+# HF's names, after "transformer.". Conv1D stores (in, out), as jaxpar's kernels are; the 3C
+# outputs of c_attn are q, k, v by head. jaxpar stores the MLP output (embed, mlp), out first
+# (declared `transposed`), so it is swapped on the way.
+MAPPING = Mapping(layer="h.{i}.", out_first=False, blocks={
     ("ln_1", "scale"): Weight("ln_1.weight"), ("ln_1", "bias"): Weight("ln_1.bias"),
-    # Conv1D stores (in, out), as jaxpar's kernels are; the 3C outputs are q, k, v by head.
-    ("qkv", "kernel"): Weight("attn.c_attn.weight", (1, 3)),
-    ("qkv", "bias"): Weight("attn.c_attn.bias", (3,)),
-    ("attn_out", "kernel"): Weight("attn.c_proj.weight", (2, 1)),
-    ("attn_out", "bias"): Weight("attn.c_proj.bias"),
+    ("qkv", "kernel"): Weight("attn.c_attn.weight", (1, 3)), ("qkv", "bias"): Weight("attn.c_attn.bias", (3,)),
+    ("attn_out", "kernel"): Weight("attn.c_proj.weight", (2, 1)), ("attn_out", "bias"): Weight("attn.c_proj.bias"),
     ("ln_2", "scale"): Weight("ln_2.weight"), ("ln_2", "bias"): Weight("ln_2.bias"),
     ("mlp_in", "kernel"): Weight("mlp.c_fc.weight"), ("mlp_in", "bias"): Weight("mlp.c_fc.bias"),
-    # jaxpar stores the MLP output (embed, mlp), out first; HF's Conv1D has it (mlp, embed).
-    ("mlp_out", "kernel"): Weight("mlp.c_proj.weight"),
-    ("mlp_out", "bias"): Weight("mlp.c_proj.bias"),
-}
-TOP_WEIGHTS = {("wte",): Weight("wte.weight"), ("wpe",): Weight("wpe.weight"),
-               ("ln_f", "scale"): Weight("ln_f.weight"), ("ln_f", "bias"): Weight("ln_f.bias")}
-
-
-def hf_shape(weight: Weight, transposed: bool, jaxpar_shape: tuple) -> tuple:
-    """The HF tensor's shape for a jaxpar param of `jaxpar_shape` (one layer's)."""
-    dims = list(jaxpar_shape[::-1] if transposed else jaxpar_shape)
-    shape = []
-    for size in weight.groups or (1,) * len(dims):
-        shape.append(int(np.prod(dims[:size])))
-        dims = dims[size:]
-    return tuple(shape)
-
-
-def to_jaxpar_layout(transposed: bool, array: np.ndarray, jaxpar_shape: tuple) -> np.ndarray:
-    """An HF tensor as jaxpar's param (a view: nothing is read until it is indexed)."""
-    array = array.reshape(jaxpar_shape[::-1] if transposed else jaxpar_shape)
-    return array.T if transposed else array
-
-
-def to_hf_layout(weight: Weight, transposed: bool, array: np.ndarray, dtype) -> np.ndarray:
-    """One layer's jaxpar param as its HF tensor (C-ordered, as safetensors stores it)."""
-    hf = (array.T if transposed else array).reshape(hf_shape(weight, transposed, array.shape))
-    return np.ascontiguousarray(hf, dtype)
+    ("mlp_out", "kernel"): Weight("mlp.c_proj.weight"), ("mlp_out", "bias"): Weight("mlp.c_proj.bias"),
+}, top={("wte",): Weight("wte.weight"), ("wpe",): Weight("wpe.weight"),
+        ("ln_f", "scale"): Weight("ln_f.weight"), ("ln_f", "bias"): Weight("ln_f.bias")})
+TIED_HEAD = "lm_head.weight"  # wte, when a file stores it at all
 
 
 def check_supported(config: dict, path: Path) -> None:
@@ -109,39 +72,20 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
     return fields, vocab_size, int(config["n_positions"])
 
 
-def check_tied_head(tensors: dict, wte: np.ndarray, path: Path) -> None:
-    """GPT-2's lm_head is wte; a file that stores a different one is a model jaxpar cannot hold."""
-    head = tensors.get("lm_head.weight")
-    if head is not None and not np.array_equal(head, wte):
-        raise UserError(f"'{path}': lm_head.weight differs from wte.weight, and jaxpar's lm_head "
-                        "is tied to wte; use a checkpoint with tied embeddings")
-
-
 def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
     """{param path: make_array_from_callback's reader} for every declared param (a dict of
     jaxpar.models.params.Param by path), all checked."""
     if not cfg.model.bias:
         raise UserError("model.bias=false cannot hold a GPT-2 checkpoint, which has biases; "
                         "drop the override")
-    prefix = HF_PREFIX if HF_PREFIX + "wte.weight" in tensors else ""
-
-    def source(key: tuple, param):
-        stacked, vocab = key[0] == "blocks", "vocab" in param.axes
-        weight = LAYER_WEIGHTS[key[1:]] if stacked else TOP_WEIGHTS[key]
-        names = [f"h.{i}.{weight.hf}" for i in range(cfg.model.n_layer)] if stacked else [weight.hf]
-        shape = param.shape[1:] if stacked else param.shape
-        real = (vocab_size,) + shape[1:] if vocab else shape  # the vocabulary without its padding
-        arrays = [find_tensor(tensors, prefix + n, hf_shape(weight, param.transposed, real), path) for n in names]
-        if key == ("wte",):
-            check_tied_head(tensors, arrays[0], path)
-        views = [to_jaxpar_layout(param.transposed, a, real) for a in arrays]
-        return slice_reader(views, stacked, vocab_size if vocab else None)
-
-    return {key: source(key, param) for key, param in declared.items()}
-
-
-def keys(path) -> tuple[str, ...]:
-    return tuple(k.key for k in path)
+    wte = MAPPING.top[("wte",)].hf
+    prefix = HF_PREFIX if HF_PREFIX + wte in tensors else ""
+    MAPPING.reader(tensors, ("wte",), declared[("wte",)], cfg, vocab_size, path, prefix)  # wte checked first,
+    head = tensors.get(TIED_HEAD)  # then the tied head: a file with another is a model jaxpar cannot hold
+    if head is not None and not np.array_equal(head, tensors[prefix + wte]):
+        raise UserError(f"'{path}': {TIED_HEAD} differs from {wte}, and jaxpar's lm_head "
+                        "is tied to wte; use a checkpoint with tied embeddings")
+    return MAPPING.readers(tensors, cfg, vocab_size, declared, path, prefix)
 
 
 def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
@@ -150,18 +94,7 @@ def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype
     if not cfg.model.bias:
         raise UserError("this model was trained with model.bias=false, and a Hugging Face GPT-2 "
                         "always has biases; only a model.bias=true run can be exported")
-    out = {}
-    for path, array in jax.tree_util.tree_flatten_with_path(params)[0]:
-        key, array = keys(path), np.asarray(jax.device_get(array), np.float32)
-        param = declared[key]
-        if key[0] == "blocks":
-            weight = LAYER_WEIGHTS[key[1:]]
-            for i in range(cfg.model.n_layer):
-                out[f"{HF_PREFIX}h.{i}.{weight.hf}"] = to_hf_layout(weight, param.transposed, array[i], dtype)
-        else:
-            real = array[:vocab_size] if "vocab" in param.axes else array
-            out[HF_PREFIX + TOP_WEIGHTS[key].hf] = to_hf_layout(TOP_WEIGHTS[key], param.transposed, real, dtype)
-    return out
+    return MAPPING.state_dict(params, declared, cfg, vocab_size, dtype, HF_PREFIX)
 
 
 def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:

@@ -3,40 +3,38 @@ rope_theta and rope_scaling, or 5's rope_parameters), the weights' names and lay
 save_pretrained writes. Used through jaxpar.interop.hf.
 
 HF's Linear weights are (out, in); jaxpar's kernels are (in, *out) with the heads split out, so each
-maps with a transpose and a reshape, and k/v and gate/up are stacked into one kernel each.
+maps with a transpose and a reshape, and k/v and gate/up are stacked into one kernel each: MAPPING,
+which jaxpar.interop.hf_mapping runs both ways.
 """
 
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.interop.hf_files import Stacked, find_tensor, slice_reader
-from jaxpar.models.params import NORM
+from jaxpar.interop.hf_mapping import Mapping, Weight
 
 FAMILY = "llama"
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                "rope_high_freq_factor": "high_freq_factor",
                "rope_original_max_position": "original_max_position_embeddings"}
-LAYER = "model.layers.{i}."
-# jaxpar param -> the HF tensors it is made of (several: stacked on the kernel's axis 1)
-LAYER_WEIGHTS = {
-    ("attn_norm", "scale"): ["input_layernorm.weight"],
-    ("q", "kernel"): ["self_attn.q_proj.weight"],
-    ("kv", "kernel"): ["self_attn.k_proj.weight", "self_attn.v_proj.weight"],
-    ("attn_out", "kernel"): ["self_attn.o_proj.weight"],
-    ("q_norm", "scale"): ["self_attn.q_norm.weight"],  # Qwen3's, over each head's dims
-    ("k_norm", "scale"): ["self_attn.k_norm.weight"],
-    ("mlp_norm", "scale"): ["post_attention_layernorm.weight"],
-    ("gate_up", "kernel"): ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-    ("mlp_out", "kernel"): ["mlp.down_proj.weight"],  # (embed, mlp) in both
-}
-TOP_WEIGHTS = {("wte",): "model.embed_tokens.weight", ("norm", "scale"): "model.norm.weight",
-               ("lm_head",): "lm_head.weight"}
+MODEL_TYPES = (FAMILY, "mistral", "qwen2", "qwen3")  # Mistral without a sliding window is Llama's math,
+# Qwen3 Llama's with QK-norm; Qwen2's biases are named so that its refusal can say why.
+MAPPING = Mapping(layer="model.layers.{i}.", out_first=True, blocks={
+    ("attn_norm", "scale"): Weight("input_layernorm.weight"),
+    ("q", "kernel"): Weight("self_attn.q_proj.weight", (1, 2)),  # (embed, heads, head_dim)
+    ("kv", "kernel"): Weight(("self_attn.k_proj.weight", "self_attn.v_proj.weight"), (1, 2)),
+    ("attn_out", "kernel"): Weight("self_attn.o_proj.weight", (2, 1)),  # (heads, head_dim, embed)
+    ("q_norm", "scale"): Weight("self_attn.q_norm.weight"),  # Qwen3's, over each head's dims
+    ("k_norm", "scale"): Weight("self_attn.k_norm.weight"),
+    ("mlp_norm", "scale"): Weight("post_attention_layernorm.weight"),
+    ("gate_up", "kernel"): Weight(("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("mlp_out", "kernel"): Weight("mlp.down_proj.weight"),  # (embed, mlp) in both
+}, top={("wte",): Weight("model.embed_tokens.weight"), ("norm", "scale"): Weight("model.norm.weight"),
+        ("lm_head",): Weight("lm_head.weight")})
 
 
 def refuse(path: Path, what: str, fix: str = "jaxpar's Llama computes plain LlamaForCausalLM math"):
@@ -102,80 +100,22 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
     return fields + rope_fields(config, path), vocab_size, positions
 
 
-def as_stored(param) -> bool:
-    """Whether HF stores this param as jaxpar does: a norm's scale, or a kernel jaxpar keeps out
-    first, (out, in), as HF's Linear does (jaxpar.models.params' `transposed`)."""
-    return param.role == NORM or param.transposed
-
-
-def layer_view(key: tuple, param, arrays: list, shape: tuple):
-    """One layer's jaxpar param (of `shape`) as a lazy view of its HF tensors."""
-    if as_stored(param):
-        return arrays[0]
-    if len(arrays) == 1:  # (out, in) -> (in, *out), or for attn_out (embed, heads*hd) -> (heads, hd, embed)
-        return arrays[0].T.reshape(shape)
-    part = shape[:1] + shape[2:]
-    return Stacked([a.T.reshape(part) for a in arrays], axis=1)
-
-
-def hf_layer_shape(key: tuple, param, shape: tuple, parts: int) -> tuple:
-    if as_stored(param):
-        return shape
-    if key[0] == "attn_out":
-        return (shape[-1], int(np.prod(shape[:-1])))
-    inner = shape[2:] if parts > 1 else shape[1:]
-    return (int(np.prod(inner)), shape[0])
-
-
-def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
+def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path,
+            mapping: Mapping = MAPPING) -> dict:
     """{param path: make_array_from_callback's reader} for every declared param (a dict of
     jaxpar.models.params.Param by path), all checked."""
-    out = {}
-    for key, param in declared.items():
-        if key[0] == "blocks":
-            names, shape = LAYER_WEIGHTS[key[1:]], param.shape[1:]
-            views = [layer_view(key[1:], param, [find_tensor(tensors, LAYER.format(i=i) + n,
-                                                             hf_layer_shape(key[1:], param, shape, len(names)), path)
-                                                 for n in names], shape)
-                     for i in cfg.model.layers_in(param.axes[0])]  # the layers of its stack
-            out[key] = slice_reader(views, True)
-        elif "vocab" not in param.axes:
-            out[key] = slice_reader([find_tensor(tensors, TOP_WEIGHTS[key], param.shape, path)], False)
-        else:  # the vocabulary without its padding rows
-            array = find_tensor(tensors, TOP_WEIGHTS[key], (vocab_size, param.shape[1]), path)
-            out[key] = slice_reader([array], False, vocab_size)
-    if cfg.model.tie_embeddings and "lm_head.weight" in tensors and not np.array_equal(
-            tensors["lm_head.weight"], tensors[TOP_WEIGHTS[("wte",)]]):
-        raise UserError(f"'{path}': lm_head.weight differs from the embedding, but config.json says "
+    out = mapping.readers(tensors, cfg, vocab_size, declared, path)
+    embedding, head = (mapping.top[key].hf for key in (("wte",), ("lm_head",)))
+    if cfg.model.tie_embeddings and head in tensors and not np.array_equal(tensors[head], tensors[embedding]):
+        raise UserError(f"'{path}': {head} differs from the embedding, but config.json says "
                         "tie_word_embeddings=true; pass a consistent checkpoint")
     return out
-
-
-def hf_tensors(key: tuple, param, array: np.ndarray) -> list[np.ndarray]:
-    """One layer's jaxpar param as its HF tensors, in LAYER_WEIGHTS's order."""
-    if as_stored(param):
-        return [array]
-    if key[0] == "attn_out":
-        return [array.reshape(-1, array.shape[-1]).T]
-    parts = [array] if len(LAYER_WEIGHTS[key]) == 1 else [array[:, j] for j in range(array.shape[1])]
-    return [part.reshape(part.shape[0], -1).T for part in parts]
 
 
 def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params as LlamaForCausalLM.save_pretrained writes them: its names and shapes, the
     vocabulary's padding rows removed, lm_head.weight only when untied."""
-    out = {}
-    for p, array in jax.tree_util.tree_flatten_with_path(params)[0]:
-        key, array = tuple(k.key for k in p), np.asarray(jax.device_get(array), np.float32)
-        param = declared[key]
-        if key[0] == "blocks":
-            for at, i in enumerate(cfg.model.layers_in(param.axes[0])):
-                for name, tensor in zip(LAYER_WEIGHTS[key[1:]], hf_tensors(key[1:], param, array[at])):
-                    out[LAYER.format(i=i) + name] = np.ascontiguousarray(tensor, dtype)
-        else:
-            out[TOP_WEIGHTS[key]] = np.ascontiguousarray(array[:vocab_size] if "vocab" in param.axes
-                                                         else array, dtype)
-    return out
+    return MAPPING.state_dict(params, declared, cfg, vocab_size, dtype)
 
 
 def architecture(cfg: Config) -> dict:

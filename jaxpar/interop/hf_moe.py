@@ -8,7 +8,9 @@ the experts on an 'experts' axis and fuses gate and up: (layers, experts, embed,
 its own experts' tensors. Variants whose math jaxpar does not compute are refused by name.
 """
 
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -16,16 +18,29 @@ import numpy as np
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.interop import hf_llama
-from jaxpar.interop.hf_files import Stacked, find_tensor, slice_reader
+from jaxpar.interop.hf_mapping import Mapping, Weight
 
-# Each dialect's names: the router (E, C), and expert e's gate, up and down Linear weights.
-DIALECTS = {
-    "mixtral": {"router": "block_sparse_moe.gate.weight", "expert": "block_sparse_moe.experts.{e}.",
-                "gate": "w1", "up": "w3", "down": "w2", "architecture": "MixtralForCausalLM"},
-    "qwen3_moe": {"router": "mlp.gate.weight", "expert": "mlp.experts.{e}.",
-                  "gate": "gate_proj", "up": "up_proj", "down": "down_proj", "architecture": "Qwen3MoeForCausalLM"},
-}
-EXPERT_PARAMS = ("router", "experts_gate_up", "experts_out")
+EXPERT_PARAMS = ("router", "experts_gate_up", "experts_out")  # under 'blocks', each a kernel
+
+
+class Dialect(NamedTuple):
+    architecture: str  # config.json's
+    mapping: Mapping  # Llama's table with the router's and the experts' names
+
+
+def dialect(architecture: str, block: str, gate: str, up: str, down: str) -> Dialect:
+    """A dialect's names of the router (E, C) and of expert {e}'s gate, up and down Linear weights."""
+    expert = f"{block}.experts.{{e}}."
+    weights = (Weight(f"{block}.gate.weight"), Weight((f"{expert}{gate}.weight", f"{expert}{up}.weight")),
+               Weight(f"{expert}{down}.weight"))
+    experts = {(name, "kernel"): weight for name, weight in zip(EXPERT_PARAMS, weights)}
+    return Dialect(architecture, replace(hf_llama.MAPPING, blocks=hf_llama.MAPPING.blocks | experts))
+
+
+DIALECTS = {"mixtral": dialect("MixtralForCausalLM", "block_sparse_moe", "w1", "w3", "w2"),
+            "qwen3_moe": dialect("Qwen3MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj")}
+# The MoEs jaxpar does not compute are read too, so that their refusals can say why.
+MODEL_TYPES = (*DIALECTS, "qwen2_moe", "deepseek_v2", "deepseek_v3")
 
 
 def refused_variants(config: dict) -> list[str]:
@@ -91,50 +106,25 @@ def model_type(cfg: Config) -> str:
                     "QK-norm and experts in every layer; Qwen3-MoE has per-head QK-norm (qk_norm=head)")
 
 
-def names_of(dialect: dict, key: str, i: int, e: int) -> list[str]:
-    """The HF tensors of layer i's expert e that make jaxpar's `key`, in jaxpar's order."""
-    prefix = hf_llama.LAYER.format(i=i) + dialect["expert"].format(e=e)
-    parts = ("gate", "up") if key == "experts_gate_up" else ("down",)
-    return [prefix + dialect[part] + ".weight" for part in parts]
-
-
-def expert_views(tensors: dict, key: str, dialect: dict, i: int, shape: tuple, path: Path) -> Stacked:
-    """Layer i's (experts, ...) param as a lazy stack of each expert's HF tensors."""
-    hf_shape = (shape[-1], shape[1])  # (mlp, embed) of gate and up, (embed, mlp) of down: (out, in)
-    per_expert = [[find_tensor(tensors, name, hf_shape, path).T for name in names_of(dialect, key, i, e)]
-                  for e in range(shape[0])]
-    return Stacked([Stacked(parts, axis=1) if len(parts) > 1 else parts[0] for parts in per_expert], axis=0)
-
-
 def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
-    """Llama's readers, and the router's and experts' (each layer's experts a lazy stack)."""
-    dialect, layers = DIALECTS[model_type(cfg)], cfg.model.layers_in(declared[("blocks", "router", "kernel")].axes[0])
-    dense = {key: param for key, param in declared.items() if key[0] != "blocks" or key[1] not in EXPERT_PARAMS}
-    out = hf_llama.readers(tensors, cfg, vocab_size, dense, path)
-    C, E = cfg.model.n_embd, cfg.model.n_experts
-    out[("blocks", "router", "kernel")] = slice_reader(
-        [find_tensor(tensors, hf_llama.LAYER.format(i=i) + dialect["router"], (E, C), path).T for i in layers], True)
-    for key in ("experts_gate_up", "experts_out"):
-        shape = declared[("blocks", key, "kernel")].shape[1:]
-        out[("blocks", key, "kernel")] = slice_reader(
-            [expert_views(tensors, key, dialect, i, shape, path) for i in layers], True)
-    return out
+    """Llama's readers, the router's and the experts' last (each layer's experts a lazy stack)."""
+    ordered = sorted(declared.items(), key=lambda item: item[0][0] == "blocks" and item[0][1] in EXPERT_PARAMS)
+    return hf_llama.readers(tensors, cfg, vocab_size, dict(ordered), path, DIALECTS[model_type(cfg)].mapping)
 
 
 def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Llama's tensors, then the router's and every expert's under the dialect's names."""
-    dialect = DIALECTS[model_type(cfg)]
-    blocks = params["blocks"]
+    """Llama's tensors, then layer by layer the router's and expert by expert its tensors."""
+    mapping, blocks = DIALECTS[model_type(cfg)].mapping, params["blocks"]
     dense = {**params, "blocks": {k: v for k, v in blocks.items() if k not in EXPERT_PARAMS}}
-    out = hf_llama.state_dict(dense, declared, cfg, vocab_size, dtype)
-    router, gate_up, down = (np.asarray(jax.device_get(blocks[k]["kernel"]), np.float32) for k in EXPERT_PARAMS)
-    for at, i in enumerate(cfg.model.layers_in(declared[("blocks", "router", "kernel")].axes[0])):
-        out[hf_llama.LAYER.format(i=i) + dialect["router"]] = np.ascontiguousarray(router[at].T, dtype)
+    out = mapping.state_dict(dense, declared, cfg, vocab_size, dtype)
+    kernels = [(("blocks", name, "kernel"), np.asarray(jax.device_get(blocks[name]["kernel"]), np.float32))
+               for name in EXPERT_PARAMS]
+    (router, routes), *experts = kernels
+    for at, i in enumerate(cfg.model.layers_in(declared[router].axes[0])):
+        out |= mapping.hf_tensors(router, declared[router], routes[at], dtype, i=i)
         for e in range(cfg.model.n_experts):
-            gate, up = names_of(dialect, "experts_gate_up", i, e)
-            out[gate] = np.ascontiguousarray(gate_up[at, e, :, 0].T, dtype)
-            out[up] = np.ascontiguousarray(gate_up[at, e, :, 1].T, dtype)
-            out[names_of(dialect, "experts_out", i, e)[0]] = np.ascontiguousarray(down[at, e].T, dtype)
+            for key, array in experts:
+                out |= mapping.hf_tensors(key, declared[key], array[at, e], dtype, i=i, e=e)
     return out
 
 
@@ -144,7 +134,7 @@ def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "fl
     config = hf_llama.hf_config(cfg, vocab_size, eot_id, dtype)
     for key in ("mlp_bias", "pretraining_tp", "max_window_layers"):
         config.pop(key, None)
-    config |= {"architectures": [DIALECTS[kind]["architecture"]], "model_type": kind,
+    config |= {"architectures": [DIALECTS[kind].architecture], "model_type": kind,
                "num_experts_per_tok": m.experts_per_token, "router_aux_loss_coef": m.router_aux_coef,
                "output_router_logits": False}
     if kind == "mixtral":
