@@ -6,7 +6,7 @@ import sys
 import numpy as np
 
 from jaxpar.core.axes import check_schedule, check_virtual
-from jaxpar.core.config import SCHEDULES
+from jaxpar.core.config import PIPELINE_SCHEDULES
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.parallel.orders import BACKWARD, FORWARD, WEIGHT
 from jaxpar.parallel.schedule import Schedule
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="jaxpar.schedule", description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
     parser.add_argument("--virtual", type=int, default=None,
                         help="layer chunks per stage, for interleaved (default 2)")
     parser.add_argument("--out", help="PNG path (default: schedule_<schedule>_pp<P>_m<M>[_v<V>].png)")

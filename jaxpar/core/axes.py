@@ -12,9 +12,11 @@ most spread to the most local (`locality`): under context parallelism the tokens
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
+from jaxpar.core.axis_costs import AxisCosts, ContextCosts, DataCosts, ExpertCosts, PipeCosts, TensorCosts
 from jaxpar.core.errors import UserError
 
 DATA, TENSOR, PIPE, CONTEXT, EXPERT = "data", "tensor", "pipe", "context", "expert"
@@ -34,6 +36,7 @@ class MeshAxis:
     splits: tuple[str, ...]
     about: str
     planned: bool = True
+    costs: ClassVar[AxisCosts] = AxisCosts()  # the planner's cost terms (jaxpar.core.axis_costs)
 
     def logical_axes(self, sequence_parallel: bool) -> tuple[str, ...]:
         return self.splits
@@ -49,6 +52,7 @@ class MeshAxis:
 class Data(MeshAxis):
     """Data parallelism: the batch split by rows. ZeRO shards the optimizer state, gradients and
     params over it."""
+    costs = DataCosts()
 
     def check(self, cfg, size, sizes):
         micro_batch = cfg.train.batch_size // cfg.train.grad_accum
@@ -60,6 +64,7 @@ class Data(MeshAxis):
 class Tensor(MeshAxis):
     """Megatron tensor parallelism: heads, the MLP's width and the vocabulary split; with
     sequence parallelism the residual stream's sequence too."""
+    costs = TensorCosts()
 
     def logical_axes(self, sequence_parallel):
         return self.splits + (("stream_seq",) if sequence_parallel else ())
@@ -88,6 +93,7 @@ class Tensor(MeshAxis):
 
 class Pipe(MeshAxis):
     """Pipeline parallelism: the stacked layers split into stages (jaxpar.parallel.pipeline)."""
+    costs = PipeCosts()
 
     def check(self, cfg, size, sizes):
         if size > 1:
@@ -100,6 +106,7 @@ class Pipe(MeshAxis):
 class Context(MeshAxis):
     """Context parallelism: every activation's sequence split over a ring of devices, attention as
     a ring (jaxpar.models.ring_attention), the batch laid out in the ring's zigzag order."""
+    costs = ContextCosts()
 
     def check(self, cfg, size, sizes):
         m, tp = cfg.model, sizes[TENSOR_AXIS.key]
@@ -124,6 +131,7 @@ class Context(MeshAxis):
 class Expert(MeshAxis):
     """Expert parallelism: a mixture of experts' experts split over devices (jaxpar.models.moe),
     and everywhere else more data parallelism, the batch's rows split over (data, expert)."""
+    costs = ExpertCosts()
 
     def check(self, cfg, size, sizes):
         if size == 1:

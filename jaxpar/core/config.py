@@ -22,7 +22,7 @@ _PACKAGE = Path(__file__).resolve().parent.parent  # jaxpar/
 CONFIG_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if d.is_dir()),
                   _PACKAGE / "configs")
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline schedules; see jaxpar.parallel.orders
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule: see jaxpar.parallel.orders
 
 
 @dataclass
@@ -266,8 +266,8 @@ def validate(cfg: Config) -> None:
     if cfg.data.document_mask and m.attention == "cudnn":
         raise UserError("model.attention=cudnn cannot keep data.document_mask's documents apart: jax's "
                         "cuDNN attention has no segment ids; use --model.attention=auto (xla on GPUs)")
-    if cfg.pipeline.schedule not in SCHEDULES:
-        raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, "
+    if cfg.pipeline.schedule not in PIPELINE_SCHEDULES:
+        raise UserError(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")
     check_virtual(cfg.pipeline.schedule, cfg.pipeline.virtual)
     if t.zero not in (0, 1, 2, 3):

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field, fields
 
 from jaxpar.core.errors import UserError
 
-OPTIMIZERS = ("adamw", "lion", "adafactor", "muon")  # optimizer.name: an entry each in jaxpar.training.optimizers
-SCHEDULES = ("cosine", "wsd", "constant")  # optimizer.schedule (jaxpar.training.optimizers.learning_rate)
+# optimizer.name: the names of jaxpar.training.optimizers.OPTIMIZERS' entries, which hold each one's
+# builder and state size; named here as well since the config is checked without importing training.
+OPTIMIZERS = ("adamw", "lion", "adafactor", "muon")
+LR_SCHEDULES = ("cosine", "wsd", "constant")  # optimizer.schedule (jaxpar.training.optimizers.learning_rate)
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # wsd's decay
 # Older names of the section's keys, kept working in config files and on the command line.
 ALIASES = {"train.lr": "optimizer.lr", "train.min_lr": "optimizer.min_lr",
@@ -79,7 +81,7 @@ def validate_optimizer(o: OptimizerConfig, key_name) -> None:
         if getattr(o, name) < 0:
             raise UserError(f"{key_name(f'optimizer.{name}')} must be >= 0, got {getattr(o, name)}")
     check_ranges(o, key_name)
-    for name, choices in (("schedule", SCHEDULES), ("decay_shape", DECAY_SHAPES)):
+    for name, choices in (("schedule", LR_SCHEDULES), ("decay_shape", DECAY_SHAPES)):
         if getattr(o, name) not in choices:
             raise UserError(f"optimizer.{name} must be one of {', '.join(choices)}, got '{getattr(o, name)}'")
     if not 0 <= o.decay_fraction <= 1:

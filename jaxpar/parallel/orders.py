@@ -9,7 +9,7 @@ the bubble).
 
 from dataclasses import dataclass
 
-from jaxpar.core.config import SCHEDULES
+from jaxpar.core.config import PIPELINE_SCHEDULES
 
 IDLE, FORWARD, BACKWARD, WEIGHT = 0, 1, 2, 3
 LETTERS = {FORWARD: "F", BACKWARD: "B", WEIGHT: "W"}
@@ -105,4 +105,4 @@ def stage_orders(schedule: str, pp: int, microbatches: int, virtual: int = 1) ->
         return orders
     if schedule == "interleaved":
         return interleaved_orders(pp, M, virtual)
-    raise ValueError(f"unknown schedule '{schedule}'; known: {', '.join(SCHEDULES)}")
+    raise ValueError(f"unknown schedule '{schedule}'; known: {', '.join(PIPELINE_SCHEDULES)}")

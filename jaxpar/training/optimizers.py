@@ -5,18 +5,22 @@ params), which give the parameter groups.
 Gradient clipping is applied by the train step before the update: it keeps no state, so the
 optimizer state is the entry's alone, and a run may turn clipping on or off when it resumes.
 
-Adding an optimizer: its name in jaxpar.core.optimizer_config.OPTIMIZERS, its own keys there
-(declared `only_for_optimizer`), and an entry here.
+Adding an optimizer: an entry here (its builder and the size of its state, which jaxpar.plan's
+memory guess reads), its own keys in jaxpar.core.optimizer_config (declared `only_for_optimizer`),
+and its name in that module's OPTIMIZERS: the config is checked at load, and jaxpar.core may not
+import this module.
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.core.optimizer_config import LR_SCHEDULES, OptimizerConfig, decay_start
 from jaxpar.core.optimizer_config import OPTIMIZERS as OPTIMIZER_NAMES
-from jaxpar.core.optimizer_config import SCHEDULES, OptimizerConfig, decay_start
 from jaxpar.models.params import EMBEDDING, MATRIX
 from jaxpar.training import muon as muon_split
 
@@ -48,7 +52,7 @@ def constant(step, o: OptimizerConfig, xp):
 
 
 AFTER_WARMUP = {"cosine": cosine, "wsd": wsd, "constant": constant}
-assert tuple(AFTER_WARMUP) == SCHEDULES, "jaxpar.core.optimizer_config names the same schedules"
+assert tuple(AFTER_WARMUP) == LR_SCHEDULES, "jaxpar.core.optimizer_config names the same schedules"
 
 
 def decayed(roles: dict) -> dict:
@@ -98,7 +102,22 @@ def muon(o: OptimizerConfig, schedule, roles: dict, matrices: dict, split=None) 
     return optax.partition({"muon": on_matrices, "adamw": others}, labels)
 
 
-OPTIMIZERS = {"adamw": adamw, "lion": lion, "adafactor": adafactor, "muon": muon}
+@dataclass(frozen=True)
+class Optimizer:
+    """An entry of the registry. `build`: (its config, the schedule, the params' roles, Muon's
+    matrix views and split) -> an optax transformation. `state_copies`: the float32 copies of a
+    param that its state keeps per param, for jaxpar.plan's memory guess (the dry run counts the
+    real state)."""
+    build: Callable[..., optax.GradientTransformation]
+    state_copies: float
+
+
+OPTIMIZERS = {
+    "adamw": Optimizer(adamw, state_copies=2),  # the two moments
+    "lion": Optimizer(lion, state_copies=1),  # the momentum
+    "adafactor": Optimizer(adafactor, state_copies=0),  # a matrix's row and column means: ~0
+    "muon": Optimizer(muon, state_copies=1),  # the momentum of the matrices, most of the params
+}
 assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "jaxpar.core.optimizer_config names the same optimizers"
 
 
@@ -107,7 +126,7 @@ def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None
     """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles (and,
     for Muon, these matrix views, jaxpar.models.params.Param.matrix, and the mesh its work is split
     over, jaxpar.training.muon.Split)."""
-    return OPTIMIZERS[o.name](o, lambda step: learning_rate(step, o), roles, matrices, split)
+    return OPTIMIZERS[o.name].build(o, lambda step: learning_rate(step, o), roles, matrices, split)
 
 
 def clip(grads, grad_norm: jax.Array, o: OptimizerConfig):
