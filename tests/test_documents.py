@@ -20,7 +20,8 @@ from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.family import build_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training import step as steps
-from jaxpar.training.passes import make_grad_fn, traced_for_mesh
+from jaxpar.training.execution import plan_execution
+from jaxpar.training.passes import laid_out, make_grad_fn
 
 EOT, VOCAB, T = 256, 257, 32
 # Where each row's documents open (an end-of-text token); the first starts mid-document.
@@ -75,7 +76,7 @@ def on_mesh(spec: str, family: str, params, mask: bool = True):
     the masked model on `spec`, through the train step's gradient function."""
     cfg = config(spec, family, mask)
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
-    model = build_model(cfg, VOCAB, EOT)
+    model = build_model(cfg, VOCAB, EOT, plan_execution(cfg, mesh))
     inputs, targets = rows()
     with jax.set_mesh(mesh):
         tx = steps.make_optimizer(cfg, model, mesh)
@@ -85,7 +86,7 @@ def on_mesh(spec: str, family: str, params, mask: bool = True):
         metrics, grads = jax.jit(make_grad_fn(cfg, model, plan.grads))(placed, *batch, 0)
         per_token = None
         if cfg.mesh.pp == 1:
-            laid = jax.jit(traced_for_mesh(lambda p, x, y: token_losses(model(p, x), y), cfg))(placed, inputs, targets)
+            laid = jax.jit(laid_out(lambda p, x, y: token_losses(model(p, x), y), model.plan))(placed, inputs, targets)
             per_token = np.empty(inputs.shape, np.float32)
             order = zigzag_permutation(T, cfg.mesh.cp) if cfg.mesh.cp > 1 else np.arange(T)
             per_token[:, order] = np.asarray(laid)

@@ -60,17 +60,21 @@ def test_splash_keeps_documents_apart_as_xla_does():
 
 def test_auto_keeps_documents_off_cudnn_on_a_gpu(monkeypatch):
     """`attend` with documents on a GPU under `auto`: xla's masked attention, not cuDNN (which has
-    no segment ids); control: without documents the same trace asks for cuDNN."""
+    no segment ids); control: without documents the same model on a GPU asks for cuDNN."""
+    from jaxpar.core.execution import ExecutionPlan
     from jaxpar.models import kernels, layers
-    monkeypatch.setattr(kernels, "platform_of", lambda mesh: "gpu")
     asked = []
-    monkeypatch.setattr(layers, "fused_attention", lambda kernel, *args: asked.append(kernel))
+    monkeypatch.setattr(layers, "fused_attention", lambda plan, *args: asked.append(plan.attention))
     q = k = v = jnp.ones((1, 2, 8, 4))
     starts = jnp.array([[0] * 3 + [3] * 5], jnp.int32)
-    attend = kernels.traced_with_attention(layers.attend, ModelConfig(dtype="bfloat16", block_size=1024))
-    np.testing.assert_allclose(attend(q, k, v, 0.0, None, starts), causal_attention(q, k, v, 0.0, None, starts))
+    model = ModelConfig(dtype="bfloat16", block_size=1024)
+
+    def plan_on_a_gpu(documents: bool):
+        return ExecutionPlan(platform="gpu", attention=kernels.resolve(model, "gpu", 1, documents)[0])
+    np.testing.assert_allclose(layers.attend(plan_on_a_gpu(True), q, k, v, 0.0, None, starts),
+                               causal_attention(q, k, v, 0.0, None, starts))
     assert asked == []
-    attend(q, k, v, 0.0, None)
+    layers.attend(plan_on_a_gpu(False), q, k, v, 0.0, None)
     assert asked == ["cudnn"]
 
 

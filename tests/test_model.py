@@ -154,20 +154,19 @@ def test_activations_are_recomputed_on_accelerators_alone(config, monkeypatch):
     """On an accelerator the GELU / SwiGLU keeps its input alone and runs again in the backward
     pass (jaxpar.models.layers.recomputed): the same gradients to 1e-6 of each tensor's largest
     magnitude (float32). On the CPU the step is autodiff's, as before (the control)."""
-    from jaxpar.models import layers
+    from jaxpar.core.execution import ExecutionPlan
     cfg = tiny_config(config)
     rows = jnp.asarray(np.random.default_rng(0).integers(0, 65, (2, cfg.model.block_size + 1)), jnp.int32)
     params = Transformer(cfg.model, 65).init(0)
 
-    def gradient():  # a new model each time: JAX reuses the scan body it traced for a model
-        model = Transformer(cfg.model, 65)
+    def gradient(platform: str):  # the execution plan of a mesh on that platform's devices
+        model = Transformer(cfg.model, 65, plan=ExecutionPlan(platform=platform))
         return jax.grad(lambda p: model.loss(p, rows[:, :-1], rows[:, 1:])[0])
 
-    on_cpu = jax.make_jaxpr(gradient())(params)
-    reference = jax.jit(gradient())(params) if config == "tiny" else None
-    monkeypatch.setattr(layers, "platform_of", lambda mesh: "gpu")
-    assert "remat" not in str(on_cpu) and "remat" in str(jax.make_jaxpr(gradient())(params))
+    on_cpu = jax.make_jaxpr(gradient("cpu"))(params)
+    reference = jax.jit(gradient("cpu"))(params) if config == "tiny" else None
+    assert "remat" not in str(on_cpu) and "remat" in str(jax.make_jaxpr(gradient("gpu"))(params))
     if config == "tiny":  # the numerics once: both families recompute through the same function
-        recomputed = jax.jit(gradient())(params)
+        recomputed = jax.jit(gradient("gpu"))(params)
         for a, b in zip(jax.tree.leaves(recomputed), jax.tree.leaves(reference)):
             assert float(jnp.max(jnp.abs(a - b))) <= 1e-6 * float(jnp.max(jnp.abs(b)))

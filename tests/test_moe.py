@@ -13,6 +13,7 @@ from conftest import mesh_overrides, tiny_config
 from helpers import LOSS_RTOL, fails_with
 
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.execution import ExecutionPlan
 from jaxpar.inference import sample
 from jaxpar.models import llama, moe
 from jaxpar.models.family import build_model
@@ -50,7 +51,8 @@ def test_grouped_gemm_equals_a_loop_over_experts(renormalize, gemm):
     """ragged_dot, and the Megablox kernels (interpreted here), against every expert on every token."""
     cfg = ModelConfig(family="llama", n_experts=4, experts_per_token=2, moe_renormalize=renormalize, moe_gemm=gemm)
     p, h = moe_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (3, 8, 16))
-    grouped = jax.jit(lambda p, h: moe.moe_mlp(h, p, cfg, jnp.float32)[0])
+    plan = ExecutionPlan(moe_gemm=moe.gemm_of(cfg, "cpu"))
+    grouped = jax.jit(lambda p, h: moe.moe_mlp(plan, h, p, cfg, jnp.float32)[0])
     loop = jax.jit(lambda p, h: per_expert_loop(h, p, 2, renormalize))
     np.testing.assert_allclose(grouped(p, h), loop(p, h), rtol=1e-5, atol=1e-6)
     cotangent = jax.random.normal(jax.random.key(2), h.shape)
@@ -74,16 +76,17 @@ def layer_by_layer(model, params, tokens, reverse_experts=False):
     top = {name: value for name, value in params.items() if name != "blocks"}
     axes = {name: jax.tree.map(lambda names: names[1:], a, is_leaf=lambda n: isinstance(n, tuple))
             for name, a in model.axes()["blocks"].items()}
-    x, totals = model.family.embed(top, tokens), {}
+    plan = model.plan
+    x, totals = model.family.embed(plan, top, tokens), {}
     for i, sparse in enumerate(m.sparse_layers):
         kind = "sparse_layers" if sparse else "dense_layers"
         rank = m.layers_in(kind).index(i)
         at = {"layers": i, kind: -1 - rank if reverse_experts and sparse else rank}
         layer = {name: jax.tree.map(lambda a, i=at[stacks[name]]: a[i], tree)
                  for name, tree in params["blocks"].items() if stacks[name] in at}
-        x, losses, _ = llama.block(x, layer, {name: axes[name] for name in layer}, m, jnp.float32, None)
+        x, losses, _ = llama.block(plan, x, layer, {name: axes[name] for name in layer}, m, jnp.float32, None)
         totals |= {name: totals.get(name, 0.0) + value for name, value in losses.items()}
-    return model.family.logits(top, x, model.vocab_size), totals
+    return model.family.logits(plan, top, x, model.vocab_size), totals
 
 
 def test_dense_layers_between_sparse_ones_equal_a_loop_over_layers():

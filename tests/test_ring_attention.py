@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.models.kernels import BlockKernel
 from jaxpar.models.ring_attention import (
     LAYOUTS,
     contiguous_permutation,
@@ -59,7 +60,7 @@ def ring_in_natural_order(mesh, layout: str, n: int, check_vma: bool = False, ke
     """Ring attention as a function of inputs in the sequence's own order: permute, split, run, unpermute."""
     perm = layout_permutation(layout, seq, n)
     inverse = np.argsort(perm)
-    ring = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, AXIS, layout, kernel), mesh=mesh,
+    ring = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, AXIS, layout, BlockKernel(kernel)), mesh=mesh,
                          in_specs=(Q_SPEC, KV_SPEC, KV_SPEC), out_specs=Q_SPEC,
                          axis_names=frozenset({AXIS}), check_vma=check_vma)
     return lambda q, k, v: ring(q[:, :, :, perm], k[:, :, perm], v[:, :, perm])[:, :, :, inverse]

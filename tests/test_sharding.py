@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.axes import rule_table
 from jaxpar.core.errors import UserError
-from jaxpar.core.sharding import check_divisible, logical_to_spec, traced_with_rules
+from jaxpar.core.execution import ExecutionPlan
+from jaxpar.core.sharding import check_divisible, logical_to_spec
 from jaxpar.models.family import abstract_model, split_layers
 from jaxpar.parallel.mesh import build_mesh, resolve_mesh_shape
 from jaxpar.train import run
@@ -140,7 +141,8 @@ def test_the_stream_between_blocks_is_split_along_the_sequence_only_under_sequen
     model, shapes, axes = abstract_model(cfg, 65)
     _, _, layers, layer_axes = split_layers(shapes, axes)
     x = jax.ShapeDtypeStruct((8, cfg.model.block_size, cfg.model.n_embd), jnp.float32)
-    run = traced_with_rules(lambda p, x: model.run_layers(p, layer_axes, x)[0], rules)
+    plan = ExecutionPlan(mesh=mesh, sequence_parallel=stream != P("data", None, None))
+    run = lambda p, x: model.on(plan).run_layers(p, layer_axes, x)[0]  # noqa: E731
     with jax.set_mesh(mesh):
         compiled = jax.jit(run).lower(layers, x).compile()
     assert compiled.output_shardings.is_equivalent_to(NamedSharding(mesh, stream), 3)

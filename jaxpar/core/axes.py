@@ -121,6 +121,9 @@ class Context(MeshAxis):
         if m.sequence_parallel and m.block_size % (size * tp):
             raise UserError(f"sequence parallelism with cp={size} splits the stream over cp*tp={size * tp}; "
                             f"model.block_size={m.block_size} does not divide by it")
+        if getattr(m, "n_experts", 0) and getattr(m, "moe_capacity_factor", 0):
+            raise UserError(f"model.moe_capacity_factor={m.moe_capacity_factor} ranks each sequence's tokens in "
+                            f"order, and cp={size} splits the sequences; use cp=1, or drop the capacity factor")
 
     def lay_out(self, tokens, size):
         """Once per batch, tokens and targets alike (the targets were shifted before), never per
@@ -177,6 +180,12 @@ def rule_table(sequence_parallel: bool = False) -> dict[str, str | tuple | None]
         names = tuple(a.name for a in sorted(axes, key=lambda a: a.locality))
         table[logical] = None if not names else names[0] if len(names) == 1 else names
     return table
+
+
+def splitting(*logical: str) -> tuple[str, ...]:
+    """The mesh axes that split any of these logical axes: ("batch", "seq") gives those an
+    inference command computes each sample whole on (data, context, expert)."""
+    return tuple(a.name for a in AXES if set(logical) & set(a.splits))
 
 
 def sizes_of(mesh_cfg) -> dict[str, int]:

@@ -14,15 +14,14 @@ import sys
 import jax
 import numpy as np
 
-from jaxpar.core.axes import CONTEXT
+from jaxpar.core.axes import splitting
 from jaxpar.core.config import DataConfig
 from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
-from jaxpar.core.sharding import with_axes_unsplit
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import same_mapping
 from jaxpar.inference.loading import Model, add_model_source, load_source
-from jaxpar.models.family import abstract_model
+from jaxpar.models.family import build_model
 from jaxpar.models.loss import cross_entropy
 from jaxpar.training import task_scoring
 from jaxpar.training.row_passes import over_rows, passes_rows
@@ -41,14 +40,16 @@ def block_rows(tokens: np.ndarray, first: int, count: int, block_size: int):
 
 
 def make_row_losses(model: Model):
-    """jit(params, inputs, targets) -> each row's mean loss."""
-    net, _, _ = abstract_model(model.cfg, model.vocab_size, model.documents_eot)  # documents as trained
+    """jit(params, inputs, targets) -> each row's mean loss, under the execution plan that the
+    checkpoint's config gets on this mesh (its attention kernel as in training); each device of a
+    context ring computes its rows' sequences whole (no ring here)."""
+    plan = model.execution.unsplit(*splitting("seq"))
+    net = build_model(model.cfg, model.vocab_size, model.documents_eot, plan)  # documents as trained
 
     def row_losses(params, inputs, targets):
         logits = net(params, inputs)
         return jax.vmap(lambda lg, tg: cross_entropy(lg[None], tg[None]))(logits, targets)
-    # Each device of a context ring computes its rows' sequences whole (no ring here).
-    return jax.jit(with_axes_unsplit(row_losses, CONTEXT))
+    return jax.jit(row_losses)
 
 
 def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = False) -> dict:
@@ -108,7 +109,7 @@ def evaluate_tasks(model: Model, args) -> list[dict]:
         raise UserError(f"'{args.hf}' has no tokenizer.json; --tasks needs the model's tokenizer")
     loaded = task_scoring.load_requests(args.tasks, args.tasks_dir, model.tokenizer,
                                         model.cfg.model.block_size, args.limit)
-    scorer = task_scoring.make_scorer(abstract_model(model.cfg, model.vocab_size)[0], model.mesh)
+    scorer = task_scoring.make_scorer(build_model(model.cfg, model.vocab_size, plan=model.execution))
     results, samples = [], []
     for task, requests in loaded:
         result, items = task_scoring.score_task(task, requests, scorer, model.params, model.mesh,

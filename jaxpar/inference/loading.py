@@ -13,6 +13,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.core.config import Config, load_config
+from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.sharding import shardings_for
 from jaxpar.data.tokenizer import load_tokenizer
@@ -20,6 +21,7 @@ from jaxpar.interop.hf import apply_hf_config, load_hf_params
 from jaxpar.models.family import abstract_model
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
 from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints
+from jaxpar.training.execution import plan_execution
 from jaxpar.training.resume import saved_vocab
 
 
@@ -31,6 +33,7 @@ class Model:
     params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
     mesh: Mesh
     step: int  # the training step the checkpoint holds
+    execution: ExecutionPlan  # the decisions this config gets on this mesh (its attention kernel, ...)
     decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
 
     @property
@@ -58,7 +61,9 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
     if found is None:
         raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
     check_finite(found.items["params"], ckpt.directory / str(found.step))
-    return Model(built["cfg"], built["tokenizer"], built["vocab"], found.items["params"], built["mesh"], found.step)
+    cfg, mesh = built["cfg"], built["mesh"]
+    return Model(cfg, built["tokenizer"], built["vocab"], found.items["params"], mesh, found.step,
+                 plan_execution(cfg, mesh, for_training=False))
 
 
 _all_finite = jax.jit(lambda leaves: [jax.numpy.isfinite(x).all() for x in leaves])
@@ -110,7 +115,7 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     check_finite(params, hf_dir)
     tokenizer_file = Path(hf_dir) / "tokenizer.json"
     tokenizer = load_tokenizer(str(tokenizer_file)) if tokenizer_file.is_file() else None
-    return Model(cfg, tokenizer, vocab, params, mesh_obj, step=0)
+    return Model(cfg, tokenizer, vocab, params, mesh_obj, 0, plan_execution(cfg, mesh_obj, for_training=False))
 
 
 def add_model_source(parser: ArgumentParser) -> None:

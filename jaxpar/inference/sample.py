@@ -44,7 +44,7 @@ def make_decoders(model: Model, temperature: float, top_k: int):
     uses the key fold_in(key(seed), i) on either path, so both sample the same way."""
     # Rows of the embedding beyond the tokenizer's (model.vocab_size) are never sampled: the
     # logits mask them as the vocabulary's padding.
-    net = Transformer(model.cfg.model, model.tokenizer.vocab_size, eot_id=model.documents_eot)
+    net = Transformer(model.cfg.model, model.tokenizer.vocab_size, eot_id=model.documents_eot, plan=model.execution)
 
     def next_token(logits, seed, i):
         return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)

@@ -8,8 +8,7 @@ New tokens enter at any position: k and v of earlier positions come from the cac
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.axes import CONTEXT, DATA, EXPERT
-from jaxpar.core.sharding import with_axes_unsplit
+from jaxpar.core.axes import splitting
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.layers import KVCache, weights_for_compute
 
@@ -23,18 +22,16 @@ def empty_cache(model: Transformer, batch: int) -> KVCache:
 def forward(model: Transformer, params: dict, tokens, cache: KVCache, pos, doc_starts=None):
     """tokens (B, T) at positions pos..pos+T-1 -> (logits (B, T, padded vocab) f32, new cache).
     doc_starts (B, T): each token's document start (the cache's slot of the end-of-text token
-    that opened it), or None without documents. Every device of the mesh's data and context axes
-    computes every sample whole."""
-    return with_axes_unsplit(cached_forward, DATA, CONTEXT, EXPERT)(model, params, tokens, cache, pos, doc_starts)
-
-
-def cached_forward(model: Transformer, params: dict, tokens, cache: KVCache, pos, doc_starts=None):
+    that opened it), or None without documents. Every device of the mesh's axes that split rows or
+    the sequence computes every sample whole (the plan has them unsplit)."""
+    plan = model.plan.unsplit(*splitting("batch", "seq"))
+    model = model.on(plan)
     top, top_axes, layer_params, layer_axes = split_layers(params, model.axes())
-    top = weights_for_compute(top, top_axes)
+    top = weights_for_compute(plan, top, top_axes)
     positions = pos + jnp.arange(tokens.shape[1])
-    x = model.family.embed(top, tokens, positions=positions if doc_starts is None else positions - doc_starts)
+    x = model.family.embed(plan, top, tokens, positions=positions if doc_starts is None else positions - doc_starts)
     x, _, cache = model.run_layers(layer_params, layer_axes, x, cache=cache._replace(pos=pos), doc_starts=doc_starts)
-    return model.family.logits(top, x, model.vocab_size), cache
+    return model.family.logits(plan, top, x, model.vocab_size), cache
 
 
 def pick(logits, key, temperature: float, top_k: int):

@@ -1,10 +1,10 @@
 """The family registry, and the one model built on a family: its params declared (jaxpar.models.
-params), initialised, and applied through a scan over the stacked layers. The interface itself is
-jaxpar.models.interface.
+params), initialised, and applied through a scan over the stacked layers, as its execution plan
+(jaxpar.core.execution) lays them out. The interface itself is jaxpar.models.interface.
 """
 
-
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import jax
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxpar.core.config import FAMILIES as FAMILY_NAMES
 from jaxpar.core.config import Config, ModelConfig
+from jaxpar.core.execution import ExecutionPlan
 from jaxpar.models import params as declared_params
 from jaxpar.models.gpt import GPT2
 from jaxpar.models.interface import Family
@@ -45,14 +46,17 @@ def add_losses(total: dict, more: dict) -> dict:
 class Transformer:
     """A family's model for one vocabulary: its params declared, initialised, and applied.
 
-    `regather_weights`: recompute each layer's gathered weights in the backward pass instead of
-    saving them (ZeRO-3, which gathers each layer's weights where it runs). `eot_id`: with
-    data.document_mask, the end-of-text token that opens each document of a row (attention stays
-    within a document, positions restart at its start); None: a row is one sequence."""
+    `eot_id`: with data.document_mask, the end-of-text token that opens each document of a row
+    (attention stays within a document, positions restart at its start); None: a row is one
+    sequence. `plan`: how it is laid out and computed (the default: one device, no mesh, the
+    CPU's choices); `on` gives the same model under another plan."""
     cfg: ModelConfig
     vocab_size: int
-    regather_weights: bool = False
     eot_id: int | None = None
+    plan: ExecutionPlan = field(default_factory=ExecutionPlan)
+
+    def on(self, plan: ExecutionPlan) -> "Transformer":
+        return dataclasses.replace(self, plan=plan)
 
     @cached_property
     def family(self) -> Family:
@@ -84,7 +88,7 @@ class Transformer:
     def apply(self, params: dict, tokens: jax.Array, dropout_key=None) -> tuple[jax.Array, dict]:
         """(logits, auxiliary losses summed over the layers) of (batch, seq) tokens."""
         top, x, losses = self.stream(params, tokens, dropout_key)
-        return self.family.logits(top, x, self.vocab_size), losses
+        return self.family.logits(self.plan, top, x, self.vocab_size), losses
 
     def loss(self, params: dict, tokens: jax.Array, targets: jax.Array, dropout_key=None) -> tuple[jax.Array, dict]:
         """(mean next-token cross-entropy, auxiliary losses), the logits over model.loss_chunks
@@ -98,25 +102,25 @@ class Transformer:
 
     def logits_of(self, head: dict, x: jax.Array) -> jax.Array:
         """The float32 logits of the final stream x on the `head` weights."""
-        return self.family.logits(head, x, self.vocab_size)
+        return self.family.logits(self.plan, head, x, self.vocab_size)
 
     def stream(self, params: dict, tokens: jax.Array, dropout_key=None) -> tuple[dict, jax.Array, dict]:
         """(the top-level weights for compute, the last layer's output stream, auxiliary losses)."""
         top, top_axes, layer_params, layer_axes = split_layers(params, self.axes())
-        top = weights_for_compute(top, top_axes)
+        top = weights_for_compute(self.plan, top, top_axes)
         keys = layer_keys = None
         if dropout_key is not None:
             keys = jax.random.split(dropout_key, self.cfg.n_layer + 1)
             layer_keys = keys[1:]
         doc_starts = self.doc_starts(tokens)
-        x = self.family.embed(top, tokens, None if keys is None else keys[0],
-                              document_positions(doc_starts, tokens.shape[1]))
+        x = self.family.embed(self.plan, top, tokens, None if keys is None else keys[0],
+                              document_positions(self.plan, doc_starts, tokens.shape[1]))
         x, losses, _ = self.run_layers(layer_params, layer_axes, x, layer_keys, doc_starts=doc_starts)
         return top, x, losses
 
     def doc_starts(self, tokens: jax.Array) -> jax.Array | None:
         """Each token's document start (jaxpar.models.layers), or None without documents."""
-        return None if self.eot_id is None else document_starts(tokens, self.eot_id)
+        return None if self.eot_id is None else document_starts(self.plan, tokens, self.eot_id)
 
     def run_layers(self, layer_params: dict, layer_axes: dict, x: jax.Array, layer_keys=None, cache=None,
                    doc_starts=None):
@@ -127,7 +131,7 @@ class Transformer:
         # Recomputation needs a rolled scan: unrolled, XLA:CPU schedules the reruns early and keeps
         # every layer's activations all the same (the tiny model at block 128: 34 MB of temporaries
         # with remat or without; rolled, 10 MB with remat).
-        unroll = cfg.unroll_layers and not self.regather_weights and cfg.remat == "none" and cache is None
+        unroll = cfg.unroll_layers and not self.plan.regather_weights and cfg.remat == "none" and cache is None
         kv = None if cache is None else (cache.k, cache.v)
         stacks = self.stacks()
         if set(stacks.values()) == {"layers"}:
@@ -141,17 +145,17 @@ class Transformer:
 
     def layer_step(self, layer_axes: dict, cache=None, doc_starts=None):
         """(x, (one layer's params, dropout key, KV cache)) -> (x, (losses, KV cache)), remat as asked."""
-        family, cfg = self.family, self.cfg
+        family, cfg, plan = self.family, self.cfg, self.plan
 
         def step(x, layer):
             p, key, kv = layer
-            x, losses, kv = family.block(x, p, layer_axes, key, None if kv is None else KVCache(*kv, cache.pos),
+            x, losses, kv = family.block(plan, x, p, layer_axes, key, None if kv is None else KVCache(*kv, cache.pos),
                                          doc_starts)
             return x, (losses, None if kv is None else (kv.k, kv.v))
 
         if cfg.remat == "full":  # save each layer's input alone; the backward reruns the layer
             return jax.checkpoint(step, prevent_cse=False)
-        if self.regather_weights:
+        if plan.regather_weights:
             # A rolled scan gathers one layer at a time, in the forward and again in the backward.
             return jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
         return step
@@ -200,13 +204,13 @@ class Transformer:
         return x, (losses, jax.tree.map(lambda a: a.reshape((n,) + a.shape[2:]), kv))
 
 
-def build_model(cfg: Config, vocab_size: int, eot_id: int | None = None) -> Transformer:
-    """The model of cfg; `eot_id`: the tokenizer's end-of-text token, which opens documents when
+def build_model(cfg: Config, vocab_size: int, eot_id: int | None = None,
+                plan: ExecutionPlan | None = None) -> Transformer:
+    """The model of cfg, under `plan` (jaxpar.training.execution.plan_execution; None: one device,
+    no mesh); `eot_id`: the tokenizer's end-of-text token, which opens documents when
     data.document_mask is on."""
-    # ZeRO-3 gathers each layer's weights when it runs; recomputing the gather in the backward
-    # pass (rather than saving the gathered weights) is what keeps them from piling up.
-    return Transformer(cfg.model, vocab_size, regather_weights=cfg.train.zero == 3,
-                       eot_id=eot_id if cfg.data.document_mask else None)
+    return Transformer(cfg.model, vocab_size, eot_id=eot_id if cfg.data.document_mask else None,
+                       plan=plan or ExecutionPlan())
 
 
 def abstract_model(cfg: Config, vocab_size: int, eot_id: int | None = None) -> tuple[Transformer, dict, dict]:

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.core.sharding import constrain
 from jaxpar.models.interface import Family
 from jaxpar.models.layers import (
     STREAM,
@@ -80,10 +79,10 @@ def exact_qkv_bias(bias: jax.Array) -> jax.Array:
     return jnp.where(is_key, jax.lax.stop_gradient(bias), bias)
 
 
-def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None):
-    """One block on one layer's params -> (x, cache). The residual stream stays float32; matmuls
-    run in dtype. With a KV cache (decoding), attention reads and extends it; with doc_starts, it
-    stays within each document.
+def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None):
+    """One block on one layer's params, laid out and computed as the execution plan says -> (x,
+    cache). The residual stream stays float32; matmuls run in dtype. With a KV cache (decoding),
+    attention reads and extends it; with doc_starts, it stays within each document.
 
     The stream, with LayerNorm, dropout and the residual adds, is (batch, seq, embed) in the
     STREAM layout (split along the sequence under sequence parallelism). Matmuls see the
@@ -92,29 +91,32 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     B, T, C = x.shape
     rate = cfg.dropout
     keys = jax.random.split(key, 3) if key is not None else (None,) * 3
-    p = jax.tree.map(lambda a: a.astype(dtype), weights_for_compute(p, axes))
+    p = jax.tree.map(lambda a: a.astype(dtype), weights_for_compute(plan, p, axes))
 
     def matmul_input(x, ln):  # an all-gather of the sequence under sequence parallelism
-        return gather_stream(layer_norm(x, ln).astype(dtype))
+        return gather_stream(plan, layer_norm(x, ln).astype(dtype))
 
     def add_to_stream(x, y, p_out, key):  # a row-parallel output: summed into the stream's layout
-        return x + dropout(add_bias(to_stream(y, (B, T, C)), p_out), rate, key)
+        return x + dropout(add_bias(to_stream(plan, y, (B, T, C)), p_out), rate, key)
 
-    qkv = project("nc,cshd->nshd", matmul_input(x, p["ln_1"]), p["qkv"]["kernel"], dtype)
+    def dot(spec, a, w):
+        return project(spec, a, w, dtype, plan.cpu_matmuls)
+
+    qkv = dot("nc,cshd->nshd", matmul_input(x, p["ln_1"]), p["qkv"]["kernel"])
     if "bias" in p["qkv"]:
         qkv = qkv + exact_qkv_bias(p["qkv"]["bias"])
-    qkv = constrain(qkv.astype(dtype).reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
+    qkv = plan.constrain(qkv.astype(dtype).reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
     # Split, not indexed: the backward joins the three gradients (a concatenate) instead of adding
     # three zero-padded copies of the whole qkv.
-    q, k, v = (constrain(part[:, :, 0].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
+    q, k, v = (plan.constrain(part[:, :, 0].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
                for part in jnp.split(qkv, 3, axis=2))
-    y, cache = attention(q, k, v, rate, keys[0], cache, doc_starts)
-    y = constrain(y.reshape(B * T, *q.shape[1:2], q.shape[3]), ("tokens", "heads", "head_dim"))
-    x = add_to_stream(x, project("nhd,hdc->nc", y, p["attn_out"]["kernel"], dtype), p["attn_out"], keys[1])
-    h = project("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"], dtype)
-    h = constrain(recomputed(gelu, cfg.gelu)(add_bias(h, p["mlp_in"]).astype(dtype)), ("tokens", "mlp"))
-    x = add_to_stream(x, project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype), p["mlp_out"], keys[2])
-    return constrain(x, STREAM), cache
+    y, cache = attention(plan, q, k, v, rate, keys[0], cache, doc_starts)
+    y = plan.constrain(y.reshape(B * T, *q.shape[1:2], q.shape[3]), ("tokens", "heads", "head_dim"))
+    x = add_to_stream(x, dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"], keys[1])
+    h = dot("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"])
+    h = plan.constrain(recomputed(plan, gelu, cfg.gelu)(add_bias(h, p["mlp_in"]).astype(dtype)), ("tokens", "mlp"))
+    x = add_to_stream(x, dot("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"], keys[2])
+    return plan.constrain(x, STREAM), cache
 
 
 class GPT2(Family):
@@ -135,21 +137,21 @@ class GPT2(Family):
                 "blocks": declare_blocks(cfg),
                 "ln_f": norm((cfg.n_embd,), ("embed",), cfg.bias)}
 
-    def embed(self, top: dict, tokens: jax.Array, key=None, positions=None) -> jax.Array:
+    def embed(self, plan, top: dict, tokens: jax.Array, key=None, positions=None) -> jax.Array:
         """Token + position embeddings of (batch, seq) tokens, with dropout; `positions`: each
         token's, (seq,) or (batch, seq), when not the sequence's own (decoding, documents)."""
         if positions is None:
-            positions = sequence_positions(tokens.shape[1])  # None: in order
+            positions = sequence_positions(plan, tokens.shape[1])  # None: in order
         x = top["wte"][tokens] + (top["wpe"][: tokens.shape[1]] if positions is None else top["wpe"][positions])
-        return dropout(constrain(x, STREAM), self.cfg.dropout, key)
+        return dropout(plan.constrain(x, STREAM), self.cfg.dropout, key)
 
-    def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
-        x, cache = block(x, p, axes, self.cfg, self.dtype, key, cache, doc_starts)
+    def block(self, plan, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
+        x, cache = block(plan, x, p, axes, self.cfg, self.dtype, key, cache, doc_starts)
         return x, self.block_losses(x), cache
 
-    def logits(self, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
+    def logits(self, plan, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
         """Final LayerNorm and the tied lm_head: float32 logits over the padded vocab."""
-        return head_logits(layer_norm(x, head["ln_f"]), head["wte"], vocab_size, self.dtype)
+        return head_logits(plan, layer_norm(x, head["ln_f"]), head["wte"], vocab_size, self.dtype)
 
     def matmul_params(self, vocab_size: int) -> int:
         """N in 6N: qkv, attention out, MLP in and out per layer, and the lm_head over the real vocab."""

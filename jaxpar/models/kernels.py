@@ -3,19 +3,21 @@
 `model.attention` picks it: `xla` (jaxpar.models.attention: blocks of queries, XLA:CPU's fastest
 form), `splash` (the Pallas TPU kernel, jax.experimental.pallas.ops.tpu.splash_attention) or
 `cudnn` (cuDNN's fused attention through jax.nn.dot_product_attention); `auto` picks by the mesh's
-platform. A fused kernel runs per device under `shard_map`, split as the rule table splits q
-(batch, heads, seq, head_dim) and k, v (batch, kv_heads, seq, head_dim); grouped-query attention
-goes in as it is (splash's MQA form per KV head; cuDNN takes fewer KV heads). Neither has dropout
-of the attention probabilities, so `auto` keeps `xla` when model.dropout > 0.
+platform. `resolve` decides it once, before tracing, for the execution plan
+(jaxpar.core.execution), which the model reads. A fused kernel runs per device under
+`shard_map`, split as the rule table splits q (batch, heads, seq, head_dim) and k, v (batch,
+kv_heads, seq, head_dim); grouped-query attention goes in as it is (splash's MQA form per KV
+head; cuDNN takes fewer KV heads). Neither has dropout of the attention probabilities, so `auto`
+keeps `xla` when model.dropout > 0.
 
 Documents (data.document_mask) go to splash as its SegmentIds. `jax.nn.dot_product_attention` has
 sequence lengths but no segment ids (cuDNN's packed-document offsets are in jax's private API
 alone, for Hopper), so with documents `auto` runs xla on GPUs and model.attention=cudnn is refused.
 """
 
-import contextvars
 import functools
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +25,11 @@ import jax.numpy as jnp
 from jaxpar.core.axes import CONTEXT
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import SPLASH_TILE
-from jaxpar.core.sharding import per_device, traced_with
 
 FUSED_ON = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}  # auto's choice by platform
 NEEDS_PLATFORM = {"splash": ("tpu", "cpu"), "cudnn": ("gpu", "cuda")}  # splash on CPU: interpreted
 Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim"), \
     ("batch", "seq", "heads", "head_dim")
-
-_requested = contextvars.ContextVar("jaxpar_attention", default=None)  # the traced model's ModelConfig
 
 
 def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False) -> tuple[str, str | None]:
@@ -84,49 +83,34 @@ def describe(model_cfg, mesh, documents: bool = False) -> str:
     return f"{kernel} ({note})" if note else kernel
 
 
-def off_tpu() -> bool:
-    """Whether the code being traced is for another platform than TPU: Pallas's TPU kernels
-    (splash, Megablox) then run in interpret mode, as in the tests on CPU."""
-    return platform_of(jax.sharding.get_abstract_mesh()) != "tpu"
-
-
 def platform_of(mesh) -> str:
-    """The platform of a mesh's devices; the default backend's for an empty (abstract) mesh."""
+    """The platform of a mesh's devices (a compile-only TPU's too); the default backend's for a
+    mesh that names none. Asked once, before tracing (jaxpar.training.execution)."""
+    if hasattr(mesh, "devices"):
+        return mesh.devices.flat[0].platform
     mesh = getattr(mesh, "abstract_mesh", mesh)
     return jax.default_backend() if mesh.empty or mesh.abstract_device is None else mesh.abstract_device.platform
 
 
-def traced_with_attention(fn, model_cfg):
-    """fn, traced with model_cfg's `attention` setting for `attend` to resolve on the mesh."""
-    return traced_with(fn, _requested, model_cfg)
-
-
-def active_kernel(documents: bool = False) -> str:
-    """The kernel for the model being traced, on the mesh it is traced for; `documents`: the rows
-    hold documents kept apart (cuDNN cannot take them)."""
-    model_cfg = _requested.get()
-    return "xla" if model_cfg is None else resolve_on(model_cfg, jax.sharding.get_abstract_mesh(), documents)[0]
-
-
-def fused_attention(kernel: str, q, k, v, doc_starts=None):
-    """Causal attention by `kernel` ('splash' or 'cudnn'): q (batch, heads, seq, head_dim), k, v
-    (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), per device; within
-    documents when doc_starts (batch, seq) is given (splash alone)."""
-    local = local_kernel(kernel)
+def fused_attention(plan, q, k, v, doc_starts=None):
+    """Causal attention by the plan's fused kernel ('splash' or 'cudnn'): q (batch, heads, seq,
+    head_dim), k, v (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), per
+    device; within documents when doc_starts (batch, seq) is given (splash alone)."""
+    local = local_kernel(plan.attention, plan.interpret)
     if doc_starts is None:
         in_axes, args = (Q_AXES, KV_AXES, KV_AXES), (q, k, v)
     else:
         local = functools.partial(lambda q, k, v, docs, fn: fn(q, k, v, segments=(docs, docs)), fn=local)
         in_axes, args = (Q_AXES, KV_AXES, KV_AXES, ("batch", "seq")), (q, k, v, doc_starts)
-    if jax.sharding.get_abstract_mesh().empty:
+    if plan.mesh is None:
         return local(*args)
-    return per_device(local, in_axes, OUT_AXES)(*args)
+    return plan.per_device(local, in_axes, OUT_AXES)(*args)
 
 
-def local_kernel(kernel: str):
-    """The one-device function of a fused kernel: splash (interpreted off TPU) or cuDNN."""
+def local_kernel(kernel: str, interpret: bool):
+    """The one-device function of a fused kernel: splash (in Pallas interpret mode off TPU) or cuDNN."""
     if kernel == "splash":
-        return functools.partial(splash, interpret=off_tpu())
+        return functools.partial(splash, interpret=interpret)
     return cudnn
 
 
@@ -162,7 +146,19 @@ def splash(q, k, v, residuals: bool = False, interpret: bool = True, causal: boo
     return (out, lse[0].reshape(B, H, T)) if residuals else out
 
 
-def block_attention(kernel: str, q, k, v, causal: bool, segments=None):
+@dataclass(frozen=True)
+class BlockKernel:
+    """What runs a context ring's block pairs: xla, or a fused kernel (splash in Pallas interpret
+    mode off TPU)."""
+    name: str = "xla"
+    interpret: bool = True
+
+    @property
+    def fused(self) -> bool:
+        return self.name != "xla"
+
+
+def block_attention(kernel: BlockKernel, q, k, v, causal: bool, segments=None):
     """One block pair of a context ring on one device, by a fused kernel: q (batch, kv_heads,
     group, queries, head_dim), k, v (batch, kv_heads, keys, head_dim) -> (the output, float32, in
     q's shape; the float32 log-sum-exp of each query row), for the ring's online softmax.
@@ -170,7 +166,7 @@ def block_attention(kernel: str, q, k, v, causal: bool, segments=None):
     b, kv_heads, group, t, d = q.shape
     flat = q.reshape(b, kv_heads * group, t, d)
     extra = {} if segments is None else {"segments": segments}
-    out, lse = local_kernel(kernel)(flat, k, v, residuals=True, causal=causal, **extra)
+    out, lse = local_kernel(kernel.name, kernel.interpret)(flat, k, v, residuals=True, causal=causal, **extra)
     out = out.transpose(0, 2, 1, 3).reshape(q.shape).astype(jnp.float32)
     return out, lse.reshape(b, kv_heads, group, t).astype(jnp.float32)
 

@@ -7,9 +7,11 @@ does. `doc_starts` (batch, seq) holds each token's document start, the position 
 token that opened it (0 for the row's first document). Two tokens share a document when their
 starts are equal, and a token's position in its document is its position less its start.
 
-Layers are stacked on a leading 'layers' axis; the code names logical axes only.
+Layers are stacked on a leading 'layers' axis; the code names logical axes only, and each
+function that lays out or chooses takes the execution plan (jaxpar.core.execution) first.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -19,9 +21,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.core.axes import zigzag_permutation
-from jaxpar.core.sharding import constrain, per_device, sequence_ring
 from jaxpar.models.attention import apply_dropout, causal_attention
-from jaxpar.models.kernels import KV_AXES, Q_AXES, active_kernel, fused_attention, platform_of
+from jaxpar.models.kernels import KV_AXES, Q_AXES, BlockKernel, fused_attention
 from jaxpar.models.matmul import project
 from jaxpar.models.ring_attention import ring_attention
 
@@ -41,16 +42,16 @@ def dropout(x: jax.Array, rate: float, key) -> jax.Array:
     return apply_dropout(x, keep, rate).astype(x.dtype)
 
 
-def weights_for_compute(p: dict, axes: dict) -> dict:
+def weights_for_compute(plan, p: dict, axes: dict) -> dict:
     """Pin weights to their rule-table layout where they are used.
 
     Under ZeRO-3 they are stored split over 'data' as well, so this is where each layer gathers
     its own weights; otherwise it changes nothing. The name lets a remat policy drop them.
     """
-    return jax.tree.map(lambda a, names: checkpoint_name(constrain(a, names), GATHERED), p, axes)
+    return jax.tree.map(lambda a, names: checkpoint_name(plan.constrain(a, names), GATHERED), p, axes)
 
 
-def recomputed(fn, *static):
+def recomputed(plan, fn, *static):
     """fn(x, *static), which on an accelerator keeps only x for the backward pass and runs fn
     again there. Autodiff of an elementwise activation otherwise keeps each of its (tokens x
     features) intermediates (six for the tanh GELU), each written to memory in the forward pass
@@ -59,49 +60,49 @@ def recomputed(fn, *static):
     is autodiff's as before."""
     def apply(x):
         return fn(x, *static)
-    return apply if platform_of(jax.sharding.get_abstract_mesh()) == "cpu" else jax.checkpoint(apply)
+    return jax.checkpoint(apply) if plan.recompute_activations else apply
 
 
-@jax.custom_vjp
-def gather_stream(h: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def gather_stream(plan, h: jax.Array) -> jax.Array:
     """(batch, seq, embed) from the stream's layout to the matmuls' (batch*seq, embed): an
     all-gather under sequence parallelism. Its gradient, a partial sum over 'tensor', goes
     straight to the stream's layout, where XLA:TPU sums it as a reduce-scatter."""
     B, T, C = h.shape
-    return constrain(h.reshape(B * T, C), ("tokens", "embed"))
+    return plan.constrain(h.reshape(B * T, C), ("tokens", "embed"))
 
 
-gather_stream.defvjp(lambda h: (gather_stream(h), h.shape),
-                     lambda shape, g: (constrain(g.reshape(shape), STREAM),))
+gather_stream.defvjp(lambda plan, h: (gather_stream(plan, h), h.shape),
+                     lambda plan, shape, g: (plan.constrain(g.reshape(shape), STREAM),))
 
 
-def to_stream(y: jax.Array, shape: tuple) -> jax.Array:
+def to_stream(plan, y: jax.Array, shape: tuple) -> jax.Array:
     """A row-parallel output (tokens, embed) back in the stream's layout: under tensor parallelism
     a sum over 'tensor' (an all-reduce, or with sequence parallelism a reduce-scatter)."""
-    return constrain(y.reshape(shape), STREAM)
+    return plan.constrain(y.reshape(shape), STREAM)
 
 
-def sequence_positions(seq_len: int) -> jax.Array | None:
+def sequence_positions(plan, seq_len: int) -> jax.Array | None:
     """Each token's true position while the sequence is laid out for a context ring (zigzag: see
     jaxpar.models.ring_attention), or None when it is in order."""
-    _, ring = sequence_ring()
+    _, ring = plan.ring()
     return None if ring == 1 else jnp.asarray(zigzag_permutation(seq_len, ring))
 
 
-def document_starts(tokens: jax.Array, eot_id: int) -> jax.Array:
+def document_starts(plan, tokens: jax.Array, eot_id: int) -> jax.Array:
     """Each token's document start, (batch, seq) int32, in the sequence's layout: a context ring's
     tokens are put back in order for the running maximum, and the starts laid out as they were."""
-    T, (_, ring) = tokens.shape[1], sequence_ring()
+    T, (_, ring) = tokens.shape[1], plan.ring()
     order = None if ring == 1 else zigzag_permutation(T, ring)
     in_order = tokens if order is None else tokens[:, np.argsort(order)]
     index = jnp.arange(T, dtype=jnp.int32)
     starts = jax.lax.cummax(jnp.where(in_order == eot_id, index, 0), axis=1)
-    return constrain(starts if order is None else starts[:, order], ("batch", "seq"))
+    return plan.constrain(starts if order is None else starts[:, order], ("batch", "seq"))
 
 
-def document_positions(doc_starts: jax.Array | None, seq_len: int) -> jax.Array | None:
+def document_positions(plan, doc_starts: jax.Array | None, seq_len: int) -> jax.Array | None:
     """Each token's position in its document, (batch, seq); None without documents."""
-    return None if doc_starts is None else token_positions(seq_len, None, doc_starts)
+    return None if doc_starts is None else token_positions(plan, seq_len, None, doc_starts)
 
 
 class KVCache(NamedTuple):
@@ -118,23 +119,23 @@ class KVCache(NamedTuple):
                        self.pos)
 
 
-def token_positions(seq_len: int, cache: KVCache | None, doc_starts: jax.Array | None = None) -> jax.Array:
+def token_positions(plan, seq_len: int, cache: KVCache | None, doc_starts: jax.Array | None = None) -> jax.Array:
     """Each token's position: after the cache's, while decoding; else in the sequence's layout;
     with documents, less its document's start ((batch, seq) then)."""
     if cache is not None:
         positions = cache.pos + jnp.arange(seq_len)
     else:
-        positions = sequence_positions(seq_len)
+        positions = sequence_positions(plan, seq_len)
         positions = jnp.arange(seq_len) if positions is None else positions
     return positions if doc_starts is None else positions - doc_starts
 
 
-def attention(q, k, v, rate: float, key, cache: KVCache | None = None, doc_starts: jax.Array | None = None):
+def attention(plan, q, k, v, rate: float, key, cache: KVCache | None = None, doc_starts: jax.Array | None = None):
     """(causal attention of q with k, v as `attend` computes it, or with a cache: q against every
     cached position up to its own after k and v are written in; the cache, or None). With
     `doc_starts`, a query sees its own document's keys alone."""
     if cache is None:
-        return attend(q, k, v, rate, key, doc_starts), None
+        return attend(plan, q, k, v, rate, key, doc_starts), None
     cache = cache.write(k, v)
     return cached_attention(q, cache, doc_starts), cache
 
@@ -159,17 +160,17 @@ def cached_attention(q: jax.Array, cache: KVCache, doc_starts: jax.Array | None 
     return y.reshape(B, T, H, D)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key, doc_starts=None) -> jax.Array:
+def attend(plan, q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key, doc_starts=None) -> jax.Array:
     """Causal attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq,
-    head_dim) -> (batch, seq, heads, head_dim), within documents when doc_starts is given: on one
-    device's whole sequence, or as a ring over the mesh axis the sequence is split over (context
-    parallelism; no dropout there)."""
-    axis, ring = sequence_ring()
-    kernel = active_kernel(doc_starts is not None)
+    head_dim) -> (batch, seq, heads, head_dim), within documents when doc_starts is given, by the
+    plan's kernel: on one device's whole sequence, or as a ring over the mesh axis the sequence
+    is split over (context parallelism; no dropout there)."""
+    axis, ring = plan.ring()
+    kernel = BlockKernel(plan.attention, plan.interpret)
     if ring == 1:
-        if kernel == "xla":
+        if not kernel.fused:
             return causal_attention(q, k, v, rate, key, doc_starts)
-        return fused_attention(kernel, q, k, v, doc_starts)
+        return fused_attention(plan, q, k, v, doc_starts)
 
     def ring_of_shards(q, k, v, *segments):
         B, H, T, D = q.shape
@@ -179,14 +180,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key, doc_start
     in_axes, args = (Q_AXES, KV_AXES, KV_AXES), (q, k, v)
     if doc_starts is not None:
         in_axes, args = in_axes + (("batch", "seq"),), args + (doc_starts,)
-    return per_device(ring_of_shards, in_axes, Q_AXES)(*args).transpose(0, 2, 1, 3)
+    return plan.per_device(ring_of_shards, in_axes, Q_AXES)(*args).transpose(0, 2, 1, 3)
 
 
-def head_logits(x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Array:
+def head_logits(plan, x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Array:
     """The lm_head (padded vocab, embed) on the normed (batch, seq, embed) stream: float32
     logits, the vocabulary's padding rows masked so they can never be predicted."""
-    x = constrain(x, ("batch", "seq", "embed"))  # the whole sequence
-    logits = project("btc,vc->btv", x.astype(dtype), head.astype(dtype), dtype)
-    logits = constrain(logits, ("batch", "seq", "vocab"))
+    x = plan.constrain(x, ("batch", "seq", "embed"))  # the whole sequence
+    logits = project("btc,vc->btv", x.astype(dtype), head.astype(dtype), dtype, plan.cpu_matmuls)
+    logits = plan.constrain(logits, ("batch", "seq", "vocab"))
     is_real = jnp.arange(logits.shape[-1]) < vocab_size
     return jnp.where(is_real, logits, -1e9)

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.core.sharding import constrain
 from jaxpar.models import moe, rope
 from jaxpar.models.interface import Family
 from jaxpar.models.layers import (
@@ -104,12 +103,12 @@ def swiglu(gate_up: jax.Array, dtype) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def heads_first(a: jax.Array, B: int, T: int, axes: tuple) -> jax.Array:
+def heads_first(plan, a: jax.Array, B: int, T: int, axes: tuple) -> jax.Array:
     """(batch*seq, heads, head_dim) -> (batch, heads, seq, head_dim), pinned to `axes`."""
-    return constrain(a.reshape(B, T, *a.shape[1:]).transpose(0, 2, 1, 3), axes)
+    return plan.constrain(a.reshape(B, T, *a.shape[1:]).transpose(0, 2, 1, 3), axes)
 
 
-def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None):
+def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None):
     """One block on one layer's params -> (x, the router's losses, cache): the stream float32,
     (batch, seq, embed) in the STREAM layout; matmuls in dtype on the gathered (batch*seq,
     features) activations. With a KV cache (decoding), the rotated keys and the values go into it
@@ -118,36 +117,39 @@ def block(x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache
     B, T, C = x.shape
     keys = jax.random.split(key, 3) if key is not None else (None,) * 3
     p = {name: w if name == "router" else jax.tree.map(lambda a: a.astype(dtype), w)  # the router: float32
-         for name, w in weights_for_compute(p, axes).items()}
+         for name, w in weights_for_compute(plan, p, axes).items()}
 
     def matmul_input(x, norm):  # an all-gather of the sequence under sequence parallelism
-        return gather_stream(rms_norm(x, norm, cfg.norm_eps).astype(dtype))
+        return gather_stream(plan, rms_norm(x, norm, cfg.norm_eps).astype(dtype))
+
+    def dot(spec, a, w):
+        return project(spec, a, w, dtype, plan.cpu_matmuls)
 
     h = matmul_input(x, p["attn_norm"])
-    q = project("nc,chd->nhd", h, p["q"]["kernel"], dtype).astype(dtype)
-    kv = project("nc,cskd->nskd", h, p["kv"]["kernel"], dtype).astype(dtype)
+    q = dot("nc,chd->nhd", h, p["q"]["kernel"]).astype(dtype)
+    kv = dot("nc,cskd->nskd", h, p["kv"]["kernel"]).astype(dtype)
     # A token's true position: in a context ring's layout too, and after the cache's.
     k, v = (part[:, 0] for part in jnp.split(kv, 2, 1))
     if cfg.qk_norm != "none":  # over (head_dim,) or (heads, head_dim) of the (tokens, heads, head_dim)
         axes_normed = (-1,) if cfg.qk_norm == "head" else (-2, -1)
         q, k = (rms_norm(a, p[name], cfg.norm_eps, axes_normed) for a, name in ((q, "q_norm"), (k, "k_norm")))
-    cos, sin = rope.angles(cfg, q.shape[-1], token_positions(T, cache, doc_starts))
-    q = rope.apply(heads_first(q, B, T, ("batch", "heads", "seq", "head_dim")), cos, sin)
-    k, v = (heads_first(a, B, T, ("batch", "kv_heads", "seq", "head_dim")) for a in (k, v))
-    y, cache = attention(q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0], cache, doc_starts)
-    y = project("nhd,hdc->nc", constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
-                p["attn_out"]["kernel"], dtype)
-    x = x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[1])
+    cos, sin = rope.angles(cfg, q.shape[-1], token_positions(plan, T, cache, doc_starts))
+    q = rope.apply(heads_first(plan, q, B, T, ("batch", "heads", "seq", "head_dim")), cos, sin)
+    k, v = (heads_first(plan, a, B, T, ("batch", "kv_heads", "seq", "head_dim")) for a in (k, v))
+    y, cache = attention(plan, q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0], cache, doc_starts)
+    y = dot("nhd,hdc->nc", plan.constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
+            p["attn_out"]["kernel"])
+    x = x + dropout(to_stream(plan, y, (B, T, C)), cfg.dropout, keys[1])
     losses = {}
     if "router" in p:  # this layer's MLP is the mixture of experts
-        y, losses = moe.moe_mlp(matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype, cache is None)
+        y, losses = moe.moe_mlp(plan, matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype, cache is None)
         for logged in ("moe_load", "moe_dropped"):  # summed over the sparse layers: their mean
             losses[logged] = losses[logged] / sum(cfg.sparse_layers)
     else:
-        h = project("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"], dtype)
-        h = constrain(recomputed(swiglu, dtype)(h), ("tokens", "mlp"))
-        y = project("nf,cf->nc", h, p["mlp_out"]["kernel"], dtype)
-    return constrain(x + dropout(to_stream(y, (B, T, C)), cfg.dropout, keys[2]), STREAM), losses, cache
+        h = dot("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"])
+        h = plan.constrain(recomputed(plan, swiglu, dtype)(h), ("tokens", "mlp"))
+        y = dot("nf,cf->nc", h, p["mlp_out"]["kernel"])
+    return plan.constrain(x + dropout(to_stream(plan, y, (B, T, C)), cfg.dropout, keys[2]), STREAM), losses, cache
 
 
 class Llama(Family):
@@ -174,12 +176,12 @@ class Llama(Family):
             declared["lm_head"] = Param((rows, cfg.n_embd), ("vocab", "embed"), EMBEDDING, 0.02)
         return declared
 
-    def embed(self, top: dict, tokens: jax.Array, key=None, positions=None) -> jax.Array:
+    def embed(self, plan, top: dict, tokens: jax.Array, key=None, positions=None) -> jax.Array:
         """The token embedding (positions enter as RoPE, in the blocks), with dropout."""
-        return dropout(constrain(top["wte"][tokens], STREAM), self.cfg.dropout, key)
+        return dropout(plan.constrain(top["wte"][tokens], STREAM), self.cfg.dropout, key)
 
-    def block(self, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
-        x, losses, cache = block(x, p, axes, self.cfg, self.dtype, key, cache, doc_starts)
+    def block(self, plan, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
+        x, losses, cache = block(plan, x, p, axes, self.cfg, self.dtype, key, cache, doc_starts)
         return x, self.block_losses(x) | losses, cache
 
     def loss_weights(self) -> dict[str, float]:
@@ -188,9 +190,9 @@ class Llama(Family):
         router = {"moe_balance": m.router_aux_coef, "moe_z": m.router_z_coef, "moe_load": 0.0, "moe_dropped": 0.0}
         return super().loss_weights() | (router if m.n_experts else {})
 
-    def logits(self, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
+    def logits(self, plan, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
         normed = rms_norm(x, head["norm"], self.cfg.norm_eps)
-        return head_logits(normed, head[self.lm_head], vocab_size, self.dtype)
+        return head_logits(plan, normed, head[self.lm_head], vocab_size, self.dtype)
 
     def matmul_params(self, vocab_size: int) -> int:
         """N in 6N: q, k and v (GQA's smaller K/V), attention out, SwiGLU's three matmuls (with

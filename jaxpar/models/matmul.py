@@ -18,15 +18,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.models.kernels import platform_of
 
-
-def project(spec: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+def project(spec: str, x: jax.Array, w: jax.Array, dtype, for_cpu: bool) -> jax.Array:
     """einsum(spec, x, w) of activations x and weights w: float32 in, float32 out; in a lower
-    dtype, x and w in it and the result accumulated in and returned as float32."""
+    dtype, x and w in it and the result accumulated in and returned as float32. `for_cpu`: the
+    backward shaped for XLA:CPU (the execution plan's cpu_matmuls)."""
     if jnp.dtype(dtype) == jnp.float32:
         return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return low_precision_project(spec, x, w, platform_of(jax.sharding.get_abstract_mesh()) == "cpu")
+    return low_precision_project(spec, x, w, for_cpu)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))

@@ -21,6 +21,7 @@ and, for the logs, the load: the busiest expert's tokens over the mean. A sequen
 context ring sums its parts first.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -28,9 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import EXPERT
-from jaxpar.core.errors import UserError
-from jaxpar.core.sharding import active_rules, constrain, names_of, per_device, sequence_ring
-from jaxpar.models.kernels import off_tpu, platform_of
+from jaxpar.core.sharding import names_of
 
 
 def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
@@ -45,11 +44,13 @@ def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
 
 class Experts(NamedTuple):
     """A device's E_l experts and how they compute: their fused gate and up (E_l, C, 2, F) and
-    down (E_l, F, C) weights, the matmuls' dtype, and the grouped GEMM (model.moe_gemm)."""
+    down (E_l, F, C) weights, the matmuls' dtype, the grouped GEMM (the plan's moe_gemm) and
+    whether Pallas interprets Megablox (off TPU)."""
     gate_up: jax.Array
     out: jax.Array
     dtype: object
     gemm: str
+    interpret: bool = True
 
 
 def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
@@ -66,10 +67,10 @@ def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret:
     return jnp.where(grouped[:, None], y, 0)[:m]
 
 
-def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str) -> jax.Array:
+def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
     """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix."""
     if gemm == "megablox":
-        return megablox_gemm(x, w, group_sizes, interpret=off_tpu())
+        return megablox_gemm(x, w, group_sizes, interpret=interpret)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
@@ -78,9 +79,10 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.
     expert as two grouped GEMMs; rows past the groups give zeros."""
     E_l, C, _, F = local.gate_up.shape
     dtype = local.dtype
-    h = grouped_gemm(x.astype(dtype), local.gate_up.reshape(E_l, C, 2 * F).astype(dtype), group_sizes, local.gemm)
+    gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=local.gemm, interpret=local.interpret)
+    h = gemm(x.astype(dtype), local.gate_up.reshape(E_l, C, 2 * F).astype(dtype))
     h = (jax.nn.silu(h[:, :F].astype(dtype)) * h[:, F:].astype(dtype)).astype(dtype)
-    return grouped_gemm(h, local.out.astype(dtype), group_sizes, local.gemm)
+    return gemm(h, local.out.astype(dtype))
 
 
 def run_local_experts(rows: jax.Array, local_expert: jax.Array, local: Experts) -> jax.Array:
@@ -198,40 +200,34 @@ def experts_of_device(rows, experts, local: Experts, ep: int, mode: str):
     return run_local_experts(rows, jnp.where(mine, experts - first, E_l), local)
 
 
-def gemm_of(cfg, mesh) -> str:
-    """model.moe_gemm: `auto` is Megablox on TPU, ragged_dot elsewhere."""
+def gemm_of(cfg, platform: str) -> str:
+    """model.moe_gemm: `auto` is Megablox on TPU, ragged_dot elsewhere. Decided before tracing."""
     if cfg.moe_gemm != "auto":
         return cfg.moe_gemm
-    return "megablox" if platform_of(mesh) == "tpu" else "ragged_dot"
+    return "megablox" if platform == "tpu" else "ragged_dot"
 
 
-def dispatch_mode(cfg, mesh) -> str:
-    """local (ep = 1); replicated (the tokens whole on every device of 'expert': each runs its own
-    experts on all of them); else the dispatch: model.moe_dispatch, `auto` ragged on TPU and GPU."""
-    if mesh.empty or mesh.shape.get(EXPERT, 1) == 1:
-        return "local"
-    if EXPERT not in names_of(active_rules()["batch"]):
-        return "replicated"
+def dispatch_of(cfg, platform: str) -> str:
+    """model.moe_dispatch where the experts are split over 'expert': `auto` is ragged_all_to_all
+    on TPU and GPU (XLA:CPU has none). Decided before tracing; the plan's moe_mode says whether
+    a dispatch runs at all."""
     if cfg.moe_dispatch != "auto":
         return cfg.moe_dispatch
-    return "all_to_all" if platform_of(mesh) == "cpu" else "ragged"
+    return "all_to_all" if platform == "cpu" else "ragged"
 
 
-def moe_mlp(h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax.Array, dict]:
+def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax.Array, dict]:
     """h (batch, seq, embed), normed -> (the experts' mixture (batch, seq, embed) in dtype, the
-    router's per-sequence losses and load, means over this batch's sequences). `capped`: apply
-    the capacity factor, if any (not while decoding, where a step sees part of a sequence)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    mode, gemm = dispatch_mode(cfg, mesh), gemm_of(cfg, mesh)
-    ep = 1 if mesh.empty else mesh.shape.get(EXPERT, 1)
-    ring_axis, ring = sequence_ring()
+    router's per-sequence losses and load, means over this batch's sequences), dispatched as the
+    execution plan says. `capped`: apply the capacity factor, if any (not while decoding, where a
+    step sees part of a sequence; a context ring is refused with it before tracing)."""
+    mode, sizes = plan.moe_mode, plan.sizes
+    ep = sizes.get(EXPERT, 1)
+    ring_axis, ring = plan.ring()
     seq_axes = (ring_axis,) if ring > 1 else ()
-    summed_over = tuple(a for a in names_of(active_rules()["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
-                        if not mesh.empty and mesh.shape[a] > 1)
+    summed_over = tuple(a for a in names_of(plan.rules["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
+                        if sizes and sizes[a] > 1)
     k, seq_len, factor = cfg.experts_per_token, h.shape[1], cfg.moe_capacity_factor if capped else 0
-    if factor and seq_axes:
-        raise UserError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} ranks each sequence's tokens in "
-                        f"order, and cp={ring} splits the sequences; use cp=1, or drop the capacity factor")
 
     def on_device(h, router, gate_up, out):
         B, T, C = h.shape
@@ -241,7 +237,7 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax
         if factor:  # a dropped assignment's weight is 0: the token keeps the others
             keep = within_capacity(experts, B, capacity(cfg, seq_len))
             weights, dropped = weights * keep, 1 - keep.reshape(B, -1).mean(1)
-        local = Experts(gate_up, out, dtype, gemm)
+        local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret)
         y = experts_of_device(jnp.repeat(x, k, axis=0), experts.reshape(-1), local, ep, mode)
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
         if summed_over:
@@ -250,12 +246,12 @@ def moe_mlp(h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax
                 *sequence_stats(logits, probs, experts, B, seq_len, seq_axes), dropped)
 
     weights = (p["router"]["kernel"], p["experts_gate_up"]["kernel"], p["experts_out"]["kernel"])
-    if not mesh.empty:  # else one device's computation as it is
-        on_device = per_device(
+    if plan.mesh is not None:  # else one device's computation as it is
+        on_device = plan.per_device(
             on_device, (("batch", "seq", "embed"), ("embed", "routes"), ("experts", "embed", "gate_up", "mlp"),
                         ("experts", "mlp", "embed")),
             (("batch", "seq", "embed"), ("batch",), ("batch",), ("batch",), ("batch",)))
-        h = constrain(h, ("batch", "seq", "embed"))
+        h = plan.constrain(h, ("batch", "seq", "embed"))
     y, balance, z, load, dropped = on_device(h, *weights)
     return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load),
                "moe_dropped": jnp.mean(dropped)}

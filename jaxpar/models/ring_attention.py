@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.attention import F32
-from jaxpar.models.kernels import block_attention
+from jaxpar.models.kernels import BlockKernel, block_attention
 from jaxpar.models.ring_backward import ring_backward
 from jaxpar.models.ring_blocks import causal, ids, late_mask, ring_send, rows, scores, shares_document, source_before
 
@@ -79,12 +79,12 @@ def pair_work(seq_len: int, ring: int, layout: str) -> list[int]:
 # Forward. The state of a device's queries is (max, sum, output) of their softmax rows so far, all
 # float32 and the output unnormalised: (batch, kv_heads, group, queries) twice and (..., head_dim).
 
-def block_state(q, k, v, mask: str | None, kernel: str = "xla", qs=None, ks=None):
+def block_state(q, k, v, mask: str | None, kernel: BlockKernel = BlockKernel(), qs=None, ks=None):
     """The softmax state of q's rows against one block of keys: mask None (every key), "causal" or
     "late" (zigzag's late queries: the early keys whole, the late causally). A row that sees no key
     (another document's block) has the max MASKED, which any block it sees outweighs in `merge`;
     every row sees itself. A fused kernel's output and log-sum-exp are the state (lse, 1, output)."""
-    if kernel != "xla" and qs is None:
+    if kernel.fused and qs is None:
         if mask == "late":
             c = q.shape[3]
             return merge(block_state(q, k[:, :, :c], v[:, :, :c], None, kernel),
@@ -156,7 +156,7 @@ def contiguous_step(state, q, k, v, src_before, kernel, qs=None, ks=None):
 FORWARD = {"zigzag": (zigzag_diagonal, zigzag_step), "contiguous": (contiguous_diagonal, contiguous_step)}
 
 
-def ring_forward(q, k, v, segments, axis_name: str, layout: str, kernel: str = "xla"):
+def ring_forward(q, k, v, segments, axis_name: str, layout: str, kernel: BlockKernel = BlockKernel()):
     """(output in q's dtype, float32 log-sum-exp of each query row); each block pair by `kernel`.
     segments: this device's tokens' document ids (batch, local), or None."""
     n = jax.lax.axis_size(axis_name)
@@ -181,11 +181,11 @@ def ring_forward(q, k, v, segments, axis_name: str, layout: str, kernel: str = "
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def ring_core(q, k, v, segments, axis_name: str, layout: str, kernel: str) -> jax.Array:
+def ring_core(q, k, v, segments, axis_name: str, layout: str, kernel: BlockKernel) -> jax.Array:
     return ring_forward(q, k, v, segments, axis_name, layout, kernel)[0]
 
 
-def ring_core_forward(q, k, v, segments, axis_name: str, layout: str, kernel: str):
+def ring_core_forward(q, k, v, segments, axis_name: str, layout: str, kernel: BlockKernel):
     out, lse = ring_forward(q, k, v, segments, axis_name, layout, kernel)
     return out, (q, k, v, segments, out, lse)  # the LSE is all the backward needs to recompute the probabilities
 
@@ -193,7 +193,7 @@ def ring_core_forward(q, k, v, segments, axis_name: str, layout: str, kernel: st
 ring_core.defvjp(ring_core_forward, ring_backward)
 
 
-def ring_attention(q, k, v, axis_name: str, layout: str = "zigzag", kernel: str = "xla",
+def ring_attention(q, k, v, axis_name: str, layout: str = "zigzag", kernel: BlockKernel = BlockKernel(),
                    segments=None) -> jax.Array:
     """Causal attention of this device's queries against the whole sequence, inside `jax.shard_map`
     manual over `axis_name`: q (batch, kv_heads, group, local, head_dim), k and v (batch, kv_heads,

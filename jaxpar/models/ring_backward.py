@@ -79,7 +79,7 @@ BACKWARD = {"zigzag": (zigzag_diagonal_grads, zigzag_step_grads),
             "contiguous": (contiguous_diagonal_grads, contiguous_step_grads)}
 
 
-def ring_backward(axis_name: str, layout: str, kernel: str, saved, d_out):
+def ring_backward(axis_name: str, layout: str, kernel, saved, d_out):
     """(dq, dk, dv, None for the ids) in the inputs' dtypes. K/V go round as in the forward; each
     block's float32 dK/dV accumulator follows one step behind it and is sent on once more at the
     end, which brings it home."""

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.axes import DATA, PIPE, pipeline_microbatches
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import constrain, sequence_ring, split_ways
+from jaxpar.core.execution import STAGES_REDUCE
+from jaxpar.core.sharding import split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.models.layers import STREAM, document_positions
@@ -64,6 +65,7 @@ class StageOps:
 
     def __init__(self, model: Transformer, layer_axes: dict, schedule: Schedule, table: dict,
                  layer_params, head, x0, targets, layer_keys, doc_starts=None):
+        """`model`: under the plan inside the executor's shard_map."""
         self.model, self.layer_axes, self.schedule = model, layer_axes, schedule
         self.weights = {name: jnp.float32(w) for name, w in model.family.loss_weights().items()}
         self.head, self.x0, self.targets, self.doc_starts = head, x0, targets, doc_starts
@@ -149,7 +151,7 @@ class StageOps:
         if self.split_backward:
             branches[WEIGHT] = self.weight
         kind, ops = self.at("kind", t), [branches[kind] for kind in sorted(branches)]
-        if sequence_ring()[1] > 1:
+        if self.model.plan.ring()[1] > 1:
             # A context ring's collective-permutes are one op over every device: each stage runs
             # every op and keeps its own, so all of them send in the same order (a switch whose
             # branch differs between stages would leave the sends unmatched).
@@ -165,7 +167,8 @@ class StageOps:
 
     def initial_carry(self) -> dict:
         def buffer(slots):
-            return constrain(jnp.zeros((slots,) + self.x0.shape[1:], self.x0.dtype), ("microbatch",) + STREAM)
+            return self.model.plan.constrain(jnp.zeros((slots,) + self.x0.shape[1:], self.x0.dtype),
+                                             ("microbatch",) + STREAM)
 
         per_microbatch = jnp.zeros((self.schedule.microbatches,), jnp.float32)
         carry = {"inputs": buffer(self.schedule.input_slots), "losses": per_microbatch,
@@ -183,7 +186,7 @@ def store(buffer, slot, value):
     return buffer.at[i].set(jnp.where(slot >= 0, value, buffer[i]))
 
 
-def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: Schedule, mesh):
+def make_executor(model: Transformer, layer_axes: dict, schedule: Schedule):
     """run(layer_params, head, x0, targets, layer_keys, doc_starts) -> (losses, aux, layer_grads,
     head_grads, dx0).
 
@@ -201,16 +204,16 @@ def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: S
     to_previous = [((s + 1) % pp, s) for s in range(pp if ring else pp - 1)]
 
     # Each stage sums its microbatches' weight gradients over its own rows and reduces them over
-    # 'data' once per round: the rows are split over 'data' by hand. Dropout draws its masks over
-    # every row, as one device does, and ZeRO-3 gathers each layer's weights where it runs, so
-    # both leave 'data' to the shardings (a reduction per microbatch), as does a mesh whose rows
-    # are split over another axis too (expert parallelism).
-    local = (train and 1 < mesh.shape[DATA] == split_ways(mesh, "batch") and cfg.model.dropout == 0
-             and cfg.train.zero < 3)
+    # 'data' once per round, the rows split over 'data' by hand, where the plan says so
+    # (jaxpar.training.execution); else the shardings reduce each microbatch's.
+    plan = model.plan
+    local = train and plan.pipeline["gradients_reduced"] == STAGES_REDUCE
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
+    stage_model = model.on(plan.inside(*manual))
 
     def per_stage(layer_params, head, x0, targets, layer_keys, doc_starts):
-        ops = StageOps(model, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys, doc_starts)
+        ops = StageOps(stage_model, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys,
+                       doc_starts)
         carry, _ = jax.lax.scan(lambda c, t: ops.tick(c, t, to_next, to_previous), ops.initial_carry(),
                                 jnp.arange(schedule.ticks))
         # Only the last stage has losses and head gradients, only the first has dx0: psum shares them.
@@ -222,7 +225,7 @@ def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: S
         dx0 = jax.lax.psum(carry["dx0"], PIPE)
         if local:  # a device's loss is the mean over its own rows: the batch's is the mean of those
             losses, aux, layer_grads, head_grads = jax.lax.pmean((losses, aux, layer_grads, head_grads), DATA)
-            dx0 = dx0 / mesh.shape[DATA]
+            dx0 = dx0 / plan.sizes[DATA]
         return losses, aux, layer_grads, head_grads, dx0
 
     def run(layer_params, head, x0, targets, layer_keys=None, doc_starts=None):
@@ -231,7 +234,7 @@ def make_executor(cfg: Config, model: Transformer, layer_axes: dict, schedule: S
                     None if doc_starts is None else rows)
         # check_vma=False: nothing differentiates through this map (backwards are explicit vjps).
         # Inside it the rule table leaves out the manual axes (pipe, and data when local).
-        return jax.shard_map(per_stage, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+        return jax.shard_map(per_stage, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=manual, check_vma=False)(
             layer_params, head, x0, targets, layer_keys, doc_starts)
 
@@ -247,7 +250,7 @@ def dropout_keys(cfg: Config, round_key, M: int):
     return keys[:, 0], keys[:, 1:]
 
 
-def make_round_fn(cfg: Config, model: Transformer, mesh, forward_only: bool = False):
+def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
     """f(params, inputs, targets, round_key) -> (metrics, grads) for one round of M microbatches:
     the metrics are the mean cross-entropy `loss` and each auxiliary loss, means over the round.
 
@@ -255,22 +258,22 @@ def make_round_fn(cfg: Config, model: Transformer, mesh, forward_only: bool = Fa
     on the last stage; the embedding's backward is a vjp of the first stage's input gradients.
     round_key is (step key, round index) when dropout is on, else None. forward_only: loss only.
     """
-    schedule = schedule_for(cfg, mesh, forward_only)
-    family = model.family
+    schedule = schedule_for(cfg, model.plan.mesh, forward_only)
+    family, plan = model.family, model.plan
 
     def round_fn(params, inputs, targets, round_key=None):
         top, _, layer_params, layer_axes = split_layers(params, model.axes())
-        run = make_executor(cfg, model, layer_axes, schedule, mesh)
+        run = make_executor(model, layer_axes, schedule)
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
         head = model.head(top)
         doc_starts = None if model.eot_id is None else jax.vmap(model.doc_starts)(inputs)
-        positions = document_positions(doc_starts, inputs.shape[-1])  # broadcast over microbatches
+        positions = document_positions(plan, doc_starts, inputs.shape[-1])  # broadcast over microbatches
 
         def embed_all(top):
             keys = () if embed_keys is None else (embed_keys,)
 
             def embed(tokens, at, *key):
-                return family.embed(top, tokens, key[0] if key else None, at)
+                return family.embed(plan, top, tokens, key[0] if key else None, at)
             return jax.vmap(embed, in_axes=(0, None if positions is None else 0) + (0,) * len(keys))(
                 inputs, positions, *keys)
 

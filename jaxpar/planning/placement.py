@@ -12,7 +12,6 @@ from jaxpar.core.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.core.config import Config
 from jaxpar.core.sharding import batch_sharding, split_ways
 from jaxpar.data.loader import document_eot, load_dataset, model_vocab
-from jaxpar.models import kernels
 from jaxpar.models.family import build_model, family_of
 from jaxpar.models.layers import padded_vocab
 from jaxpar.parallel import hlo
@@ -21,6 +20,7 @@ from jaxpar.parallel.pipeline import schedule_for
 from jaxpar.parallel.zero import expected_bytes_per_device
 from jaxpar.training import optimizers
 from jaxpar.training import step as steps
+from jaxpar.training.execution import plan_execution
 
 
 def mib(n: float) -> str:
@@ -65,10 +65,11 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
 
 def compile_abstract_step(cfg: Config, vocab: int, mesh, eot_id: int | None = None):
     """The train step `jaxpar.train` runs, compiled for `mesh` from ShapeDtypeStructs (nothing is
-    allocated, so the devices may be compile-only); `eot_id`: the documents' token, as build_model."""
-    model = build_model(cfg, vocab, eot_id)
+    allocated, so the devices may be compile-only), under the execution plan of the mesh's
+    platform (a TPU target's, from a CPU host); `eot_id`: the documents' token, as build_model."""
+    model = build_model(cfg, vocab, eot_id, plan_execution(cfg, mesh))
     tx = steps.make_optimizer(cfg, model, mesh)
-    shardings, plan = steps.state_shardings(cfg, model, mesh, tx)  # eager work: outside the mesh
+    shardings, zero_plan = steps.state_shardings(cfg, model, mesh, tx)  # eager work: outside the mesh
     micro = steps.microbatches_for(cfg, mesh)
     rows = batch_sharding(mesh)
     batch = jax.ShapeDtypeStruct((micro, cfg.train.batch_size // micro, cfg.model.block_size),
@@ -78,9 +79,15 @@ def compile_abstract_step(cfg: Config, vocab: int, mesh, eot_id: int | None = No
                                 jax.eval_shape(tx.init, shapes))
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             abstract, shardings)
-    step = steps.make_train_step(cfg, model, tx, shardings, plan, rows)
+    step = steps.make_train_step(cfg, model, tx, shardings, zero_plan, rows)
     with jax.set_mesh(mesh):
         return step.lower(abstract, (batch, batch)).compile()
+
+
+def execution_rows(execution) -> list[str]:
+    """The execution plan, a line a decision (the rule table left out: the tensors show it)."""
+    described = {k: v for k, v in execution.describe().items() if k not in ("rules", "mesh")}
+    return ["execution plan:"] + [f"  {key}: {value}" for key, value in described.items()]
 
 
 def tensor_rows(shapes: dict, plan, abstract_opt, opt_shardings) -> list[str]:
@@ -114,14 +121,15 @@ def dry_run(cfg: Config, devices=None) -> str:
     vocab, eot_id = model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
     mesh = build_mesh(cfg, devices)
     with jax.set_mesh(mesh):
-        model = build_model(cfg, vocab, eot_id)
+        execution = plan_execution(cfg, mesh)
+        model = build_model(cfg, vocab, eot_id, execution)
         tx = steps.make_optimizer(cfg, model, mesh)
         shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
         shapes = model.shapes()
         abstract_opt = jax.eval_shape(tx.init, shapes)
         crossing = ", ".join(axes_crossing_processes(mesh)) or "none"
         rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}",
-                f"attention kernel: {kernels.describe(cfg.model, mesh, cfg.data.document_mask)}", "",
+                *execution_rows(execution), "",
                 *tensor_rows(shapes, plan, abstract_opt, shardings.opt_state)]
         micro = steps.microbatches_for(cfg, mesh)
         rows_per_pass = cfg.train.batch_size // micro // split_ways(mesh, "batch")

@@ -112,11 +112,11 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
 def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int | None = None) -> None:
     """Compile c's train step for `devices` and fill in c.compiled and c.fits; an error is kept.
     `eot_id`: the documents' token under data.document_mask (build_model)."""
-    from jaxpar.models import kernels
     from jaxpar.parallel import hlo, pipeline
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning import estimate, roofline
     from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.execution import plan_execution
     try:
         mesh = build_mesh(c.cfg, devices)
         compiled = compile_abstract_step(c.cfg, vocab, mesh, eot_id)
@@ -132,7 +132,7 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
             c.compiled = {"needs_bytes": float(needs.group(1)) * 2**30}
         return
     roof = roofline.estimate(text, chip, len(devices))
-    attention = kernels.describe(c.cfg.model, mesh, c.cfg.data.document_mask)
+    attention = plan_execution(c.cfg, mesh).describe()["attention"]
     c.compiled = {**summary, "attention": attention, "collective_ops": ops,
                   **estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble)}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes

@@ -8,7 +8,8 @@ gradients of its training loss: the cross-entropy plus each auxiliary loss times
 The step's gradients are the passes' mean. Each data-parallel device sums its own passes'
 gradients and they are reduced over 'data' once (`accumulate_locally`), unless a pass reduces its
 own (a pipeline round) or dropout draws each pass's masks over the whole batch, as one device does
-(`accumulate`, which reduces after every pass).
+(`accumulate`, which reduces after every pass): the model's execution plan says which
+(jaxpar.training.execution).
 """
 
 import functools
@@ -18,9 +19,9 @@ import jax.numpy as jnp
 
 from jaxpar.core.axes import AXES, DATA, PIPE
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import rules_for, split_ways, traced_with_rules, with_axes_unsplit, without_axis
+from jaxpar.core.execution import ONE_PASS, REDUCED_ONCE
+from jaxpar.core.sharding import without_axis
 from jaxpar.models.family import Transformer
-from jaxpar.models.kernels import traced_with_attention
 from jaxpar.parallel import pipeline
 
 
@@ -35,12 +36,12 @@ def make_loss_fn(model: Transformer):
     return loss_fn
 
 
-def make_pass(cfg: Config, model: Transformer, mesh):
+def make_pass(cfg: Config, model: Transformer):
     """(one_pass(params, inputs, targets, step_key, i) -> (metrics, grads), rounds): one model
     pass per microbatch, or with a pipeline a round per `rounds` group of microbatches (None: one
     microbatch a pass). step_key is None without dropout."""
-    if mesh.shape[PIPE] > 1:
-        round_fn = pipeline.make_round_fn(cfg, model, mesh)
+    if model.plan.sizes.get(PIPE, 1) > 1:
+        round_fn = pipeline.make_round_fn(cfg, model)
 
         def one_round(params, inputs, targets, step_key, i):
             return round_fn(params, inputs, targets, None if step_key is None else (step_key, i))
@@ -61,31 +62,28 @@ def make_grad_fn(cfg: Config, model: Transformer, grad_shardings: dict):
     inputs/targets are (microbatches, rows, seq). Gradients are pinned to `grad_shardings`: under
     ZeRO-2/3 that turns their all-reduce into a reduce-scatter.
     """
-    use_dropout, seed = cfg.model.dropout > 0, cfg.train.seed
+    use_dropout, seed, plan = cfg.model.dropout > 0, cfg.train.seed, model.plan
 
     def grads_of(params, inputs, targets, step):
-        mesh = jax.sharding.get_abstract_mesh()
-        one_pass, rounds = make_pass(cfg, model, mesh)
+        one_pass, rounds = make_pass(cfg, model)
         if rounds is not None:
             inputs, targets = (a.reshape(rounds, -1, *a.shape[1:]) for a in (inputs, targets))
         step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
-
-        def run(i, x, y):
-            return one_pass(params, x, y, step_key, i)
-
-        passes, dp = inputs.shape[0], mesh.shape[DATA]
-        if passes == 1:  # one pass: its loss and gradients as they are
-            metrics, grads = run(0, inputs[0], targets[0])
+        passes = inputs.shape[0]
+        if plan.accumulation == ONE_PASS:  # its loss and gradients as they are
+            metrics, grads = one_pass(params, inputs[0], targets[0], step_key, 0)
             return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
-        # The groups are data-parallel devices' rows: not where another axis splits the rows too.
-        if (dp == 1 or use_dropout or rounds is not None or split_ways(mesh, "batch") != dp
-                or not model.family.vmappable):
-            metrics, grads = accumulate(run, inputs, targets, params, grad_shardings)
+        if plan.accumulation == REDUCED_ONCE:
+            # The passes of each data-parallel device's rows, traced where 'data' splits nothing.
+            group_pass, _ = make_pass(cfg, model.on(plan.unsplit(DATA)))
+            metrics, grads = accumulate_locally(lambda i, x, y: group_pass(params, x, y, step_key, i),
+                                                inputs, targets, params, grad_shardings, plan.sizes[DATA])
         else:
-            metrics, grads = accumulate_locally(run, inputs, targets, params, grad_shardings, dp)
+            metrics, grads = accumulate(lambda i, x, y: one_pass(params, x, y, step_key, i),
+                                        inputs, targets, params, grad_shardings)
         return jax.tree.map(jnp.mean, metrics), jax.tree.map(lambda g: g / passes, grads)
 
-    return traced_for_mesh(grads_of, cfg)
+    return laid_out(grads_of, plan)
 
 
 def accumulate(run, inputs, targets, params, grad_shardings):
@@ -105,8 +103,8 @@ def accumulate_locally(run, inputs, targets, params, grad_shardings, dp: int):
     laid out, and `jax.vmap(..., spmd_axis_name=DATA)` runs the passes of each group on its own
     device: the groups' gradients stay apart (a leading axis over 'data'), so nothing is reduced
     inside the loop. Averaging that axis is the one all-reduce, or reduce-scatter where
-    grad_shardings split over 'data' (ZeRO-2/3). Inside, the rule table leaves 'data' out: vmap
-    puts it on the groups' axis.
+    grad_shardings split over 'data' (ZeRO-2/3). `run` is traced with 'data' unsplit: vmap puts
+    it on the groups' axis.
     """
     def grouped(a):  # (..., rows, seq) -> (..., dp, rows / dp, seq): group g is device g's rows
         return a.reshape(*a.shape[:-2], dp, a.shape[-2] // dp, a.shape[-1])
@@ -114,21 +112,20 @@ def accumulate_locally(run, inputs, targets, params, grad_shardings, dp: int):
     def one_group(x, y):
         return accumulate(run, x, y, params, without_axis(grad_shardings, DATA))
 
-    groups = jax.vmap(with_axes_unsplit(one_group, DATA), in_axes=inputs.ndim - 2, spmd_axis_name=DATA)
+    groups = jax.vmap(one_group, in_axes=inputs.ndim - 2, spmd_axis_name=DATA)
     metrics, grads = groups(grouped(inputs), grouped(targets))
     grads = jax.tree.map(lambda g: g.mean(0), grads)  # each group's loss is the mean over its rows
     return jax.tree.map(lambda m: m.mean(0), metrics), jax.lax.with_sharding_constraint(grads, grad_shardings)
 
 
-def traced_for_mesh(fn, cfg: Config):
-    """fn(params, inputs, targets, ...), traced under the model's rule table, with the batch in the
-    layout each mesh axis computes it in (a context ring's zigzag order)."""
+def laid_out(fn, plan):
+    """fn(params, inputs, targets, ...) with the batch in the layout each mesh axis computes it in
+    (a context ring's zigzag order)."""
     @functools.wraps(fn)
     def wrapped(params, inputs, targets, *rest):
-        mesh = jax.sharding.get_abstract_mesh()
+        sizes = plan.sizes
         for axis in AXES:
-            size = 1 if mesh.empty else mesh.shape[axis.name]
+            size = sizes.get(axis.name, 1)
             inputs, targets = axis.lay_out(inputs, size), axis.lay_out(targets, size)
-        traced = traced_with_attention(traced_with_rules(fn, rules_for(cfg.model)), cfg.model)
-        return traced(params, inputs, targets, *rest)
+        return fn(params, inputs, targets, *rest)
     return wrapped

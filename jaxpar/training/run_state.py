@@ -33,7 +33,7 @@ class Prepared:
     tx: object  # the optax optimizer
     model: Transformer
     shardings: steps.TrainState
-    plan: zero.ZeroPlan
+    zero: zero.ZeroPlan
     state: steps.TrainState
     start: int  # the step the state is at
     damaged: dict[int, str]  # damaged checkpoints newer than `start`: step -> why

@@ -22,7 +22,7 @@ from jaxpar.core.sharding import shardings_for, split_ways
 from jaxpar.models.family import Transformer
 from jaxpar.parallel import pipeline, zero
 from jaxpar.training import muon, optimizers
-from jaxpar.training.passes import make_grad_fn, make_loss_fn, traced_for_mesh
+from jaxpar.training.passes import laid_out, make_grad_fn, make_loss_fn
 
 
 class TrainState(NamedTuple):
@@ -94,15 +94,16 @@ def microbatches_for(cfg: Config, mesh) -> int:
     return num_microbatches(cfg.train, dp)
 
 
-def make_train_step(cfg: Config, model: Transformer, tx, shardings: TrainState, plan: zero.ZeroPlan,
+def make_train_step(cfg: Config, model: Transformer, tx, shardings: TrainState, zero_plan: zero.ZeroPlan,
                     batch_sharding):
     """jit(step)(state, (inputs, targets)) -> (state, metrics); state is donated. Metrics: the
-    cross-entropy `loss`, each auxiliary loss, and `grad_norm`.
+    cross-entropy `loss`, each auxiliary loss, and `grad_norm`. The model carries its execution
+    plan (jaxpar.training.execution).
 
     inputs/targets are (microbatches, rows, block_size); gradients are averaged over the
     microbatches, so the update equals one step on the whole global batch.
     """
-    grads_of = make_grad_fn(cfg, model, plan.grads)
+    grads_of = make_grad_fn(cfg, model, zero_plan.grads)
 
     def step(state: TrainState, batch):
         metrics, grads = grads_of(state.params, *batch, state.step)
@@ -121,15 +122,14 @@ def make_eval_step(cfg: Config, model: Transformer, param_shardings, batch_shard
     loss_fn = make_loss_fn(model)
 
     def evaluate(params, inputs, targets):
-        mesh = jax.sharding.get_abstract_mesh()
-        if mesh.shape[PIPE] > 1:  # a forward-only pipeline: each stage runs its own layers
-            forward = pipeline.make_round_fn(cfg, model, mesh, forward_only=True)
-            M = pipeline.schedule_for(cfg, mesh).microbatches
+        if model.plan.pipeline:  # a forward-only pipeline: each stage runs its own layers
+            forward = pipeline.make_round_fn(cfg, model, forward_only=True)
+            M = model.plan.pipeline["microbatches"]
             inputs, targets = (a.reshape(-1, M, *a.shape[1:]) for a in (inputs, targets))
             return jnp.mean(jax.lax.map(lambda xy: forward(params, *xy), (inputs, targets)))
         return jnp.mean(jax.lax.map(lambda xy: loss_fn(params, *xy)[1]["loss"], (inputs, targets)))
 
-    evaluate_on_mesh = traced_for_mesh(evaluate, cfg)
+    evaluate_on_mesh = laid_out(evaluate, model.plan)
     return jax.jit(lambda params, batch: evaluate_on_mesh(params, *batch),
                    in_shardings=(param_shardings, (batch_sharding, batch_sharding)))
 

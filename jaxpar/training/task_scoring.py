@@ -22,9 +22,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.axes import CONTEXT
+from jaxpar.core.axes import splitting
 from jaxpar.core.errors import UserError
-from jaxpar.core.sharding import with_axes_unsplit
 from jaxpar.data.task_files import find_task_files, read_rows
 from jaxpar.data.tasks import Item, Task, parse_tasks, to_items
 from jaxpar.training.row_passes import over_rows, passes_rows
@@ -107,14 +106,16 @@ def load_requests(spec: str, tasks_dir: str, tokenizer, block: int, limit: int =
     return loaded
 
 
-def make_scorer(net, mesh):
+def make_scorer(net):
     """jit(params, inputs, targets, scored) -> each row's summed log-likelihood of its scored
-    targets, float32, replicated (every process reads all rows)."""
+    targets, float32, replicated (every process reads all rows), on the mesh of net's plan."""
+    # Each device of a context ring computes its rows' sequences whole (no ring here).
+    net = net.on(net.plan.unsplit(*splitting("seq")))
+
     def continuation_lls(params, inputs, targets, scored):
         logp = jax.nn.log_softmax(net(params, inputs).astype(np.float32), axis=-1)
         return jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * scored, axis=1)
-    # Each device of a context ring computes its rows' sequences whole (no ring here).
-    return jax.jit(with_axes_unsplit(continuation_lls, CONTEXT), out_shardings=NamedSharding(mesh, P()))
+    return jax.jit(continuation_lls, out_shardings=NamedSharding(net.plan.mesh, P()))
 
 
 def loglikelihoods(scorer, params, mesh, req: Requests, rows: int, progress: bool = False):
@@ -172,7 +173,8 @@ class TaskEval:
 
 
 def task_eval_for(cfg, net, mesh, tokenizer) -> TaskEval | None:
-    """The run's TaskEval, its tasks read and encoded now; None without --eval.tasks."""
+    """The run's TaskEval, its tasks read and encoded now; None without --eval.tasks. `net`: the
+    model under the run's execution plan."""
     e = cfg.eval
     if not e.tasks:
         return None
@@ -181,4 +183,4 @@ def task_eval_for(cfg, net, mesh, tokenizer) -> TaskEval | None:
         if (req.dropped_chars or req.truncated) and jax.process_index() == 0:
             print(f"jaxpar.train: note: {task.name}: {req.dropped_chars} characters the tokenizer lacks are left "
                   f"out, {req.truncated} of {len(req.inputs)} continuations outgrow the block", file=sys.stderr)
-    return TaskEval(loaded, make_scorer(net, mesh), mesh, e.tasks_every or cfg.train.eval_every or cfg.train.steps)
+    return TaskEval(loaded, make_scorer(net), mesh, e.tasks_every or cfg.train.eval_every or cfg.train.steps)

@@ -22,7 +22,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, document_eot, load_dataset, model_vocab
 from jaxpar.data.mixture import mix_change
-from jaxpar.models import flops, kernels
+from jaxpar.models import flops
 from jaxpar.models.family import Transformer, build_model
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
@@ -30,6 +30,7 @@ from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.training import step as steps
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 from jaxpar.training.evaluation import make_evaluate
+from jaxpar.training.execution import plan_execution
 from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, summarise, versions
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
@@ -44,10 +45,11 @@ from jaxpar.training.task_scoring import task_eval_for
 def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
     """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
     under `jax.set_mesh(mesh)`."""
-    model = build_model(cfg, model_vocab(cfg, dataset.tokenizer), document_eot(cfg, dataset.tokenizer))
+    model = build_model(cfg, model_vocab(cfg, dataset.tokenizer), document_eot(cfg, dataset.tokenizer),
+                        plan_execution(cfg, mesh))  # every decision the step's trace needs, made here
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
     tx = steps.make_optimizer(cfg, model, mesh)
-    shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
+    shardings, zero_plan = steps.state_shardings(cfg, model, mesh, tx)
     restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, dataset.tokenizer,
                                                                        tx, shardings)
     state, found = restored or (initial_state(cfg, model, tx, shardings), None)
@@ -57,7 +59,7 @@ def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bo
         raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
                         f"{cfg.train.steps}; pass --steps {start} or more, or start over with --fresh")
     changed = mix_change(meta["config"]["data"], cfg.data, start) if meta else None
-    return Prepared(cfg, dataset, mesh, ckpt, tx, model, shardings, plan, state, start, damaged, changed)
+    return Prepared(cfg, dataset, mesh, ckpt, tx, model, shardings, zero_plan, state, start, damaged, changed)
 
 
 def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainState) -> steps.TrainState:
@@ -88,7 +90,7 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     # A mixture's val loss is also taken per source, each over its own val split.
     source_val = {source.name: fixed(loader(part, "val")) for source, part in
                   zip(p.dataset.mixture.sources, p.dataset.parts)} if p.dataset.mixture else {}
-    train_step = steps.make_train_step(cfg, p.model, p.tx, p.shardings, p.plan, train_batches.sharding)
+    train_step = steps.make_train_step(cfg, p.model, p.tx, p.shardings, p.zero, train_batches.sharding)
     eval_step = steps.make_eval_step(cfg, p.model, p.shardings.params, val_loader.sharding)
     tasks = task_eval_for(cfg, p.model, mesh, p.dataset.tokenizer)  # a bad task fails before writing
 
@@ -99,12 +101,12 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
     info = {
         "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
-        "attention": kernels.describe(cfg.model, mesh, cfg.data.document_mask),
+        "attention": p.model.plan.describe()["attention"], "execution": p.model.plan.describe(),
         "mesh_axes_crossing_processes": axes_crossing_processes(mesh),
         "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
                     "kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count()},
-        "versions": versions(), "vocab_size": vocab, "zero_stage": p.plan.stage,
-        "zero_unsharded": p.plan.unsharded,
+        "versions": versions(), "vocab_size": vocab, "zero_stage": p.zero.stage,
+        "zero_unsharded": p.zero.unsharded,
         "n_params": flops.matmul_params(cfg.model, vocab),
         "n_params_stored": sum(int(a.size) for a in jax.tree.leaves(p.state.params)),
         "bytes_per_device": {"params": steps.bytes_per_device(p.state.params),
@@ -241,7 +243,7 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
         if p.start and progress and is_main_process():
             print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
         # auto kept xla where a fused kernel exists
-        note = kernels.resolve_on(cfg.model, mesh, cfg.data.document_mask)[1]
+        note = p.model.plan.attention_note
         if note and is_main_process():
             print(note, file=sys.stderr)
         try:

@@ -1,0 +1,144 @@
+"""The execution plan: every decision a traced step needs, made once before tracing, and handed to
+the code that needs it.
+
+`jaxpar.training.execution.plan_execution(cfg, mesh)` makes one from the config, the mesh and the
+mesh's platform: the rule table, the attention kernel (and why another was not chosen), the MoE
+dispatch and grouped GEMM, how the passes' gradients are summed, what is recomputed, and the
+pipeline's schedule. The model, the step, evaluation, sampling and the planner receive it; nothing
+inside a trace asks the host what it runs on, and no context variable carries a decision.
+
+The plan also holds what changes within a trace: the mesh axes that are manual there (inside a
+`shard_map`) or that split nothing there (vmapped over, or replicated over by an inference
+command). `inside` and `unsplit` give the plan for such a region; its rule table leaves those axes
+out.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.core.axes import EXPERT, rule_table
+from jaxpar.core.sharding import drop_axes, logical_to_spec, names_of
+
+# How a step sums its passes' gradients (jaxpar.training.passes, jaxpar.parallel.pipeline).
+ONE_PASS = "one pass"
+EACH_PASS_REDUCED = "summed over passes, reduced over data after each"
+REDUCED_ONCE = "summed on each data-parallel device, reduced over data once"
+# How a pipeline stage's gradients are reduced over 'data' (jaxpar.parallel.pipeline).
+STAGES_REDUCE = "by each stage once a round"
+SHARDINGS_REDUCE = "by the shardings, each microbatch"
+
+
+@dataclass(frozen=True, eq=False)
+class ExecutionPlan:
+    """The decisions of one step on one mesh (None: one device, no mesh: nothing is constrained)."""
+
+    mesh: object = None  # the jax Mesh the step runs on
+    platform: str = "cpu"
+    sequence_parallel: bool = False
+    attention: str = "xla"  # xla, splash or cudnn
+    attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists
+    moe_gemm: str = "ragged_dot"  # ragged_dot or megablox
+    moe_dispatch: str = "all_to_all"  # all_to_all or ragged, where experts are split over 'expert'
+    accumulation: str = ONE_PASS
+    remat: str = "none"  # model.remat
+    regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
+    pipeline: dict = field(default_factory=dict)  # the schedule's name, pp, microbatches, ticks, bubble
+    experts: bool = False  # the model has a mixture of experts (its dispatch is worth printing)
+    manual: frozenset = frozenset()  # mesh axes that are manual here (inside shard_map)
+    unsplit_axes: frozenset = frozenset()  # mesh axes that split nothing here
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each mesh axis's size; empty without a mesh."""
+        return {} if self.mesh is None else dict(self.mesh.shape)
+
+    @property
+    def rules(self) -> dict:
+        """The rule table here: the model's, less the manual and unsplit axes."""
+        table, gone = rule_table(self.sequence_parallel), self.manual | self.unsplit_axes
+        return table if not gone else {name: drop_axes(axes, gone) for name, axes in table.items()}
+
+    @property
+    def interpret(self) -> bool:
+        """Pallas's TPU kernels (splash, Megablox) run in interpret mode off TPU (the tests)."""
+        return self.platform != "tpu"
+
+    @property
+    def cpu_matmuls(self) -> bool:
+        """The projections' backward shaped for XLA:CPU's bf16 kernels (jaxpar.models.matmul)."""
+        return self.platform == "cpu"
+
+    @property
+    def recompute_activations(self) -> bool:
+        """The GELU and SwiGLU keep their input alone and run again in the backward: on an
+        accelerator, where a step waits on bytes; a CPU waits on arithmetic."""
+        return self.platform != "cpu"
+
+    @property
+    def moe_mode(self) -> str:
+        """local (one device of 'expert'), replicated (the tokens whole on every device of it:
+        each runs its own experts on all of them), or the dispatch."""
+        if self.sizes.get(EXPERT, 1) == 1:
+            return "local"
+        if EXPERT not in names_of(self.rules["batch"]):
+            return "replicated"
+        return self.moe_dispatch
+
+    def size_of(self, logical: str) -> int:
+        """How many ways the rule table here splits a logical axis."""
+        sizes = self.sizes
+        return math.prod(sizes[name] for name in names_of(self.rules[logical])) if sizes else 1
+
+    def ring(self) -> tuple[str | None, int]:
+        """(the mesh axis the sequence is split over here, its size): (None, 1) without one."""
+        axis = self.rules["seq"]
+        if axis is None or self.mesh is None:
+            return None, 1
+        return axis, self.sizes[axis]
+
+    def spec(self, axes: tuple[str, ...]) -> P:
+        return logical_to_spec(axes, self.rules)
+
+    def constrain(self, x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+        """Pin an activation's sharding by logical names; nothing without a mesh. Inside a
+        shard_map the spec is the enclosing map's context's; outside, on the plan's mesh."""
+        if self.mesh is None:
+            return x
+        spec = self.spec(axes)
+        return jax.lax.with_sharding_constraint(x, spec if self.manual else NamedSharding(self.mesh, spec))
+
+    def inside(self, *axes: str) -> "ExecutionPlan":
+        """The plan inside a shard_map manual over `axes`."""
+        return dataclasses.replace(self, manual=self.manual | frozenset(axes))
+
+    def unsplit(self, *axes: str) -> "ExecutionPlan":
+        """The plan where `axes` split no activation: code vmapped over an axis with
+        `spmd_axis_name`, or computing a whole batch or sequence on every device of an axis."""
+        return dataclasses.replace(self, unsplit_axes=self.unsplit_axes | frozenset(axes))
+
+    def per_device(self, fn, in_axes: tuple, out_axes: tuple):
+        """fn on one device's shards: `jax.shard_map` manual over every mesh axis not manual yet,
+        each input and output split as the rule table here splits its logical axes (out_axes: one
+        tuple of names, or a tuple of them for several outputs). Under `jax.vmap(spmd_axis_name=...)`
+        the vmapped axis is unsplit here, in no spec, so vmap can split the inputs over it."""
+        several = isinstance(out_axes[0], tuple)
+        return jax.shard_map(fn, mesh=None if self.manual else self.mesh,  # nested: the enclosing map's
+                             in_specs=tuple(self.spec(a) for a in in_axes),
+                             out_specs=tuple(map(self.spec, out_axes)) if several else self.spec(out_axes),
+                             axis_names=frozenset(a for a in self.mesh.axis_names if a not in self.manual),
+                             check_vma=False)
+
+    def describe(self) -> dict:
+        """What run.json and --dry-run print."""
+        kernel = self.attention + (f" ({self.attention_note})" if self.attention_note else "")
+        return {"platform": self.platform, "mesh": self.sizes, "attention": kernel,
+                **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.moe_gemm}} if self.experts else {}),
+                "accumulation": self.accumulation, "remat": self.remat,
+                "activations_recomputed": self.recompute_activations, "weights_regathered": self.regather_weights,
+                "rules": {name: axes for name, axes in self.rules.items() if axes is not None},
+                **({"pipeline": self.pipeline} if self.pipeline else {})}

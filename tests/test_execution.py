@@ -1,0 +1,94 @@
+"""The execution plan (jaxpar.core.execution): every decision a trace needs, made once from the
+config and the mesh before tracing, and the same plan wherever the config runs: training,
+`jaxpar.eval`, the planner's compile for a TPU target from this CPU host.
+"""
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import mesh_overrides, tiny_config
+from helpers import save_random_gpt2
+
+from jaxpar.core import execution
+from jaxpar.data.loader import load_dataset
+from jaxpar.inference import evaluate
+from jaxpar.inference.loading import load
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.training.execution import plan_execution
+
+JAXPAR = pathlib.Path(__file__).resolve().parent.parent / "jaxpar"
+
+
+def plan_of(spec: str, config: str = "tiny", **overrides):
+    cfg = tiny_config(config, **mesh_overrides(spec), **overrides)
+    return plan_execution(cfg, build_mesh(cfg, jax.devices()[:int(np.prod(list(cfg.mesh.__dict__.values())))]))
+
+
+@pytest.mark.parametrize("spec, overrides, accumulation", [
+    ("dp=2", {"train.micro_batch": 0}, execution.ONE_PASS),
+    ("dp=2", {"train.grad_accum": 2}, execution.REDUCED_ONCE),
+    ("dp=2", {"train.grad_accum": 2, "model.dropout": 0.1}, execution.EACH_PASS_REDUCED),  # masks over the batch
+    ("dp=1", {"train.grad_accum": 2}, execution.EACH_PASS_REDUCED),
+    ("dp=2,pp=2", {"train.grad_accum": 2}, execution.EACH_PASS_REDUCED),  # each round reduces its own
+])
+def test_the_accumulation_path_is_decided_before_tracing(spec, overrides, accumulation):
+    assert plan_of(spec, **overrides).accumulation == accumulation
+
+
+def test_the_plan_says_what_runs_and_where():
+    """The pipeline's schedule and how its gradients leave a stage; the CPU's choices; the rule
+    table with sequence parallelism; a mixture's dispatch only where experts are split."""
+    piped = plan_of("dp=2,pp=2").describe()
+    assert piped["pipeline"]["gradients_reduced"] == execution.STAGES_REDUCE
+    assert plan_of("dp=2,pp=2", **{"model.dropout": 0.1}).pipeline["gradients_reduced"] == execution.SHARDINGS_REDUCE
+    assert (piped["platform"], piped["attention"], piped["activations_recomputed"]) == ("cpu", "xla", False)
+    assert "moe" not in piped and plan_of("dp=2,tp=2", **{"model.sequence_parallel": "true"}).rules["stream_seq"]
+    moe = plan_of("dp=2,ep=2", "tiny_moe")
+    assert (moe.moe_mode, moe.unsplit("data", "expert").moe_mode, moe.moe_gemm) == ("all_to_all", "replicated",
+                                                                                   "ragged_dot")
+
+
+def test_no_context_variable_and_no_mesh_read_back_inside_jaxpar():
+    """The rules, the kernel and the mesh travel in the plan; the control is the string itself."""
+    sources = {path: path.read_text() for path in JAXPAR.rglob("*.py")}
+    for needle in ("ContextVar", "get_abstract_mesh"):
+        assert [str(p) for p, text in sources.items() if needle in text] == [], needle
+    assert any("ExecutionPlan" in text for text in sources.values())
+
+
+def test_eval_runs_the_attention_kernel_the_run_trained_with(tmp_path):
+    """A checkpoint of a model.attention=splash run: jaxpar.eval's loss traces splash (a Pallas
+    call, interpreted on this CPU) and equals xla's; on 2755087 eval ran xla whatever the config."""
+    cfg = tiny_config(**{"model.attention": "splash", "model.block_size": 128})
+    save_random_gpt2(tmp_path, cfg, load_dataset(cfg.data, 128).tokenizer, 1, 0.1)
+    model = load(tmp_path)
+    assert model.execution.attention == "splash"
+    inputs = targets = jnp.zeros((1, 128), jnp.int32)
+    row_losses = evaluate.make_row_losses(model)
+    assert "pallas_call" in str(jax.make_jaxpr(row_losses)(model.params, inputs, targets))
+    as_xla = load(tmp_path)
+    as_xla.cfg.model.attention = "xla"
+    as_xla.execution = plan_execution(as_xla.cfg, as_xla.mesh, for_training=False)
+    xla_losses = evaluate.make_row_losses(as_xla)
+    assert "pallas_call" not in str(jax.make_jaxpr(xla_losses)(model.params, inputs, targets))
+    np.testing.assert_allclose(row_losses(model.params, inputs, targets), xla_losses(model.params, inputs, targets),
+                               rtol=1e-5)
+
+
+def test_the_planner_compiles_a_tpu_targets_mixture_with_the_tpus_dispatch():
+    """Compile-only TPU devices from this CPU host: the plan is the TPU's, so expert parallelism
+    dispatches its rows by ragged-all-to-all (XLA:CPU has none), not the CPU's all-to-all of
+    buffers ep times their size; on 2755087 the planner compiled the CPU's."""
+    pytest.importorskip("libtpu")
+    from jaxpar.planning import hardware
+    from jaxpar.planning.placement import compile_abstract_step
+    # The MoE quick start's layers (Megablox's tiles need its widths), two of them.
+    cfg = tiny_config("shakespeare_moe_cpu", **mesh_overrides("ep=8"), **{
+        "model.n_layer": 2, "train.batch_size": 8, "train.micro_batch": 1})
+    mesh = build_mesh(cfg, hardware.target_devices(hardware.parse_target("tpu:v5e-8")))
+    assert plan_execution(cfg, mesh).moe_mode == "ragged"
+    text = compile_abstract_step(cfg, 65, mesh).as_text()
+    assert "ragged-all-to-all(" in text  # the rows; the counts that size them go by a small all-to-all
