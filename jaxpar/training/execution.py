@@ -9,8 +9,14 @@ training ran.
 
 from jaxpar.core.axes import CONTEXT, DATA, PIPE
 from jaxpar.core.config import Config
-from jaxpar.core.execution import (EACH_PASS_REDUCED, ONE_PASS, REDUCED_ONCE, SHARDINGS_REDUCE, STAGES_REDUCE,
-                                   ExecutionPlan)
+from jaxpar.core.execution import (
+    EACH_PASS_REDUCED,
+    ONE_PASS,
+    REDUCED_ONCE,
+    SHARDINGS_REDUCE,
+    STAGES_REDUCE,
+    ExecutionPlan,
+)
 from jaxpar.core.sharding import split_ways
 from jaxpar.models import kernels, moe
 from jaxpar.models.family import family_of
