@@ -10,7 +10,7 @@ from jaxpar.core.config import PIPELINE_SCHEDULES
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.parallel.orders import BACKWARD, FORWARD, WEIGHT
 from jaxpar.parallel.schedule import Schedule
-from jaxpar.training.plots import pyplot, save
+from jaxpar.training.loss_plots import pyplot, save
 
 
 def draw(schedule: Schedule, path: str) -> None:

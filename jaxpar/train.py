@@ -10,7 +10,7 @@ from pathlib import Path
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config, parse_overrides, valid_keys
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.parallel.mesh import mesh_help, parse_mesh_spec
-from jaxpar.training.plots import plot_after_training
+from jaxpar.training.loss_plots import plot_after_training
 from jaxpar.training.trainer import run
 
 

@@ -15,12 +15,12 @@ from helpers import fails_with
 
 from jaxpar.core.config import DataConfig
 from jaxpar.core.errors import UserError
-from jaxpar.data import prepared as prep_read
 from jaxpar.data import split_writer
+from jaxpar.data import token_files as prep_read
 from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import main as prepare_main
 from jaxpar.train import run
-from jaxpar.training import metrics, plots
+from jaxpar.training import loss_plots, metrics
 
 FAR_ID = 60_123  # beyond any test vocabulary, within uint16
 
@@ -153,7 +153,7 @@ def test_a_torn_or_undecodable_line_is_skipped_and_counted(tmp_path, capsys, dam
     assert capsys.readouterr().err == (f"jaxpar: warning: {path}: skipped {n} torn or undecodable "
                                        f"line{'s' * (n > 1)} {where}\n")
     # jaxpar.plot reads past it too.
-    assert plots.read_metrics(tmp_path)[:2] == ([(0, 4.5), (1, 4.3)] + [(3, 3.9)] * (n > 1), [(2, 4.4)])
+    assert loss_plots.read_metrics(tmp_path)[:2] == ([(0, 4.5), (1, 4.3)] + [(3, 3.9)] * (n > 1), [(2, 4.4)])
 
 
 def test_a_torn_metrics_jsonl_resumes_exactly(tmp_path, capsys):

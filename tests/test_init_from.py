@@ -96,7 +96,7 @@ def test_the_state_before_any_update_holds_the_checkpoints_weights(spec, tmp_pat
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     mesh = build_mesh(cfg, devices(cfg))
     with jax.set_mesh(mesh):
-        p = trainer.prepare(cfg, dataset, mesh, None, fresh=False)
+        p = trainer.set_up(cfg, dataset, mesh, None, fresh=False)
         expected = hf.load_hf_params(FIXTURE, cfg, 101, p.shardings.params)
     assert p.start == 0 and int(p.state.step) == 0
     assert p.state.params["wte"].shape == (padded_vocab(101), 32)

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from jaxpar.core.errors import UserError
 from jaxpar.data import prepare as prep
 from jaxpar.data.prepare import main
-from jaxpar.data.prepared import read_prepared
+from jaxpar.data.token_files import read_prepared
 from jaxpar.data.tokenizer import EOT, CharTokenizer
 
 DOCS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n" * 3,

@@ -173,7 +173,7 @@ def test_tasks_are_scored_during_training(tmp_path):
     assert all(0 <= v <= 1 for r in scored.values() for k, v in r.items() if k != "step")
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     assert [e.step for e in events.Scalars("eval/hellaswag/acc")] == [0, 4, 8, 10]
-    from jaxpar.training.plots import plot_after_training
+    from jaxpar.training.loss_plots import plot_after_training
     plot_after_training(out)
     width = int.from_bytes((out / "loss.png").read_bytes()[16:20], "big")
     assert width == 1400, "the accuracies get a second panel beside the losses"

@@ -81,7 +81,7 @@ def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
 
 
 def load_prepared(directory: str, block_size: int) -> Dataset:
-    from jaxpar.data.prepared import read_prepared
+    from jaxpar.data.token_files import read_prepared
     meta, train, val = read_prepared(directory)
     if "tokenizer_meta" not in meta:
         raise UserError(f"'{directory}/meta.json' does not describe its tokenizer; run "

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.data import corpus
-from jaxpar.data.prepared import DTYPES, FORMAT
 from jaxpar.data.records import RecordOptions, RecordPiece, input_size, is_records
 from jaxpar.data.split_writer import PARTIAL, SPLITS, SplitWriter, token_dtype
+from jaxpar.data.token_files import DTYPES, FORMAT
 from jaxpar.data.tokenizer import from_meta, load_tokenizer, tokenizer_json
 
 OUTPUTS = ("train.bin", "val.bin", "tokenizer.json", "meta.json")

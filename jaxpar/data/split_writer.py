@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data.prepared import DTYPES
+from jaxpar.data.token_files import DTYPES
 
 SPLITS = ("train", "val")
 PARTIAL = ".partial"  # the suffix of a file still being written

@@ -24,7 +24,7 @@ from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.models.family import build_model
 from jaxpar.models.loss import cross_entropy
 from jaxpar.training import task_scoring
-from jaxpar.training.row_passes import over_rows, passes_rows
+from jaxpar.training.row_batches import over_rows, passes_rows
 
 
 def blocks_of(tokens: np.ndarray, block_size: int) -> int:

@@ -13,8 +13,8 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.core.config import Config, load_config
-from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.errors import ArgumentParser, UserError
+from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import shardings_for
 from jaxpar.data.tokenizer import load_tokenizer
 from jaxpar.interop.hf import apply_hf_config, load_hf_params

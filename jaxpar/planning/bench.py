@@ -21,7 +21,7 @@ from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config
 from jaxpar.core.errors import UserError, check_output_dir, exit_on_user_error
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
-from jaxpar.training.plots import mesh_label, plot_bench
+from jaxpar.training.loss_plots import mesh_label, plot_bench
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
 DEFAULT_STEPS = 50

@@ -10,12 +10,12 @@ from jaxpar.core.errors import UserError
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.training.metrics import Diverged, MetricsWriters, strict_json
 from jaxpar.training.resume import restore_train_state
-from jaxpar.training.run_state import Prepared, RunResult
+from jaxpar.training.run_state import RunResult, Setup
 
 OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "wandb", "wandb_id")  # what open_outputs may make
 
 
-def open_outputs(p: Prepared, info: dict, out_dir: Path | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
+def open_outputs(p: Setup, info: dict, out_dir: Path | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
     """Clear what a fresh start leaves, set damaged checkpoints aside; run.json; the metrics
     writers, and the outputs that did not exist before."""
     if p.ckpt is not None and is_main_process():
@@ -39,7 +39,7 @@ def remove_outputs(paths: list[Path]) -> None:
             path.unlink(missing_ok=True)
 
 
-def last_verified(p: Prepared) -> str | None:
+def last_verified(p: Setup) -> str | None:
     """The newest checkpoint whose arrays read back and match their checksums (None: there is none)."""
     if p.ckpt is None:
         return None
@@ -54,7 +54,7 @@ def last_verified(p: Prepared) -> str | None:
     return f"{p.ckpt.directory / str(found.step)}{unverified}"
 
 
-def stop_diverged(p: Prepared, info: dict, out_dir: Path | None, diverged: Diverged) -> UserError:
+def stop_diverged(p: Setup, info: dict, out_dir: Path | None, diverged: Diverged) -> UserError:
     """The one-line error for a diverged run, after recording it in run.json."""
     info["diverged"] = json.loads(strict_json({k: diverged.record[k]
                                                for k in ("step", "loss", "grad_norm")}))
@@ -63,7 +63,7 @@ def stop_diverged(p: Prepared, info: dict, out_dir: Path | None, diverged: Diver
     return UserError(diverged.explain(last_verified(p), p.cfg.optimizer.grad_clip))
 
 
-def stopped_early(p: Prepared, signal_name: str) -> RunResult:
+def stopped_early(p: Setup, signal_name: str) -> RunResult:
     """A run stopped by a signal before its first step: it trained and saved nothing."""
     where = str(p.ckpt.directory) if p.ckpt else None
     return RunResult(params=p.state.params, info={"resumed_from": p.start, "checkpoints": where, "summary": None,

@@ -1,4 +1,4 @@
-"""What a run's phases hand each other (jaxpar.training.trainer): the prepared state, the compiled
+"""What a run's phases hand each other (jaxpar.training.trainer): the set-up state, the compiled
 step, and the result."""
 
 from dataclasses import dataclass, field
@@ -24,7 +24,7 @@ class RunResult:
 
 
 @dataclass
-class Prepared:
+class Setup:
     """What phase 1 builds: the data, the mesh and the train state to start from."""
     cfg: Config
     dataset: Dataset

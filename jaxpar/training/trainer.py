@@ -1,4 +1,4 @@
-"""One training run, in four phases: `prepare` the data, mesh and state (new or restored);
+"""One training run, in four phases: `set_up` the data, mesh and state (new or restored);
 `compile_run` and describe it; `train_loop`; `summarise` (jaxpar.training.metrics). `run` strings them together.
 
 A run holds --out's lock throughout (jaxpar.training.run_lock). Nothing is written before the
@@ -29,20 +29,20 @@ from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.training import step as steps
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
-from jaxpar.training.evaluation import make_evaluate
 from jaxpar.training.execution import plan_execution
 from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, summarise, versions
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
 from jaxpar.training.resume import restore_train_state
 from jaxpar.training.run_ends import open_outputs, remove_outputs, stop_diverged, stopped_early
+from jaxpar.training.run_evals import make_evaluate
 from jaxpar.training.run_lock import locked
-from jaxpar.training.run_state import Compiled, Prepared, RunResult
+from jaxpar.training.run_state import Compiled, RunResult, Setup
 from jaxpar.training.stopping import StopRequest
 from jaxpar.training.task_scoring import task_eval_for
 
 
-def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Prepared:
+def set_up(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Setup:
     """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
     under `jax.set_mesh(mesh)`."""
     model = build_model(cfg, model_vocab(cfg, dataset.tokenizer), document_eot(cfg, dataset.tokenizer),
@@ -59,7 +59,7 @@ def prepare(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bo
         raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
                         f"{cfg.train.steps}; pass --steps {start} or more, or start over with --fresh")
     changed = mix_change(meta["config"]["data"], cfg.data, start) if meta else None
-    return Prepared(cfg, dataset, mesh, ckpt, tx, model, shardings, zero_plan, state, start, damaged, changed)
+    return Setup(cfg, dataset, mesh, ckpt, tx, model, shardings, zero_plan, state, start, damaged, changed)
 
 
 def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainState) -> steps.TrainState:
@@ -73,7 +73,7 @@ def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainSta
     return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
 
 
-def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
+def compile_run(p: Setup, peak: tuple[float, str]) -> Compiled:
     """Phase 2: batch loaders, the train step compiled (and checked to fit), and run.json's info.
 
     `peak`: the devices' peak FLOP/s and its source, measured outside the mesh context.
@@ -123,7 +123,7 @@ def compile_run(p: Prepared, peak: tuple[float, str]) -> Compiled:
     return Compiled(compiled, eval_step, train_batches, val_batches, info, tasks, source_val)
 
 
-def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult, bar) -> StepLogger:
+def make_logger(p: Setup, c: Compiled, writers: MetricsWriters | None, result: RunResult, bar) -> StepLogger:
     """The step logger: each record into result.losses, the writers and the progress bar."""
     t, info = p.cfg.train, c.info
     aux_names = p.model.family.loss_weights()
@@ -144,7 +144,7 @@ def make_logger(p: Prepared, c: Compiled, writers: MetricsWriters | None, result
                       {"bubble": info["pipeline"]["bubble_fraction"]})
 
 
-def train_loop(p: Prepared, c: Compiled, writers: MetricsWriters | None, result: RunResult,
+def train_loop(p: Setup, c: Compiled, writers: MetricsWriters | None, result: RunResult,
                profiler: StepProfiler, progress: bool, stop_at: int | None, stop: StopRequest):
     """Phase 3: steps from p.start to train.steps, with logs, evals and checkpoints; returns the
     state and the logged steps' times (a state of None: stopped before the first step).
@@ -228,7 +228,7 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
     peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
     result = RunResult()
     with jax.set_mesh(mesh):
-        p = prepare(cfg, dataset, mesh, out_dir, fresh)
+        p = set_up(cfg, dataset, mesh, out_dir, fresh)
         if p.start == cfg.train.steps:  # already trained this far: nothing to do or write
             result.params = p.state.params
             result.info = {"resumed_from": p.start, "checkpoints": str(p.ckpt.directory),
