@@ -18,10 +18,11 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
 from jaxpar.data.loader import BatchLoader, load_dataset  # noqa: E402
-from jaxpar.models.family import abstract_model
+from jaxpar.models.family import build_model  # noqa: E402
 from jaxpar.parallel.hlo import collectives  # noqa: E402
 from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
 from jaxpar.training import step as steps  # noqa: E402
+from jaxpar.training.execution import plan_execution  # noqa: E402
 
 # Large enough that the weights, not the activations, dominate a device's memory.
 MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "512", "model.block_size": "64",
@@ -33,7 +34,7 @@ def measure(stage: int, overrides: dict, n_steps: int) -> dict:
     data = load_dataset(cfg.data, cfg.model.block_size)
     vocab, mesh = data.tokenizer.vocab_size, build_mesh(cfg)
     with jax.set_mesh(mesh):
-        model, _, _ = abstract_model(cfg, vocab)
+        model = build_model(cfg, vocab, plan=plan_execution(cfg, mesh))  # as jaxpar.train builds it
         tx = steps.make_optimizer(cfg, model)
         shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
         state = steps.init_state(cfg, model, tx, shardings)
