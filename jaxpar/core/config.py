@@ -13,8 +13,14 @@ from jaxpar.core.axes import AXES, check_virtual
 from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig, check_family_keys, validate_model  # noqa: F401
-from jaxpar.core.optimizer_config import (ALIASES, OptimizerConfig, check_aliases, check_optimizer_keys, check_wsd,
-                                          validate_optimizer)
+from jaxpar.core.optimizer_config import (
+    ALIASES,
+    OptimizerConfig,
+    check_aliases,
+    check_optimizer_keys,
+    check_wsd,
+    validate_optimizer,
+)
 
 # The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
 # the repository's top-level configs/ in an editable install.

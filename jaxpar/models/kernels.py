@@ -158,6 +158,9 @@ class BlockKernel:
         return self.name != "xla"
 
 
+XLA = BlockKernel()  # the ring's default: its block pairs by xla
+
+
 def block_attention(kernel: BlockKernel, q, k, v, causal: bool, segments=None):
     """One block pair of a context ring on one device, by a fused kernel: q (batch, kv_heads,
     group, queries, head_dim), k, v (batch, kv_heads, keys, head_dim) -> (the output, float32, in

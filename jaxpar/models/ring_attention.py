@@ -30,7 +30,7 @@ import numpy as np
 
 from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.attention import F32
-from jaxpar.models.kernels import BlockKernel, block_attention
+from jaxpar.models.kernels import XLA, BlockKernel, block_attention
 from jaxpar.models.ring_backward import ring_backward
 from jaxpar.models.ring_blocks import causal, ids, late_mask, ring_send, rows, scores, shares_document, source_before
 
@@ -79,7 +79,7 @@ def pair_work(seq_len: int, ring: int, layout: str) -> list[int]:
 # Forward. The state of a device's queries is (max, sum, output) of their softmax rows so far, all
 # float32 and the output unnormalised: (batch, kv_heads, group, queries) twice and (..., head_dim).
 
-def block_state(q, k, v, mask: str | None, kernel: BlockKernel = BlockKernel(), qs=None, ks=None):
+def block_state(q, k, v, mask: str | None, kernel: BlockKernel = XLA, qs=None, ks=None):
     """The softmax state of q's rows against one block of keys: mask None (every key), "causal" or
     "late" (zigzag's late queries: the early keys whole, the late causally). A row that sees no key
     (another document's block) has the max MASKED, which any block it sees outweighs in `merge`;
@@ -156,7 +156,7 @@ def contiguous_step(state, q, k, v, src_before, kernel, qs=None, ks=None):
 FORWARD = {"zigzag": (zigzag_diagonal, zigzag_step), "contiguous": (contiguous_diagonal, contiguous_step)}
 
 
-def ring_forward(q, k, v, segments, axis_name: str, layout: str, kernel: BlockKernel = BlockKernel()):
+def ring_forward(q, k, v, segments, axis_name: str, layout: str, kernel: BlockKernel = XLA):
     """(output in q's dtype, float32 log-sum-exp of each query row); each block pair by `kernel`.
     segments: this device's tokens' document ids (batch, local), or None."""
     n = jax.lax.axis_size(axis_name)
@@ -193,7 +193,7 @@ def ring_core_forward(q, k, v, segments, axis_name: str, layout: str, kernel: Bl
 ring_core.defvjp(ring_core_forward, ring_backward)
 
 
-def ring_attention(q, k, v, axis_name: str, layout: str = "zigzag", kernel: BlockKernel = BlockKernel(),
+def ring_attention(q, k, v, axis_name: str, layout: str = "zigzag", kernel: BlockKernel = XLA,
                    segments=None) -> jax.Array:
     """Causal attention of this device's queries against the whole sequence, inside `jax.shard_map`
     manual over `axis_name`: q (batch, kv_heads, group, local, head_dim), k and v (batch, kv_heads,

@@ -87,8 +87,8 @@ def compile_abstract_step(cfg: Config, vocab: int, mesh, eot_id: int | None = No
 def execution_rows(execution) -> list[str]:
     """The execution plan, a line a decision (the rule table left out: the tensors show it)."""
     described = {k: v for k, v in execution.describe().items() if k not in ("rules", "mesh")}
-    return [f"attention kernel: {described.pop('attention')}", "execution plan:"] + [
-        f"  {key}: {value}" for key, value in described.items()]
+    rows = [f"attention kernel: {described.pop('attention')}", "execution plan:"]
+    return rows + [f"  {key}: {value}" for key, value in described.items()]
 
 
 def tensor_rows(shapes: dict, plan, abstract_opt, opt_shardings) -> list[str]:

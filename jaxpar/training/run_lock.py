@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -41,7 +42,7 @@ class RunLock:
         self.created: list[Path] = []  # the folders this lock made, deepest first
         self.fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> Self:
         try:
             missing = self.out_dir.absolute()
             while not missing.exists():

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Self
 
 import jax
 import numpy as np
@@ -35,7 +36,7 @@ class StopRequest:
         self.before_forced_exit: list = []  # callables that must run even then (the lock's release)
         self._previous: dict = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> Self:
         if threading.current_thread() is threading.main_thread():  # handlers only install there
             self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
         return self
