@@ -5,11 +5,11 @@ The dataclass defaults are nanoGPT's shakespeare_char CPU recipe, so no config f
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxpar.core.axes import AXES, check_virtual
+from jaxpar.core.config_files import CONFIG_DIR, read_toml, resolve_config_path  # noqa: F401
 from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig, check_family_keys, validate_model  # noqa: F401
@@ -22,11 +22,6 @@ from jaxpar.core.optimizer_config import (
     validate_optimizer,
 )
 
-# The named configs: installed inside the package (pyproject maps configs/ to jaxpar/configs), or
-# the repository's top-level configs/ in an editable install.
-_PACKAGE = Path(__file__).resolve().parent.parent  # jaxpar/
-CONFIG_DIR = next((d for d in (_PACKAGE / "configs", _PACKAGE.parent / "configs") if d.is_dir()),
-                  _PACKAGE / "configs")
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule: see jaxpar.parallel.orders
 
@@ -191,31 +186,9 @@ def _set(cfg: Config, key: str, value, spelled: str) -> None:
     setattr(sub, name, _coerce(spelled, types[name], value))
 
 
-def resolve_config_path(name_or_path: str) -> Path:
-    """A path to a TOML file, or the name of one in configs/ (with or without .toml)."""
-    path = Path(name_or_path)
-    candidates = [path, CONFIG_DIR / path.name, CONFIG_DIR / f"{path.name}.toml"]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    if path.is_dir():
-        raise UserError(f"config file '{name_or_path}' is a directory; pass a TOML file")
-    raise UserError(f"config file '{name_or_path}' not found; pass a TOML path or one of: "
-                    + ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))))
-
-
 def read_config_file(file: Path) -> dict[str, dict]:
-    """A TOML file's [section] tables; a file that cannot be read, is not UTF-8 or not TOML is one line."""
-    try:
-        text = file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"config file '{file}' is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
-    except OSError as e:
-        raise UserError(f"config file '{file}' cannot be read ({e.strerror}); pass a readable TOML file") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"config file '{file}' is not valid TOML: {e}") from None
+    """A TOML file's [section] tables (config_files.read_toml), each one a table."""
+    data = read_toml(file)
     for section, table in data.items():
         if not isinstance(table, dict):
             raise UserError(f"config file '{file}': '{section}' must be a [section]; "
