@@ -42,7 +42,7 @@ def main() -> None:
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training import step as steps
     from jaxpar.training.checkpoint import Checkpoints, make_meta
-    from jaxpar.training.checksums import mismatches, tree_checksums
+    from jaxpar.training.checksums import item_checksums, mismatches
     from jaxpar.training.resume import restore_train_state
 
     # The built-in corpus's tokenizer stands in for the preset's data: only its meta is saved, and
@@ -59,7 +59,7 @@ def main() -> None:
         state = steps.init_state(cfg, model, tx, shardings)
         jax.block_until_ready(state)
         both = {"params": state.params, "opt_state": state.opt_state}
-        checksum_s = timed(lambda: tree_checksums(both), args.repeats)
+        checksum_s = timed(lambda: item_checksums(both), args.repeats)
         ckpt, step = Checkpoints(Path(folder) / "checkpoints", keep=1), [0]
 
         def save():
@@ -69,7 +69,7 @@ def main() -> None:
         save_s = timed(save, args.repeats)
         restore_s = timed(lambda: jax.block_until_ready(restore_train_state(
             ckpt, cfg, tokenizer, tx, shardings)[0]), args.repeats)
-        sums = tree_checksums(both)
+        sums = item_checksums(both)
         verify_s = timed(lambda: mismatches(both, sums), args.repeats)
     n_bytes = sum(x.nbytes for x in jax.tree.leaves(both))
     print(json.dumps({"config": args.config, "state_bytes": n_bytes, "devices": str(jax.devices()[0].device_kind),

@@ -67,17 +67,19 @@ def test_a_run_resumes_from_the_last_verified_checkpoint_as_if_nothing_happened(
     needs no second compile."""
     cfg = tiny_config(**{"train.steps": 12, "train.eval_every": 0, "ckpt.every": 2})
     straight = run(cfg, None, jax.devices()[:1], progress=False)
-    real_add, real_checksums, sums = metrics.StepLogger.add, checkpoint.tree_checksums, []
+    real_add, real_checksums, sums = metrics.StepLogger.add, checkpoint.item_checksums, []
 
     def add_poisoned(logger, step, m):
         real_add(logger, step, {**m, "loss": np.float32("nan")} if step == 7 else m)
 
-    def checksums_miswritten(tree):  # params, then opt_state, at each save: the 5th is step 6's params
-        sums.append(real_checksums(tree))
-        return {path: "0" * 16 for path in sums[-1]} if len(sums) == 5 else sums[-1]
+    def checksums_miswritten(items):  # one call a save: the 3rd is step 6's; its params' are wrong
+        sums.append(real_checksums(items))
+        if len(sums) == 3:
+            sums[-1]["params"] = {path: "0" * 16 for path in sums[-1]["params"]}
+        return sums[-1]
 
     monkeypatch.setattr(metrics.StepLogger, "add", add_poisoned)
-    monkeypatch.setattr(checkpoint, "tree_checksums", checksums_miswritten)
+    monkeypatch.setattr(checkpoint, "item_checksums", checksums_miswritten)
     with pytest.raises(UserError, match=r"^loss is nan at step 7 \(grad norm [0-9.]+\); the last "
                        r"good checkpoint is .*checkpoints/4; lower train.lr$"):
         run(cfg, tmp_path, jax.devices()[:1], progress=False)

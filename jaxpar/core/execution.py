@@ -14,8 +14,8 @@ out.
 """
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import jax
 from jax.sharding import NamedSharding
@@ -52,12 +52,12 @@ class ExecutionPlan:
     manual: frozenset = frozenset()  # mesh axes that are manual here (inside shard_map)
     unsplit_axes: frozenset = frozenset()  # mesh axes that split nothing here
 
-    @property
+    @cached_property
     def sizes(self) -> dict[str, int]:
         """Each mesh axis's size; empty without a mesh."""
         return {} if self.mesh is None else dict(self.mesh.shape)
 
-    @property
+    @cached_property
     def rules(self) -> dict:
         """The rule table here: the model's, less the manual and unsplit axes."""
         table, gone = rule_table(self.sequence_parallel), self.manual | self.unsplit_axes
@@ -88,11 +88,6 @@ class ExecutionPlan:
         if EXPERT not in names_of(self.rules["batch"]):
             return "replicated"
         return self.moe_dispatch
-
-    def size_of(self, logical: str) -> int:
-        """How many ways the rule table here splits a logical axis."""
-        sizes = self.sizes
-        return math.prod(sizes[name] for name in names_of(self.rules[logical])) if sizes else 1
 
     def ring(self) -> tuple[str | None, int]:
         """(the mesh axis the sequence is split over here, its size): (None, 1) without one."""

@@ -19,10 +19,11 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 
 from jaxpar.core.errors import UserError
-from jaxpar.training.checksums import mismatches, tree_checksums
+from jaxpar.training.checksums import item_checksums, mismatches
 from jaxpar.training.saved_trees import first_difference
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
@@ -60,7 +61,6 @@ def check_layout(meta: dict, where: Path) -> None:
 
 def abstract_tree(shapes, shardings):
     """ShapeDtypeStructs that carry the target shardings: orbax restores each shard in place."""
-    import jax
     return jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where),
                         shapes, shardings)
 
@@ -80,7 +80,7 @@ class Damaged(Exception):
 
 def generic_mismatch(meta: dict, item: str, difference: str, saved_tree) -> str:
     return (f"its {item} differ from this run's ({difference}); resume with the settings it was "
-            "trained with, or pass another --out")
+            "trained with, or train in another --out (--fresh would delete these checkpoints)")
 
 
 class Checkpoints:
@@ -131,7 +131,7 @@ class Checkpoints:
 
         The arrays' checksums go into meta, in the same atomic commit as the arrays.
         """
-        meta = {**meta, "checksums": {"params": tree_checksums(params), "opt_state": tree_checksums(opt_state)}}
+        meta = {**meta, "checksums": item_checksums({"params": params, "opt_state": opt_state})}
         self.directory.mkdir(parents=True, exist_ok=True)
         self.writer.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
@@ -193,11 +193,10 @@ class Checkpoints:
                 **{name: ocp.args.StandardRestore(tree) for name, tree in targets.items()}))
             items = {name: items[name] for name in targets}
         checksums = meta.get("checksums")
-        for name, tree in items.items() if checksums else ():
-            bad = mismatches(tree, checksums.get(name, {}))
-            if bad:
-                more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-                raise Damaged(f"{name}{bad[0]}{more} does not match its checksum")
+        bad = mismatches(items, checksums) if checksums else []
+        if bad:
+            more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+            raise Damaged(f"{bad[0]}{more} does not match its checksum")
         return Restored(step, meta, items, {}, verified=checksums is not None)
 
     def set_aside(self, damaged: dict[int, str]) -> None:

@@ -52,15 +52,18 @@ def _digest(x) -> jax.Array:
 _digests = jax.jit(lambda leaves: [_digest(x) for x in leaves])
 
 
-def tree_checksums(tree) -> dict[str, str]:
-    """{the array's path in `tree`: its checksum as 16 hex digits} for every array in `tree`."""
-    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(tree)[0]) if jax.tree.leaves(tree) else ((), ())
-    digests = jax.device_get(_digests(list(leaves)))
-    return {jax.tree_util.keystr(path): "".join(f"{int(d):08x}" for d in digest)
-            for path, digest in zip(paths, digests)}
+def item_checksums(items: dict) -> dict[str, dict[str, str]]:
+    """{item name: {an array's path in the item: its checksum as 16 hex digits}}, every array of
+    every item (a checkpoint's params and optimizer state) in one pass and one fetch."""
+    flat = {name: jax.tree_util.tree_flatten_with_path(tree)[0] for name, tree in items.items()}
+    digests = iter(jax.device_get(_digests([leaf for pairs in flat.values() for _, leaf in pairs])))
+    return {name: {jax.tree_util.keystr(path): "".join(f"{int(d):08x}" for d in next(digests)) for path, _ in pairs}
+            for name, pairs in flat.items()}
 
 
-def mismatches(tree, expected: dict[str, str]) -> list[str]:
-    """The paths of `tree`'s arrays whose checksum is not `expected`'s (or that it lacks)."""
-    found = tree_checksums(tree)
-    return [path for path, checksum in found.items() if expected.get(path) != checksum]
+def mismatches(items: dict, expected: dict[str, dict[str, str]]) -> list[str]:
+    """Where an item's array has not the checksum `expected` records for it (or none):
+    "params['wte']"-style names, the item's name first."""
+    found = item_checksums(items)
+    return [name + path for name, sums in found.items() for path, checksum in sums.items()
+            if expected.get(name, {}).get(path) != checksum]

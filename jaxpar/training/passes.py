@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.axes import AXES, DATA, PIPE
+from jaxpar.core.axes import AXES, DATA
 from jaxpar.core.config import Config
 from jaxpar.core.execution import ONE_PASS, REDUCED_ONCE
 from jaxpar.core.sharding import without_axis
@@ -40,7 +40,7 @@ def make_pass(cfg: Config, model: Transformer):
     """(one_pass(params, inputs, targets, step_key, i) -> (metrics, grads), rounds): one model
     pass per microbatch, or with a pipeline a round per `rounds` group of microbatches (None: one
     microbatch a pass). step_key is None without dropout."""
-    if model.plan.sizes.get(PIPE, 1) > 1:
+    if model.plan.pipeline:
         round_fn = pipeline.make_round_fn(cfg, model)
 
         def one_round(params, inputs, targets, step_key, i):

@@ -18,7 +18,7 @@ from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.data.loader import model_vocab
 from jaxpar.data.tokenizer import from_meta, same_mapping
 from jaxpar.models.family import build_model, family_of
-from jaxpar.training.checkpoint import Checkpoints, Restored, abstract_tree
+from jaxpar.training.checkpoint import Checkpoints, Restored, abstract_tree, generic_mismatch
 from jaxpar.training.optimizers import make_optimizer
 from jaxpar.training.saved_trees import first_difference
 
@@ -86,8 +86,7 @@ def optimizer_mismatch(cfg: Config, model):
 
     def explain(meta: dict, item: str, difference: str, saved_tree) -> str:
         if item != "opt_state":
-            return (f"its {item} differ from this run's ({difference}); resume with the settings it "
-                    f"was trained with, {ELSEWHERE}")
+            return generic_mismatch(meta, item, difference, saved_tree)
         saved = {k: v for k, v in meta["config"].get("optimizer", {}).items()
                  if k != "reset_state" and hasattr(cfg.optimizer, k) and getattr(cfg.optimizer, k) != v}
         causes = [k for k, v in saved.items()

@@ -99,9 +99,10 @@ def compile_run(p: Setup, peak: tuple[float, str]) -> Compiled:
     compile_s = time.perf_counter() - compile_start
     compiled_summary = hlo.compiled_summary(compiled)
     hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
+    execution = p.model.plan.describe()
     info = {
         "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
-        "attention": p.model.plan.describe()["attention"], "execution": p.model.plan.describe(),
+        "attention": execution["attention"], "execution": execution,
         "mesh_axes_crossing_processes": axes_crossing_processes(mesh),
         "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
                     "kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count()},
