@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from conftest import mesh_overrides, tiny_config
-from helpers import LOSS_RTOL, assert_same_training, fails_with, losses, train
+from helpers import LOSS_RTOL, PARAM_TOL, assert_same_training, fails_with, losses, train
 
 from jaxpar.core.config import load_config
 from jaxpar.models.family import build_model
@@ -121,6 +121,21 @@ def test_each_optimizer_is_optax_own(name):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+# Newton-Schulz's quintic, a*x + b*x**3 + c*x**5 with optax's a = 3.4445, has slope a at zero:
+# its five steps multiply a perturbation along a matrix's small singular directions by up to a**5
+# (about 485). The reduction order's float32 rounding in a gradient reaches Muon's matrices up to
+# that much larger than it reaches the params AdamW updates; the losses still agree at LOSS_RTOL.
+NEWTON_SCHULZ_GAIN = 3.4445 ** 5
+
+
+def muon_param_tol():
+    """PARAM_TOL for the params AdamW updates, PARAM_TOL * NEWTON_SCHULZ_GAIN for Muon's matrices."""
+    roles = build_model(tiny_config(), 65).roles()
+    matrices = {jax.tree_util.keystr(path) for path, role in jax.tree_util.tree_leaves_with_path(roles)
+                if role == MATRIX}
+    return lambda path: PARAM_TOL * NEWTON_SCHULZ_GAIN if path in matrices else PARAM_TOL
+
+
 # Lion's state is param-shaped, split as AdamW's moments are (tests/test_zero.py): marked slow.
 # Muon's split over 'context' is its split over 'data' and 'tensor' (dp=2,tp=2,pp=2) on another
 # axis: marked slow.
@@ -133,7 +148,8 @@ def test_each_optimizer_trains_as_one_device_on_data_tensor_and_pipeline(name, l
     stage's devices) against one device; none is AdamW (the control)."""
     chosen = {"optimizer.name": name, "optimizer.lr": lr} | ({"optimizer.adam_lr": 3e-3} if name == "muon" else {})
     one = train(**chosen)
-    assert_same_training(train(spec, **chosen, **{"train.zero": 2}), one)
+    assert_same_training(train(spec, **chosen, **{"train.zero": 2}), one,
+                         param_tol=muon_param_tol() if name == "muon" else lambda path: PARAM_TOL)
     assert not np.allclose(losses(one), losses(train()), rtol=LOSS_RTOL)
 
 
