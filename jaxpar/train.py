@@ -48,7 +48,7 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
     overrides |= {k: v for k, v in named.items() if v is not None}
     cfg = load_config(args.config, overrides)
     if cfg.train.init_from:
-        from jaxpar.interop.hf import apply_hf_config
+        from jaxpar.models.hf import apply_hf_config
         explicit = {k: v for k, v in overrides.items() if k.startswith("model.")}
         vocab = apply_hf_config(cfg, cfg.train.init_from, explicit)
         asked = explicit.get("model.vocab_size")

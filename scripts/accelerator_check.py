@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 def kernel_errors(kernel: str, dtype) -> list[float]:
     """Relative max errors of the fused kernel against xla: output, then dq, dk, dv."""
-    from jaxpar.models.attention import causal_attention
-    from jaxpar.models.kernels import cudnn, splash
+    from jaxpar.nn.attention import causal_attention
+    from jaxpar.nn.kernels import cudnn, splash
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v = (jax.random.normal(key, (4, 12, 1024, 64), dtype) for key in keys[:3])
     weights = jax.random.normal(keys[3], (4, 1024, 12, 64), jnp.float32)

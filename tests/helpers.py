@@ -19,7 +19,7 @@ import pytest
 from conftest import mesh_overrides, tiny_config
 
 from jaxpar.data.tokenizer import EOT, TiktokenTokenizer
-from jaxpar.interop import hf
+from jaxpar.models import hf
 from jaxpar.models.family import build_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main

@@ -15,7 +15,7 @@ from helpers import exits_with_one_line, fails_with
 from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError
 from jaxpar.inference import evaluate, sample
-from jaxpar.interop import hf
+from jaxpar.models import hf
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT2, LLAMA3, MIXTRAL = FIXTURES / "hf_gpt2_tiny", FIXTURES / "hf_llama_untied_llama3", FIXTURES / "hf_moe_mixtral"

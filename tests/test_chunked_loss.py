@@ -1,5 +1,5 @@
 """The chunked loss (model.loss_chunks): the lm_head and cross-entropy over pieces of the sequence,
-each piece's gradient computed in the forward pass from its float32 logits (jaxpar.models.loss).
+each piece's gradient computed in the forward pass from its float32 logits (jaxpar.nn.loss).
 
 It equals the whole loss: on one device the loss within rtol 1e-6 and the gradients within 1e-6
 of each tensor's largest magnitude (float32; only the order of the sums differs), with a control

@@ -1,5 +1,5 @@
 """Context parallelism (`--mesh cp=N`) trains as one device does: the sequence split over a ring of
-devices in the zigzag layout, attention as a ring (jaxpar.models.ring_attention), for GPT-2
+devices in the zigzag layout, attention as a ring (jaxpar.nn.ring_attention), for GPT-2
 (configs/tiny.toml) and the Llama family (configs/tiny_llama.toml: GQA, llama3 RoPE), alone and
 with data, tensor, sequence and pipeline parallelism, ZeRO-3, and two processes. The combinations not supported yet,
 and what the ring needs, are one-line errors.

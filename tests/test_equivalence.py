@@ -10,8 +10,8 @@ import pytest
 from conftest import tiny_config
 from helpers import assert_same_training, losses, train
 
-from jaxpar.models import attention
 from jaxpar.models.family import build_model
+from jaxpar.nn import attention
 
 
 @pytest.fixture(scope="module")

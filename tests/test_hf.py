@@ -26,10 +26,10 @@ from jaxpar.core.errors import UserError
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer
 from jaxpar.inference import export, sample
-from jaxpar.interop import hf
+from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache, forward
 from jaxpar.models.family import abstract_model, build_model
-from jaxpar.models.layers import padded_vocab
+from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run
 from jaxpar.training import step as steps

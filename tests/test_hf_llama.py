@@ -22,10 +22,10 @@ from safetensors import safe_open
 
 from jaxpar.core.errors import UserError
 from jaxpar.data import prepare
+from jaxpar.formats.hf_files import save_weights
 from jaxpar.inference import evaluate, export, sample
 from jaxpar.inference.loading import load_hf
-from jaxpar.interop import hf
-from jaxpar.interop.hf_files import save_weights
+from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache, forward
 from jaxpar.models.family import build_model
 from jaxpar.train import main as train_main

@@ -20,11 +20,12 @@ from helpers import placed as placed_on
 from safetensors import safe_open
 
 from jaxpar.core.errors import UserError
+from jaxpar.formats.hf_files import open_weights
 from jaxpar.inference import export, sample
-from jaxpar.interop import hf, hf_moe
-from jaxpar.interop.hf_files import open_weights
+from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache, forward
 from jaxpar.models.family import build_model
+from jaxpar.models.llama import hf_moe
 from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"

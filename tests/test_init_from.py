@@ -22,9 +22,9 @@ from jaxpar.core.config import load_config
 from jaxpar.data.loader import batch_offsets, load_dataset
 from jaxpar.data.prepare import prepare
 from jaxpar.inference import sample
-from jaxpar.interop import hf
+from jaxpar.models import hf
 from jaxpar.models.family import abstract_model
-from jaxpar.models.layers import padded_vocab
+from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import parse_args, run
 from jaxpar.training import step as steps

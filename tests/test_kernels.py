@@ -1,4 +1,4 @@
-"""The attention kernels (jaxpar.models.kernels): splash, run here in Pallas interpret mode, equals
+"""The attention kernels (jaxpar.nn.kernels): splash, run here in Pallas interpret mode, equals
 the xla kernel in value and gradients (rtol 1e-5, float32) for GPT-2's heads and grouped-query
 heads, and trains as one device does on dp=2,tp=2; `auto` picks by platform; every refusal is one
 line. On TPU and H100 devices the fused kernels are proven by compiling (compile-only devices)."""
@@ -13,8 +13,8 @@ from conftest import tiny_config
 from helpers import assert_same_training, fails_with, train
 
 from jaxpar.core.model_config import ModelConfig
-from jaxpar.models.attention import causal_attention
-from jaxpar.models.kernels import resolve, splash
+from jaxpar.nn.attention import causal_attention
+from jaxpar.nn.kernels import resolve, splash
 from jaxpar.planning import roofline
 from jaxpar.planning.hardware import CHIPS
 
@@ -62,7 +62,7 @@ def test_auto_keeps_documents_off_cudnn_on_a_gpu(monkeypatch):
     """`attend` with documents on a GPU under `auto`: xla's masked attention, not cuDNN (which has
     no segment ids); control: without documents the same model on a GPU asks for cuDNN."""
     from jaxpar.core.execution import ExecutionPlan
-    from jaxpar.models import kernels, layers
+    from jaxpar.nn import kernels, layers
     asked = []
     monkeypatch.setattr(layers, "fused_attention", lambda plan, *args: asked.append(plan.attention))
     q = k = v = jnp.ones((1, 2, 8, 4))

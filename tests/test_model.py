@@ -8,7 +8,7 @@ from conftest import tiny_config
 
 from jaxpar.models.family import Transformer
 from jaxpar.models.flops import matmul_params
-from jaxpar.models.layers import padded_vocab
+from jaxpar.nn.layers import padded_vocab
 
 
 def tiny_model(**overrides):
@@ -99,8 +99,8 @@ def test_attention_backward_equals_autodiff(blocks, kv_heads, monkeypatch):
     head h reads KV head h // group)."""
     import math
 
-    from jaxpar.models import attention
-    from jaxpar.models.attention import causal_attention
+    from jaxpar.nn import attention
+    from jaxpar.nn.attention import causal_attention
     monkeypatch.setattr(attention, "query_blocks", lambda T: blocks or [(0, T)])
 
     def plain(q, k, v, rate, key):
@@ -134,7 +134,7 @@ def test_bf16_projections_have_float32s_gradients(spec, x_shape, w_shape, for_cp
     gradient's operand laid out) gives autodiff's float32 gradients to bf16 rounding: within 1e-2
     of each gradient's largest magnitude (a wrong transpose is off by order 1). Every dot of the
     backward takes bf16 operands (autodiff's would take the float32 output gradient)."""
-    from jaxpar.models.matmul import low_precision_project
+    from jaxpar.nn.matmul import low_precision_project
     rng = np.random.default_rng(0)
     x, w = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in (x_shape, w_shape))
     out_shape = jax.eval_shape(lambda x, w: jnp.einsum(spec, x, w), x, w).shape
@@ -152,7 +152,7 @@ def test_bf16_projections_have_float32s_gradients(spec, x_shape, w_shape, for_cp
 @pytest.mark.parametrize("config", ["tiny", "tiny_llama"])
 def test_activations_are_recomputed_on_accelerators_alone(config, monkeypatch):
     """On an accelerator the GELU / SwiGLU keeps its input alone and runs again in the backward
-    pass (jaxpar.models.layers.recomputed): the same gradients to 1e-6 of each tensor's largest
+    pass (jaxpar.nn.layers.recomputed): the same gradients to 1e-6 of each tensor's largest
     magnitude (float32). On the CPU the step is autodiff's, as before (the control)."""
     from jaxpar.core.execution import ExecutionPlan
     cfg = tiny_config(config)

@@ -15,8 +15,9 @@ from helpers import LOSS_RTOL, fails_with
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.inference import sample
-from jaxpar.models import llama, moe
 from jaxpar.models.family import build_model
+from jaxpar.models.llama import model as llama
+from jaxpar.nn import moe
 from jaxpar.train import run
 
 MOE = "tiny_moe"

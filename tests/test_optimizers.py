@@ -7,18 +7,18 @@ import functools
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from conftest import mesh_overrides, tiny_config
 from helpers import LOSS_RTOL, PARAM_TOL, assert_same_training, fails_with, losses, train
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import load_config
 from jaxpar.models.family import build_model
+from jaxpar.nn.params import BIAS, EMBEDDING, MATRIX, NORM, in_order
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.models.params import BIAS, EMBEDDING, MATRIX, NORM, in_order
-from jaxpar.training import optimizers
 from jaxpar.train import main as train_main
 from jaxpar.train import run
+from jaxpar.training import optimizers
 from jaxpar.training import step as steps
 
 

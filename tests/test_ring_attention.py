@@ -1,4 +1,4 @@
-"""Ring attention (jaxpar.models.ring_attention) against plain causal attention on one device.
+"""Ring attention (jaxpar.nn.ring_attention) against plain causal attention on one device.
 
 What is proven: under `jax.shard_map` over a 'context' axis of N = 1, 2 and 4 host devices, with
 q split as P(None, None, None, 'context', None) and k, v as P(None, None, 'context', None), ring
@@ -22,8 +22,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.models.kernels import BlockKernel
-from jaxpar.models.ring_attention import (
+from jaxpar.nn.kernels import BlockKernel
+from jaxpar.nn.ring_attention import (
     LAYOUTS,
     contiguous_permutation,
     layout_permutation,

@@ -105,7 +105,7 @@ class Pipe(MeshAxis):
 
 class Context(MeshAxis):
     """Context parallelism: every activation's sequence split over a ring of devices, attention as
-    a ring (jaxpar.models.ring_attention), the batch laid out in the ring's zigzag order."""
+    a ring (jaxpar.nn.ring_attention), the batch laid out in the ring's zigzag order."""
     costs = ContextCosts()
 
     def check(self, cfg, size, sizes):
@@ -132,7 +132,7 @@ class Context(MeshAxis):
 
 
 class Expert(MeshAxis):
-    """Expert parallelism: a mixture of experts' experts split over devices (jaxpar.models.moe),
+    """Expert parallelism: a mixture of experts' experts split over devices (jaxpar.nn.moe),
     and everywhere else more data parallelism, the batch's rows split over (data, expert)."""
     costs = ExpertCosts()
 

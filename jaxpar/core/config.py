@@ -46,7 +46,7 @@ class TrainConfig:
     log_every: int = 1
     seed: int = 1337
     # A Hugging Face GPT-2 or Llama directory (config.json + safetensors) to start from instead of a
-    # random init: the model shape comes from its config.json (see jaxpar.interop.hf). Empty: random init.
+    # random init: the model shape comes from its config.json (see jaxpar.models.hf). Empty: random init.
     init_from: str = ""
 
 

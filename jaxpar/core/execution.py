@@ -70,7 +70,7 @@ class ExecutionPlan:
 
     @property
     def cpu_matmuls(self) -> bool:
-        """The projections' backward shaped for XLA:CPU's bf16 kernels (jaxpar.models.matmul)."""
+        """The projections' backward shaped for XLA:CPU's bf16 kernels (jaxpar.nn.matmul)."""
         return self.platform == "cpu"
 
     @property

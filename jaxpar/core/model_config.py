@@ -10,12 +10,12 @@ from jaxpar.core.errors import UserError
 
 GELU_KINDS = ("exact", "tanh")
 REMAT_KINDS = ("none", "full")
-ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn")  # jaxpar.models.kernels
+ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn")  # jaxpar.nn.kernels
 SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
 FAMILIES = ("gpt2", "llama")  # model.family: a module each in jaxpar/models (jaxpar.models.family)
 ROPE_TYPES = ("default", "llama3")
 QK_NORMS = ("none", "head", "full")
-MOE_DISPATCHES = ("auto", "all_to_all", "ragged")  # jaxpar.models.moe
+MOE_DISPATCHES = ("auto", "all_to_all", "ragged")  # jaxpar.nn.moe
 MOE_GEMMS = ("auto", "ragged_dot", "megablox")
 
 
@@ -32,7 +32,7 @@ class ModelConfig:
     n_embd: int = 128
     block_size: int = 64
     dropout: float = 0.0
-    # The attention kernel (jaxpar.models.kernels): auto (splash on TPU, cuDNN on NVIDIA GPUs in
+    # The attention kernel (jaxpar.nn.kernels): auto (splash on TPU, cuDNN on NVIDIA GPUs in
     # bfloat16, xla elsewhere and with dropout), xla, splash or cudnn.
     attention: str = "auto"
     bias: bool = only_for("gpt2", True)  # biases in Linear and LayerNorm layers (nanoGPT's `bias` flag)
@@ -82,7 +82,7 @@ class ModelConfig:
     # with one scale shared by the heads (Qwen3's q_norm/k_norm), "full" over all the heads' dims
     # together (OLMoE's), or "none".
     qk_norm: str = only_for("llama", "none")
-    # A mixture of experts in every layer's MLP (jaxpar.models.moe; 0: a dense MLP): n_experts SwiGLU
+    # A mixture of experts in every layer's MLP (jaxpar.nn.moe; 0: a dense MLP): n_experts SwiGLU
     # experts moe_mlp_dim wide (0: mlp_dim's rule), experts_per_token chosen per token by a float32
     # router, their weights renormalised to sum to 1 unless moe_renormalize is false (Mixtral: true;
     # Qwen3-MoE's norm_topk_prob). Dropless. router_aux_coef weights the load-balancing loss and
@@ -170,7 +170,7 @@ def check_family_keys(m: ModelConfig, explicit: set[str]) -> None:
 
 
 def check_attention(m: ModelConfig) -> None:
-    """The attention kernel's own needs (jaxpar.models.kernels), in one line with the fix."""
+    """The attention kernel's own needs (jaxpar.nn.kernels), in one line with the fix."""
     if m.attention not in ATTENTION_KERNELS:
         raise UserError(f"model.attention must be one of {', '.join(ATTENTION_KERNELS)}, got '{m.attention}'")
     if m.attention in ("splash", "cudnn") and m.dropout > 0:
@@ -229,7 +229,7 @@ def validate_model(m: ModelConfig) -> None:
 
 
 def check_experts(m: ModelConfig) -> None:
-    """The mixture of experts' keys (jaxpar.models.moe)."""
+    """The mixture of experts' keys (jaxpar.nn.moe)."""
     if m.n_experts < 0 or m.moe_mlp_dim < 0:
         raise UserError(f"model.n_experts and model.moe_mlp_dim must be >= 0, got {m.n_experts} and {m.moe_mlp_dim}")
     if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:

@@ -46,7 +46,7 @@ class OptimizerConfig:
     # On resume: keep the checkpoint's weights and start the optimizer's state anew (the way to
     # resume with another optimizer; the step count, data order and schedule go on).
     reset_state: bool = False
-    # Decoupled weight decay, on the params whose role is matrix or embedding (jaxpar.models.params);
+    # Decoupled weight decay, on the params whose role is matrix or embedding (jaxpar.nn.params);
     # norm scales and biases are not decayed.
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # the gradients' global norm is clipped to this; 0 disables clipping

@@ -1,3 +1,3 @@
 """A trained model put to use: loaded onto a mesh, sampled, evaluated, exported.
-May import every layer below it: core, models, data, parallel, interop, training.
+May import every layer below it: core, nn, data, formats, models, parallel, training.
 """

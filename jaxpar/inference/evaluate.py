@@ -22,7 +22,7 @@ from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import same_mapping
 from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.models.family import build_model
-from jaxpar.models.loss import cross_entropy
+from jaxpar.nn.loss import cross_entropy
 from jaxpar.training import task_scoring
 from jaxpar.training.row_batches import over_rows, passes_rows
 

@@ -51,9 +51,9 @@ def export(ckpt, out, force: bool = False, dtype: str = "float32",
     import ml_dtypes
     import numpy as np
 
+    from jaxpar.formats.hf_files import MAX_SHARD_BYTES, save_weights
     from jaxpar.inference import sample
-    from jaxpar.interop.hf import hf_config, hf_state_dict
-    from jaxpar.interop.hf_files import MAX_SHARD_BYTES, save_weights
+    from jaxpar.models.hf import hf_config, hf_state_dict
     out = Path(out)
     check_out_dir(out, force)
     model = sample.load(ckpt, "dp=1")  # on one device: the params whole, as the file holds them

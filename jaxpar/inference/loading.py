@@ -17,8 +17,8 @@ from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import shardings_for
 from jaxpar.data.tokenizer import load_tokenizer
-from jaxpar.interop.hf import apply_hf_config, load_hf_params
 from jaxpar.models.family import abstract_model
+from jaxpar.models.hf import apply_hf_config, load_hf_params
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
 from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints
 from jaxpar.training.execution import plan_execution

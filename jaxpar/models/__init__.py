@@ -1,5 +1,5 @@
-"""Model families and what is computed from their shapes: the family interface and the one model
-class (family.py), GPT-2 and Llama, their shared layers and attention, the KV-cache decode, and
-FLOPs per token. Models name logical axes only.
-May import: jaxpar.core.
+"""The model families, a folder each (model, Hugging Face adapter), and what is built on any of
+them: the registry and the one model class (family.py), the interface a family implements,
+Hugging Face checkpoints in and out (hf.py), the KV-cache decode, and FLOPs per token.
+May import: jaxpar.core, jaxpar.nn, jaxpar.formats.
 """

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxpar.core.axes import splitting
 from jaxpar.models.family import Transformer, split_layers
-from jaxpar.models.layers import KVCache, weights_for_compute
+from jaxpar.nn.layers import KVCache, weights_for_compute
 
 
 def empty_cache(model: Transformer, batch: int) -> KVCache:

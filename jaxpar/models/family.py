@@ -13,19 +13,20 @@ import jax.numpy as jnp
 from jaxpar.core.config import FAMILIES as FAMILY_NAMES
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.execution import ExecutionPlan
-from jaxpar.models import params as declared_params
-from jaxpar.models.gpt import GPT2
-from jaxpar.models.interface import Family
-from jaxpar.models.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
-from jaxpar.models.llama import Llama
-from jaxpar.models.loss import sequence_loss
+from jaxpar.models import gpt2, llama
+from jaxpar.models.interface import Family, Registered
+from jaxpar.nn import params as declared_params
+from jaxpar.nn.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
+from jaxpar.nn.loss import sequence_loss
 
-FAMILIES = {"gpt2": GPT2, "llama": Llama}
+# The families, each a folder of jaxpar/models. The config's own list of names (it is read before
+# any model is built) must be the same.
+FAMILIES: dict[str, Registered] = {entry.model.name: entry for entry in (gpt2.FAMILY, llama.FAMILY)}
 assert tuple(FAMILIES) == FAMILY_NAMES, "jaxpar.core.config.FAMILIES names the same families"
 
 
 def family_of(cfg: ModelConfig) -> Family:
-    return FAMILIES[cfg.family](cfg)
+    return FAMILIES[cfg.family].model(cfg)
 
 
 def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
@@ -92,7 +93,7 @@ class Transformer:
 
     def loss(self, params: dict, tokens: jax.Array, targets: jax.Array, dropout_key=None) -> tuple[jax.Array, dict]:
         """(mean next-token cross-entropy, auxiliary losses), the logits over model.loss_chunks
-        pieces of the sequence (jaxpar.models.loss.sequence_loss)."""
+        pieces of the sequence (jaxpar.nn.loss.sequence_loss)."""
         top, x, losses = self.stream(params, tokens, dropout_key)
         return sequence_loss(self.logits_of, self.head(top), x, targets, self.cfg.loss_chunks), losses
 
@@ -119,7 +120,7 @@ class Transformer:
         return top, x, losses
 
     def doc_starts(self, tokens: jax.Array) -> jax.Array | None:
-        """Each token's document start (jaxpar.models.layers), or None without documents."""
+        """Each token's document start (jaxpar.nn.layers), or None without documents."""
         return None if self.eot_id is None else document_starts(self.plan, tokens, self.eot_id)
 
     def run_layers(self, layer_params: dict, layer_axes: dict, x: jax.Array, layer_keys=None, cache=None,

@@ -1,10 +1,10 @@
 """The model-family interface: the class every family derives from.
 
-A family is one class (jaxpar.models.gpt.GPT2, jaxpar.models.llama.Llama) that declares its
+A family is one class (jaxpar.models.gpt2.model.GPT2, jaxpar.models.llama.Llama) that declares its
 parameters and computes with them:
 
     declare(vocab_size)                 every param's shape, logical axes, role and initialiser
-                                        (jaxpar.models.params); the stacked layers under "blocks",
+                                        (jaxpar.nn.params); the stacked layers under "blocks",
                                         each leading with 'layers' (or, where layers of two kinds
                                         mix, with its kind's stack: 'sparse_layers', 'dense_layers')
     shape_fields                        the model config fields `declare` reads
@@ -13,7 +13,7 @@ parameters and computes with them:
                                         (positions: (seq,) or (batch, seq), or None: in order)
     block(x, p, axes, key, cache,       one layer on its params -> (x, auxiliary losses, cache):
           doc_starts)                   training's and cached decoding's one block (cache: None,
-                                        or the layer's jaxpar.models.layers.KVCache; doc_starts:
+                                        or the layer's jaxpar.nn.layers.KVCache; doc_starts:
                                         None, or each token's document start, which attention
                                         and positions keep to)
     logits(head, x, vocab_size)         the stream -> float32 logits over the padded vocabulary
@@ -25,11 +25,16 @@ parameters and computes with them:
 
 The train step, the pipeline executor, ZeRO, remat, the KV-cache sampler, the FLOP count,
 `--dry-run`, `jaxpar.plan` and `jaxpar.bench` call these and nothing else, so a new family is one
-new module and one entry in FAMILIES.
+folder, jaxpar/models/<family>/, whose package names its `Registered` entry, and that entry in
+jaxpar.models.family.FAMILIES.
 
 A block's auxiliary losses are a dict of scalars (empty for GPT-2 and Llama, unless the test-only
 model.test_activation_l2 asks for one); `loss_weights` gives each one's coefficient in the loss.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -59,3 +64,14 @@ class Family:
         """Each auxiliary loss's coefficient in the training loss (summed over layers first)."""
         weights = {"activation_l2": self.cfg.test_activation_l2}
         return {name: w for name, w in weights.items() if w != 0}
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A family's entry in the registry: its class, and its Hugging Face formats (modules with
+    MODEL_TYPES, model_fields, readers, state_dict, hf_config: jaxpar.models.hf), read by the
+    config.json model_types they name; `exported_as` picks the one a model of the family is
+    written in."""
+    model: type[Family]
+    hf_formats: tuple[ModuleType, ...]
+    exported_as: Callable[[ModelConfig], ModuleType]

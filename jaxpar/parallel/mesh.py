@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, KEYS, NAMES, check_axes, sizes_of
 from jaxpar.core.config import Config, MeshConfig
 from jaxpar.core.errors import UserError
-from jaxpar.models.kernels import check_mesh
+from jaxpar.nn.kernels import check_mesh
 
 
 def parse_mesh_spec(spec: str) -> dict[str, str]:

@@ -17,8 +17,8 @@ from jaxpar.core.execution import STAGES_REDUCE
 from jaxpar.core.sharding import split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
-from jaxpar.models.layers import STREAM, document_positions
-from jaxpar.models.loss import sequence_loss
+from jaxpar.nn.layers import STREAM, document_positions
+from jaxpar.nn.loss import sequence_loss
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule
 

@@ -13,7 +13,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.sharding import batch_sharding, split_ways
 from jaxpar.data.loader import document_eot, load_dataset, model_vocab
 from jaxpar.models.family import build_model, family_of
-from jaxpar.models.layers import padded_vocab
+from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.parallel.pipeline import schedule_for

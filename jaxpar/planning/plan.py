@@ -241,7 +241,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
 
     from jaxpar.data.loader import document_eot, load_dataset, model_vocab
     from jaxpar.models.family import build_model
-    from jaxpar.models.params import in_order
+    from jaxpar.nn.params import in_order
     from jaxpar.planning.hardware import chip_for, target_devices
     from jaxpar.planning.plan_report import write_report
     devices = target_devices(target)

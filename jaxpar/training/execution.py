@@ -18,8 +18,8 @@ from jaxpar.core.execution import (
     ExecutionPlan,
 )
 from jaxpar.core.sharding import split_ways
-from jaxpar.models import kernels, moe
 from jaxpar.models.family import family_of
+from jaxpar.nn import kernels, moe
 from jaxpar.parallel import pipeline
 from jaxpar.training.step import microbatches_for
 

@@ -21,7 +21,7 @@ import optax
 
 from jaxpar.core.optimizer_config import LR_SCHEDULES, OptimizerConfig, decay_start
 from jaxpar.core.optimizer_config import OPTIMIZERS as OPTIMIZER_NAMES
-from jaxpar.models.params import EMBEDDING, MATRIX
+from jaxpar.nn.params import EMBEDDING, MATRIX
 from jaxpar.training import muon as muon_split
 
 
@@ -124,7 +124,7 @@ assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "jaxpar.core.optimizer_config names
 def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None,
                    split=None) -> optax.GradientTransformation:
     """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles (and,
-    for Muon, these matrix views, jaxpar.models.params.Param.matrix, and the mesh its work is split
+    for Muon, these matrix views, jaxpar.nn.params.Param.matrix, and the mesh its work is split
     over, jaxpar.training.muon.Split)."""
     return OPTIMIZERS[o.name].build(o, lambda step: learning_rate(step, o), roles, matrices, split)
 

@@ -67,7 +67,7 @@ def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainSta
     straight into its shards."""
     if not cfg.train.init_from:
         return steps.init_state(cfg, model, tx, shardings)
-    from jaxpar.interop.hf import load_hf_params
+    from jaxpar.models.hf import load_hf_params
     params = load_hf_params(cfg.train.init_from, cfg, model.vocab_size, shardings.params)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)

@@ -1,9 +1,9 @@
 """Hugging Face checkpoints in and out, for every model family: a directory with config.json and
 model.safetensors (or the shards model.safetensors.index.json names), as save_pretrained writes it.
 
-Each family's names and layouts are a module of their own (hf_gpt2, hf_llama, hf_moe: each one table
-that jaxpar.interop.hf_mapping reads and writes by), picked by config.json's model_type on the way in
-and by the model's family on the way out.
+Each family's names and layouts are modules in its folder (gpt2/hf.py, llama/hf.py, llama/hf_moe.py:
+each one table that jaxpar.formats.hf_mapping reads and writes by), which its registry entry names;
+one is picked by config.json's model_type on the way in and by the model's family on the way out.
 In: `apply_hf_config` sets the model's shape from config.json and refuses what jaxpar does not
 compute; `load_hf_params` then puts every weight straight into its sharding on any mesh and ZeRO
 stage, each device reading only its own slice of the memory-mapped files (float32, bfloat16 or
@@ -19,15 +19,14 @@ import numpy as np
 from jaxpar.core.axes import TENSOR_AXIS, sizes_of
 from jaxpar.core.config import Config, set_value, validate
 from jaxpar.core.errors import UserError
-from jaxpar.interop import hf_gpt2, hf_llama, hf_moe
-from jaxpar.interop.hf_files import CONFIG_FILE, open_weights, read_hf_config
-from jaxpar.models.family import build_model
-from jaxpar.models.params import in_order
+from jaxpar.formats.hf_files import CONFIG_FILE, open_weights, read_hf_config
+from jaxpar.models.family import FAMILIES, build_model
+from jaxpar.nn.params import in_order
 
-# Each family's adapter, found by the config.json model_types it names (MODEL_TYPES) on the way in,
-# and on the way out by model.family (a dense model's: its base architecture's model_type) or, for
-# a mixture of experts, by model.n_experts.
-ADAPTERS = {kind: adapter for adapter in (hf_gpt2, hf_llama, hf_moe) for kind in adapter.MODEL_TYPES}
+# Each family's formats, found by the config.json model_types they name (MODEL_TYPES) on the way in,
+# and on the way out by the family's `exported_as` (jaxpar.models.interface.Registered).
+ADAPTERS = {kind: adapter for entry in FAMILIES.values() for adapter in entry.hf_formats
+            for kind in adapter.MODEL_TYPES}
 SUPPORTED = ("gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), qwen3, mixtral (MixtralForCausalLM) and "
              "qwen3_moe (Qwen3MoeForCausalLM)")
 
@@ -89,13 +88,13 @@ def check_tensor_parallel(cfg: Config, where: Path) -> None:
 
 
 def declared_params(cfg: Config, vocab_size: int) -> dict:
-    """{param path: its declaration (jaxpar.models.params.Param)} of the model cfg describes."""
+    """{param path: its declaration (jaxpar.nn.params.Param)} of the model cfg describes."""
     return dict(in_order(build_model(cfg, vocab_size).declared))
 
 
 def module_for(cfg: Config):
     """The module that names and lays out this model's weights as HF does."""
-    return hf_moe if cfg.model.n_experts else ADAPTERS[cfg.model.family]
+    return FAMILIES[cfg.model.family].exported_as(cfg.model)
 
 
 def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) -> dict:

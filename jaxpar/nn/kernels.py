@@ -1,6 +1,6 @@
 """Which attention kernel runs, and the fused ones behind attention's one signature.
 
-`model.attention` picks it: `xla` (jaxpar.models.attention: blocks of queries, XLA:CPU's fastest
+`model.attention` picks it: `xla` (jaxpar.nn.attention: blocks of queries, XLA:CPU's fastest
 form), `splash` (the Pallas TPU kernel, jax.experimental.pallas.ops.tpu.splash_attention) or
 `cudnn` (cuDNN's fused attention through jax.nn.dot_product_attention); `auto` picks by the mesh's
 platform. `resolve` decides it once, before tracing, for the execution plan

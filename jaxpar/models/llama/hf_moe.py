@@ -1,6 +1,6 @@
-"""Hugging Face's mixtures of experts and jaxpar's Llama with experts (jaxpar.models.moe): Mixtral
+"""Hugging Face's mixtures of experts and jaxpar's Llama with experts (jaxpar.nn.moe): Mixtral
 (MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM). Everything but the experts and the router
-is Llama's (or Qwen3's, with q_norm and k_norm) and goes through jaxpar.interop.hf_llama.
+is Llama's (or Qwen3's, with q_norm and k_norm) and goes through jaxpar.models.llama.hf.
 
 HF saves each expert's SwiGLU as three Linear weights (out, in) under its own index; jaxpar stacks
 the experts on an 'experts' axis and fuses gate and up: (layers, experts, embed, 2, mlp) and
@@ -17,8 +17,8 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.interop import hf_llama
-from jaxpar.interop.hf_mapping import Mapping, Weight
+from jaxpar.formats.hf_mapping import Mapping, Weight
+from jaxpar.models.llama import hf as hf_llama
 
 EXPERT_PARAMS = ("router", "experts_gate_up", "experts_out")  # under 'blocks', each a kernel
 

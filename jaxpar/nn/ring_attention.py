@@ -3,7 +3,7 @@
 `ring_attention` runs inside `jax.shard_map`, manual over that axis. Each of its N devices holds T/N
 tokens of every sequence and keeps its queries; the K/V blocks go around the ring with `ppermute`,
 and the partial results merge by a float32 online softmax (log-sum-exp). The backward pass
-(jaxpar.models.ring_backward) is a second ring in which the dK/dV accumulators travel with their K/V
+(jaxpar.nn.ring_backward) is a second ring in which the dK/dV accumulators travel with their K/V
 blocks and arrive home at the end.
 
 Where the tokens live is the layout. "contiguous": device r holds chunk r of N, so device r has r + 1
@@ -12,7 +12,7 @@ blocks of causal work and the last one about twice the average. "zigzag": the se
 ring skips, rather than masks, the block pairs that causality rules out (`pair_work` counts them).
 The caller lays a batch out with `layout_permutation` before the split and undoes it after.
 
-Conventions as in jaxpar.models.attention: q is (batch, kv_heads, group, seq, head_dim), k and v are
+Conventions as in jaxpar.nn.attention: q is (batch, kv_heads, group, seq, head_dim), k and v are
 (batch, kv_heads, seq, head_dim); the `group` query heads share a KV head (grouped-query attention);
 dots accumulate in float32; scores are scaled by 1/sqrt(head_dim). No dropout.
 
@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.core.axes import zigzag_permutation
-from jaxpar.models.attention import F32
-from jaxpar.models.kernels import XLA, BlockKernel, block_attention
-from jaxpar.models.ring_backward import ring_backward
-from jaxpar.models.ring_blocks import causal, ids, late_mask, ring_send, rows, scores, shares_document, source_before
+from jaxpar.nn.attention import F32
+from jaxpar.nn.kernels import XLA, BlockKernel, block_attention
+from jaxpar.nn.ring_backward import ring_backward
+from jaxpar.nn.ring_blocks import causal, ids, late_mask, ring_send, rows, scores, shares_document, source_before
 
 LAYOUTS = ("zigzag", "contiguous")
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.core.errors import UserError
-from jaxpar.interop.safetensors_mmap import open_safetensors
-from jaxpar.models.layers import padded_vocab
+from jaxpar.formats.safetensors_mmap import open_safetensors
+from jaxpar.nn.layers import padded_vocab
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
 
-# The type of every config.json field that jaxpar.interop's readers use (GPT-2's, Llama's and
+# The type of every config.json field that the Hugging Face formats' readers use (GPT-2's, Llama's and
 # its relatives', the mixtures of experts'), checked before any is read. A float field takes
 # an integer too (rope_theta 10000); an integer field takes no float, 2.0 included.
 FIELD_TYPES = {

@@ -6,7 +6,7 @@ hf_llama and hf_moe.
 A `Weight` names the HF tensors of one jaxpar param, as templates over the layer {i} and the
 expert {e}. One layer's param is cut into pieces, each one HF tensor: per expert where the param
 has an 'experts' axis (HF saves each expert's tensors), and per name where a Weight names several
-(k_proj and v_proj, gate and up: stacked on the param's fused axis, jaxpar.models.params.FUSED).
+(k_proj and v_proj, gate and up: stacked on the param's fused axis, jaxpar.nn.params.FUSED).
 A piece's dims are grouped into HF's (`groups`: GPT-2's c_attn is (embed, 3 * heads * head_dim)),
 and a matrix that HF stores the other way round to jaxpar's kernel is transposed.
 """
@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from jaxpar.core.config import Config
-from jaxpar.interop.hf_files import Stacked, find_tensor, slice_reader
-from jaxpar.models.params import FUSED, MATRIX
+from jaxpar.formats.hf_files import Stacked, find_tensor, slice_reader
+from jaxpar.nn.params import FUSED, MATRIX
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Mapping:
         return views[0] if axis is None else Stacked(views, axis)
 
     def reader(self, tensors: dict, key: tuple, param, cfg: Config, vocab_size: int, path: Path, prefix: str = ""):
-        """make_array_from_callback's reader of the param at `key` (a jaxpar.models.params.Param),
+        """make_array_from_callback's reader of the param at `key` (a jaxpar.nn.params.Param),
         its tensors checked; an embedding's padding rows past `vocab_size` read as zeros."""
         if key[0] == "blocks":
             return slice_reader([self.view(tensors, key, param, param.shape[1:], path, prefix, i)

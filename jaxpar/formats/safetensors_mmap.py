@@ -2,7 +2,7 @@
 
 The format: an 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape
 and byte range, then the data. The safetensors package reads whole tensors or 2-D slices of them;
-a memory map lets jaxpar.interop.hf reshape a tensor first and then read any slice of that view.
+a memory map lets jaxpar.models.hf reshape a tensor first and then read any slice of that view.
 """
 
 import json

@@ -6,7 +6,7 @@ q is (batch, heads, seq, head_dim); k and v are (batch, kv_heads, seq, head_dim)
 dividing heads (grouped-query attention; GPT-2 has as many as heads). Query head h attends with KV
 head h // (heads / kv_heads), as Hugging Face's `repeat_kv` pairs them, but K and V are never
 repeated: a group's queries are rows of one matrix against its KV head. Dropout masks the
-attention probabilities. With documents (`doc_starts`, jaxpar.models.layers), a query sees the
+attention probabilities. With documents (`doc_starts`, jaxpar.nn.layers), a query sees the
 keys of its own document alone.
 """
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 QUERY_BLOCK = 64
 MAX_QUERY_BLOCKS = 8  # each block is its own ops in every layer: more of them cost compile time
 # Every dot accumulates into float32: in bfloat16 that is the form XLA:CPU's bf16 kernels take
-# (jaxpar.models.matmul); in float32 it is the same dot.
+# (jaxpar.nn.matmul); in float32 it is the same dot.
 F32 = jnp.float32
 
 

@@ -1,5 +1,5 @@
-"""What the context ring's forward and backward passes share (jaxpar.models.ring_attention,
-jaxpar.models.ring_backward): the block pairs' masks and scores, documents, the rows of a state,
+"""What the context ring's forward and backward passes share (jaxpar.nn.ring_attention,
+jaxpar.nn.ring_backward): the block pairs' masks and scores, documents, the rows of a state,
 and the ring's sends.
 """
 
@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.models.attention import F32
+from jaxpar.nn.attention import F32
 
 MASKED = jnp.finfo(F32).min  # a masked score: exp(MASKED - anything finite) is 0
 

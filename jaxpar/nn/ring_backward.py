@@ -1,6 +1,6 @@
 """The context ring's backward pass, flash-attention style: the probabilities are recomputed from
 q, k and the forward's saved log-sum-exp, K/V go round the ring as in the forward
-(jaxpar.models.ring_attention), and each block's dK/dV accumulator follows it home.
+(jaxpar.nn.ring_attention), and each block's dK/dV accumulator follows it home.
 """
 
 import math
@@ -8,8 +8,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.models.attention import F32
-from jaxpar.models.ring_blocks import causal, ids, late_mask, ring_send, rows, scores, shares_document, source_before
+from jaxpar.nn.attention import F32
+from jaxpar.nn.ring_blocks import causal, ids, late_mask, ring_send, rows, scores, shares_document, source_before
 
 # Backward, flash-attention style: the probabilities are recomputed from q, k and the saved
 # log-sum-exp. `rows_in` is (q, d_out, lse, delta) of some query rows, delta = rowsum(d_out * out).

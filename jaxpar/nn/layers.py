@@ -1,6 +1,6 @@
 """What every model family is made of: dropout, the weights' compute layout, the residual stream's
 layout, documents in a row, attention (causal, or against a KV cache while decoding), the masked
-lm_head logits (the loss: jaxpar.models.loss).
+lm_head logits (the loss: jaxpar.nn.loss).
 
 Documents (data.document_mask): an end-of-text token opens a document, as modded-nanogpt's BOS
 does. `doc_starts` (batch, seq) holds each token's document start, the position of the end-of-text
@@ -21,10 +21,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.core.axes import zigzag_permutation
-from jaxpar.models.attention import apply_dropout, causal_attention
-from jaxpar.models.kernels import KV_AXES, Q_AXES, BlockKernel, fused_attention
-from jaxpar.models.matmul import project
-from jaxpar.models.ring_attention import ring_attention
+from jaxpar.nn.attention import apply_dropout, causal_attention
+from jaxpar.nn.kernels import KV_AXES, Q_AXES, BlockKernel, fused_attention
+from jaxpar.nn.matmul import project
+from jaxpar.nn.ring_attention import ring_attention
 
 VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
@@ -84,7 +84,7 @@ def to_stream(plan, y: jax.Array, shape: tuple) -> jax.Array:
 
 def sequence_positions(plan, seq_len: int) -> jax.Array | None:
     """Each token's true position while the sequence is laid out for a context ring (zigzag: see
-    jaxpar.models.ring_attention), or None when it is in order."""
+    jaxpar.nn.ring_attention), or None when it is in order."""
     _, ring = plan.ring()
     return None if ring == 1 else jnp.asarray(zigzag_permutation(seq_len, ring))
 

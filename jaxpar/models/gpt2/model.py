@@ -2,7 +2,7 @@
 lm_head tied to the token embedding. One model family behind jaxpar.models.interface.
 
 The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.core.sharding maps them to
-the mesh. Each parameter's role (jaxpar.models.params) is declared with it.
+the mesh. Each parameter's role (jaxpar.nn.params) is declared with it.
 """
 
 import math
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
 from jaxpar.models.interface import Family
-from jaxpar.models.layers import (
+from jaxpar.nn.layers import (
     STREAM,
     attention,
     dropout,
@@ -24,8 +24,8 @@ from jaxpar.models.layers import (
     to_stream,
     weights_for_compute,
 )
-from jaxpar.models.matmul import project
-from jaxpar.models.params import EMBEDDING, Param, dense, norm
+from jaxpar.nn.matmul import project
+from jaxpar.nn.params import EMBEDDING, Param, dense, norm
 
 LN_EPS = 1e-5
 

@@ -1,10 +1,10 @@
 """Hugging Face's LlamaForCausalLM and jaxpar's Llama family: config.json's fields (transformers 4's
 rope_theta and rope_scaling, or 5's rope_parameters), the weights' names and layouts, and what
-save_pretrained writes. Used through jaxpar.interop.hf.
+save_pretrained writes. Used through jaxpar.models.hf.
 
 HF's Linear weights are (out, in); jaxpar's kernels are (in, *out) with the heads split out, so each
 maps with a transpose and a reshape, and k/v and gate/up are stacked into one kernel each: MAPPING,
-which jaxpar.interop.hf_mapping runs both ways.
+which jaxpar.formats.hf_mapping runs both ways.
 """
 
 import json
@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.interop.hf_mapping import Mapping, Weight
+from jaxpar.formats.hf_mapping import Mapping, Weight
 
 FAMILY = "llama"
 ROPE_TYPES = ("default", "llama3")
@@ -103,7 +103,7 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
 def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path,
             mapping: Mapping = MAPPING) -> dict:
     """{param path: make_array_from_callback's reader} for every declared param (a dict of
-    jaxpar.models.params.Param by path), all checked."""
+    jaxpar.nn.params.Param by path), all checked."""
     out = mapping.readers(tensors, cfg, vocab_size, declared, path)
     embedding, head = (mapping.top[key].hf for key in (("wte",), ("lm_head",)))
     if cfg.model.tie_embeddings and head in tensors and not np.array_equal(tensors[head], tensors[embedding]):

@@ -1,10 +1,10 @@
 """The Llama family (SmolLM2, TinyLlama, Llama 3.x): RMSNorm, rotary positions, a SwiGLU MLP and
 grouped-query attention, no biases, the lm_head tied to the embedding or not. One model family
 behind jaxpar.models.interface, laid out so Hugging Face's LlamaForCausalLM maps onto it with
-transposes alone (jaxpar.interop.hf_llama).
+transposes alone (jaxpar.models.llama.hf).
 
 The code names logical axes only: the KV heads have their own, 'kv_heads', split over 'tensor' as
-the query heads are. Each parameter's role (jaxpar.models.params) is declared with it.
+the query heads are. Each parameter's role (jaxpar.nn.params) is declared with it.
 """
 
 import math
@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.models import moe, rope
 from jaxpar.models.interface import Family
-from jaxpar.models.layers import (
+from jaxpar.models.llama import rope
+from jaxpar.nn import moe
+from jaxpar.nn.layers import (
     STREAM,
     attention,
     dropout,
@@ -27,8 +28,8 @@ from jaxpar.models.layers import (
     token_positions,
     weights_for_compute,
 )
-from jaxpar.models.matmul import project
-from jaxpar.models.params import EMBEDDING, MATRIX, Param, dense, norm
+from jaxpar.nn.matmul import project
+from jaxpar.nn.params import EMBEDDING, MATRIX, Param, dense, norm
 
 
 def declare_blocks(cfg: ModelConfig) -> dict:
@@ -78,7 +79,7 @@ def declare_qk_norm(cfg: ModelConfig) -> dict:
 
 
 def declare_experts(cfg: ModelConfig, std: float, resid_std: float, stack: str = "layers") -> dict:
-    """A mixture of experts in place of the MLP (jaxpar.models.moe): the float32 router, and each
+    """A mixture of experts in place of the MLP (jaxpar.nn.moe): the float32 router, and each
     expert's fused gate and up projection and its down projection, split over 'expert'."""
     L, C, E, F = len(cfg.layers_in(stack)), cfg.n_embd, cfg.n_experts, cfg.expert_width
     return {

@@ -1,5 +1,5 @@
 """Hugging Face's GPT2LMHeadModel and jaxpar's GPT-2 family: config.json's fields, the weights'
-names and layouts, and what save_pretrained writes. Used through jaxpar.interop.hf.
+names and layouts, and what save_pretrained writes. Used through jaxpar.models.hf.
 """
 
 import json
@@ -9,8 +9,8 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.interop.hf_mapping import Mapping, Weight
-from jaxpar.models.gpt import LN_EPS
+from jaxpar.formats.hf_mapping import Mapping, Weight
+from jaxpar.models.gpt2.model import LN_EPS
 
 FAMILY = "gpt2"
 MODEL_TYPES = (FAMILY,)  # the config.json model_types read here
@@ -74,7 +74,7 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
 
 def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
     """{param path: make_array_from_callback's reader} for every declared param (a dict of
-    jaxpar.models.params.Param by path), all checked."""
+    jaxpar.nn.params.Param by path), all checked."""
     if not cfg.model.bias:
         raise UserError("model.bias=false cannot hold a GPT-2 checkpoint, which has biases; "
                         "drop the override")
