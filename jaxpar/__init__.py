@@ -5,3 +5,6 @@ from jaxpar.core.platform import skip_absent_tpu
 __version__ = "0.1.0"
 
 skip_absent_tpu()
+
+# The families' configs register with jaxpar.core here, before any config is read.
+import jaxpar.models.family  # noqa: F401

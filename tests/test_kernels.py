@@ -12,7 +12,7 @@ import pytest
 from conftest import tiny_config
 from helpers import assert_same_training, fails_with, train
 
-from jaxpar.core.model_config import ModelConfig
+from jaxpar.core.model_config import model_config
 from jaxpar.nn.attention import causal_attention
 from jaxpar.nn.kernels import resolve, splash
 from jaxpar.planning import roofline
@@ -67,7 +67,7 @@ def test_auto_keeps_documents_off_cudnn_on_a_gpu(monkeypatch):
     monkeypatch.setattr(layers, "fused_attention", lambda plan, *args: asked.append(plan.attention))
     q = k = v = jnp.ones((1, 2, 8, 4))
     starts = jnp.array([[0] * 3 + [3] * 5], jnp.int32)
-    model = ModelConfig(dtype="bfloat16", block_size=1024)
+    model = model_config(dtype="bfloat16", block_size=1024)
 
     def plan_on_a_gpu(documents: bool):
         return ExecutionPlan(platform="gpu", attention=kernels.resolve(model, "gpu", 1, documents)[0])
@@ -111,7 +111,7 @@ def test_splash_trains_as_one_device_on_dp2_tp2():
 ])
 def test_auto_picks_by_platform(platform, overrides, kernel, note):
     context, documents = overrides.pop("context", 1), overrides.pop("documents", False)
-    got, why = resolve(ModelConfig(**{"block_size": 1024, **overrides}), platform, context, documents)
+    got, why = resolve(model_config(**{"block_size": 1024, **overrides}), platform, context, documents)
     assert got == kernel and (note is None) == (why is None) and (note is None or note in why)
 
 

@@ -12,8 +12,8 @@ import pytest
 from conftest import mesh_overrides, tiny_config
 from helpers import LOSS_RTOL, fails_with
 
-from jaxpar.core.config import ModelConfig
 from jaxpar.core.execution import ExecutionPlan
+from jaxpar.core.model_config import model_config
 from jaxpar.inference import sample
 from jaxpar.models.family import build_model
 from jaxpar.models.llama import model as llama
@@ -50,7 +50,7 @@ def moe_params(key, C=16, E=4, F=8):
 @pytest.mark.parametrize("renormalize, gemm", [(True, "ragged_dot"), (False, "ragged_dot"), (True, "megablox")])
 def test_grouped_gemm_equals_a_loop_over_experts(renormalize, gemm):
     """ragged_dot, and the Megablox kernels (interpreted here), against every expert on every token."""
-    cfg = ModelConfig(family="llama", n_experts=4, experts_per_token=2, moe_renormalize=renormalize, moe_gemm=gemm)
+    cfg = model_config("llama", n_experts=4, experts_per_token=2, moe_renormalize=renormalize, moe_gemm=gemm)
     p, h = moe_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (3, 8, 16))
     plan = ExecutionPlan(moe_gemm=moe.gemm_of(cfg, "cpu"))
     grouped = jax.jit(lambda p, h: moe.moe_mlp(plan, h, p, cfg, jnp.float32)[0])

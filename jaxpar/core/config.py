@@ -12,7 +12,15 @@ from jaxpar.core.axes import AXES, check_virtual
 from jaxpar.core.config_files import CONFIG_DIR, read_toml, resolve_config_path  # noqa: F401
 from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
-from jaxpar.core.model_config import FAMILIES, GELU_KINDS, REMAT_KINDS, ModelConfig, check_family_keys, validate_model  # noqa: F401
+from jaxpar.core.model_config import (  # noqa: F401
+    REMAT_KINDS,
+    ModelConfig,
+    model_config,
+    model_keys,
+    not_this_family,
+    validate_model,
+    with_family,
+)
 from jaxpar.core.optimizer_config import (
     ALIASES,
     OptimizerConfig,
@@ -96,7 +104,7 @@ class LogConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=model_config)  # the default family's
     train: TrainConfig = field(default_factory=TrainConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -120,18 +128,23 @@ class Config:
 
     @classmethod
     def from_dict(cls, sections: dict) -> "Config":
-        """The inverse of to_dict (e.g. a checkpoint's resolved config); validated."""
-        cfg = cls()
+        """The inverse of to_dict (e.g. a checkpoint's resolved config); validated. A model key its
+        family does not declare is passed over: configs saved before each family had its own
+        keys hold every family's."""
+        cfg, model = cls(), sections.get("model", {})
+        set_value(cfg, "model.family", model.get("family", cfg.model.family))
         for section, table in sections.items():
             for name, value in table.items():
-                set_value(cfg, f"{section}.{name}", value)
+                if section != "model" or hasattr(cfg.model, name):
+                    set_value(cfg, f"{section}.{name}", value)
         validate(cfg)
         return cfg
 
 
 def valid_keys(cfg: Config) -> list[str]:
-    return [f"{s.name}.{f.name}" for s in dataclasses.fields(cfg)
-            for f in dataclasses.fields(getattr(cfg, s.name))]
+    """Every section's keys; the model's of every family."""
+    return [f"{s.name}.{name}" for s in dataclasses.fields(cfg)
+            for name in (model_keys() if s.name == "model" else [f.name for f in dataclasses.fields(getattr(cfg, s.name))])]
 
 
 def keys_help(cfg: Config) -> str:
@@ -180,7 +193,11 @@ def _set(cfg: Config, key: str, value, spelled: str) -> None:
     sub = getattr(cfg, section, None) if section in {f.name for f in dataclasses.fields(cfg)} else None
     types = {f.name: f.type for f in dataclasses.fields(sub)} if sub is not None else {}
     if name not in types:
-        raise UserError(f"unknown config key '{key}'; valid keys: {keys_help(cfg)}")
+        raise (section == "model" and not_this_family(cfg.model.family, name)
+               or UserError(f"unknown config key '{key}'; valid keys: {keys_help(cfg)}"))
+    if key == "model.family":  # the model's keys are its family's
+        cfg.model = with_family(cfg.model, _coerce(spelled, str, value))
+        return
     if key == "data.mix" and isinstance(value, dict):  # a [data.mix] table
         value = mix_text(value)
     setattr(sub, name, _coerce(spelled, types[name], value))
@@ -198,19 +215,22 @@ def read_config_file(file: Path) -> dict[str, dict]:
 
 def load_config(path: str | None, overrides: dict[str, str]) -> Config:
     """Defaults, then the TOML file (if any), then command-line overrides; validated."""
-    cfg, in_file = Config(), set()
+    cfg, in_file, data = Config(), set(), {}
     if path is not None:
         file = resolve_config_path(path)
         data = read_config_file(file)
         in_file = {f"{section}.{name}" for section, table in data.items() for name in table}
         check_aliases(in_file, f"in config file '{file}'")
+    family = overrides.get("model.family", data.get("model", {}).get("family"))
+    if family is not None:  # first: which keys the model has depends on it
+        set_value(cfg, "model.family", family)
+    if path is not None:
         for section, table in data.items():
             for name, value in table.items():
                 set_value(cfg, f"{section}.{name}", value)
     check_aliases(set(overrides), "on the command line")
     for key, value in overrides.items():
         set_value(cfg, key, value)
-    check_family_keys(cfg.model, set(overrides) | in_file)
     check_optimizer_keys(cfg.optimizer, set(overrides), in_file)
     validate(cfg)
     if cfg.optimizer.decay_steps == 0:

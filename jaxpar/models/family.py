@@ -10,19 +10,20 @@ from functools import cached_property
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.config import FAMILIES as FAMILY_NAMES
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.execution import ExecutionPlan
+from jaxpar.core.model_config import family_config
 from jaxpar.models import gpt2, llama
 from jaxpar.models.interface import Family, Registered
 from jaxpar.nn import params as declared_params
 from jaxpar.nn.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
 from jaxpar.nn.loss import sequence_loss
 
-# The families, each a folder of jaxpar/models. The config's own list of names (it is read before
-# any model is built) must be the same.
-FAMILIES: dict[str, Registered] = {entry.model.name: entry for entry in (gpt2.FAMILY, llama.FAMILY)}
-assert tuple(FAMILIES) == FAMILY_NAMES, "jaxpar.core.config.FAMILIES names the same families"
+# The families, each a folder of jaxpar/models; their configs are registered with jaxpar.core,
+# which reads the [model] section before any model is built.
+FAMILIES: dict[str, Registered] = {entry.config.family: entry for entry in (gpt2.FAMILY, llama.FAMILY)}
+for entry in FAMILIES.values():
+    family_config(entry.config)
 
 
 def family_of(cfg: ModelConfig) -> Family:

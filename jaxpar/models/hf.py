@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxpar.core.axes import TENSOR_AXIS, sizes_of
-from jaxpar.core.config import Config, set_value, validate
+from jaxpar.core.config import Config, set_value, validate, with_family
 from jaxpar.core.errors import UserError
 from jaxpar.formats.hf_files import CONFIG_FILE, open_weights, read_hf_config
 from jaxpar.models.family import FAMILIES, build_model
@@ -62,10 +62,13 @@ def apply_hf_config(cfg: Config, hf_dir, explicit: dict) -> int:
     """
     fields, vocab_size, positions = hf_model_fields(hf_dir)
     where = Path(hf_dir) / CONFIG_FILE
+    family = next(value for name, value, _ in fields if name == "family")
+    cfg.model = with_family(cfg.model, family)  # first: the model's keys are its family's
     for name, value, source in fields:
         key = f"model.{name}"
         if key in explicit:
             scratch = Config()
+            set_value(scratch, "model.family", family)
             set_value(scratch, key, explicit[key])
             if getattr(scratch.model, name) != value:
                 raise UserError(f"{key}={explicit[key]} conflicts with {source} in {where}; "

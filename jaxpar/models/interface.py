@@ -25,8 +25,8 @@ parameters and computes with them:
 
 The train step, the pipeline executor, ZeRO, remat, the KV-cache sampler, the FLOP count,
 `--dry-run`, `jaxpar.plan` and `jaxpar.bench` call these and nothing else, so a new family is one
-folder, jaxpar/models/<family>/, whose package names its `Registered` entry, and that entry in
-jaxpar.models.family.FAMILIES.
+folder, jaxpar/models/<family>/ (model, config, Hugging Face format), whose package names its
+`Registered` entry, and that entry in jaxpar.models.family.FAMILIES.
 
 A block's auxiliary losses are a dict of scalars (empty for GPT-2 and Llama, unless the test-only
 model.test_activation_l2 asks for one); `loss_weights` gives each one's coefficient in the loss.
@@ -68,10 +68,12 @@ class Family:
 
 @dataclass(frozen=True)
 class Registered:
-    """A family's entry in the registry: its class, and its Hugging Face formats (modules with
+    """A family's entry in the registry: its class, its config (the [model] keys it reads, a
+    jaxpar.core.model_config.ModelConfig), and its Hugging Face formats (modules with
     MODEL_TYPES, model_fields, readers, state_dict, hf_config: jaxpar.models.hf), read by the
     config.json model_types they name; `exported_as` picks the one a model of the family is
     written in."""
     model: type[Family]
+    config: type[ModelConfig]
     hf_formats: tuple[ModuleType, ...]
     exported_as: Callable[[ModelConfig], ModuleType]

@@ -31,12 +31,12 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     platform = platform or kernels.platform_of(mesh)
     m = cfg.model
     attention, note = kernels.resolve(m, platform, mesh.shape.get(CONTEXT, 1), cfg.data.document_mask)
+    experts = {"experts": True, "moe_gemm": moe.gemm_of(m, platform),
+               "moe_dispatch": moe.dispatch_of(m, platform)} if m.n_experts else {}
     return ExecutionPlan(
         mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, attention=attention,
-        attention_note=note, moe_gemm=moe.gemm_of(m, platform), moe_dispatch=moe.dispatch_of(m, platform),
-        accumulation=accumulation(cfg, mesh) if for_training else ONE_PASS, remat=m.remat,
-        regather_weights=cfg.train.zero == 3, pipeline=pipeline_plan(cfg, mesh) if for_training else {},
-        experts=bool(getattr(m, "n_experts", 0)))
+        attention_note=note, accumulation=accumulation(cfg, mesh) if for_training else ONE_PASS, remat=m.remat,
+        regather_weights=cfg.train.zero == 3, pipeline=pipeline_plan(cfg, mesh) if for_training else {}, **experts)
 
 
 def accumulation(cfg: Config, mesh) -> str:

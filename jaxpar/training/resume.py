@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import optax
 
-from jaxpar.core.config import Config, ModelConfig
+from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.model_config import DEFAULT_FAMILY, model_config
 from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.data.loader import model_vocab
 from jaxpar.data.tokenizer import from_meta, same_mapping
@@ -29,8 +30,9 @@ ELSEWHERE = "or train in another --out (--fresh would delete these checkpoints)"
 def model_shape(model: dict, vocab_size: int) -> str:
     """The model config fields its family's params' shapes follow, as 'n_layer=2, ...' (a
     checkpoint from before a field has its default)."""
-    defaults = dataclasses.asdict(ModelConfig())
-    fields = family_of(ModelConfig(family=model.get("family", "gpt2"))).shape_fields
+    family = model_config(model.get("family", DEFAULT_FAMILY))
+    defaults = dataclasses.asdict(family)
+    fields = family_of(family).shape_fields
     return ", ".join(f"{k}={model.get(k, defaults[k])}" for k in fields) + f", vocab_size={vocab_size}"
 
 
@@ -62,7 +64,7 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
                         f"and data ask for ({want}); use the checkpoint's model settings and "
                         f"data, {ELSEWHERE}")
     gelu = saved["model"].get("gelu", "exact")  # checkpoints from before the field: exact
-    if gelu != cfg.model.gelu:
+    if getattr(cfg.model, "gelu", gelu) != gelu:  # GPT-2's
         raise UserError(f"the checkpoint in '{directory}' was trained with model.gelu={gelu}, not "
                         f"{cfg.model.gelu}; resume with --model.gelu={gelu}, {ELSEWHERE}")
     saved_optimizer = meta.get("optimizer", "adamw")
