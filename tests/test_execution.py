@@ -48,7 +48,7 @@ def test_the_plan_says_what_runs_and_where():
     assert "moe" not in piped and plan_of("dp=2,tp=2", **{"model.sequence_parallel": "true"}).rules["stream_seq"]
     moe = plan_of("dp=2,ep=2", "tiny_moe")
     assert (moe.moe_mode, moe.unsplit("data", "expert").moe_mode, moe.moe_gemm) == ("all_to_all", "replicated",
-                                                                                   "ragged_dot")
+                                                                                   "blocks")
 
 
 def test_no_context_variable_and_no_mesh_read_back_inside_jaxpar():

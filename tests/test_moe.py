@@ -3,6 +3,7 @@ sparse ones against a loop over layers, the capacity rule, cached decoding on ev
 on another layout, and the MoE config's one-line errors (the layouts against one device:
 tests/test_moe_layouts.py)."""
 
+import functools
 import shutil
 
 import jax
@@ -47,9 +48,11 @@ def moe_params(key, C=16, E=4, F=8):
             "experts_out": {"kernel": 0.3 * jax.random.normal(keys[2], (E, F, C))}}
 
 
-@pytest.mark.parametrize("renormalize, gemm", [(True, "ragged_dot"), (False, "ragged_dot"), (True, "megablox")])
+@pytest.mark.parametrize("renormalize, gemm", [(True, "ragged_dot"), (False, "ragged_dot"), (True, "megablox"),
+                                                (True, "blocks")])
 def test_grouped_gemm_equals_a_loop_over_experts(renormalize, gemm):
-    """ragged_dot, and the Megablox kernels (interpreted here), against every expert on every token."""
+    """ragged_dot, the Megablox kernels (interpreted here) and the blocked GEMM against every
+    expert on every token."""
     cfg = model_config("llama", n_experts=4, experts_per_token=2, moe_renormalize=renormalize, moe_gemm=gemm)
     p, h = moe_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (3, 8, 16))
     plan = ExecutionPlan(moe_gemm=moe.gemm_of(cfg, "cpu"))
@@ -68,8 +71,28 @@ def assert_close_at_scale(actual, desired, tol=1e-5):
     products in other orders; float32 sums are accurate to the size of their terms, so an entry
     that cancels to near zero carries rounding relative to the tensor's scale, not to itself."""
     actual, desired = np.asarray(actual), np.asarray(desired)
-    error = np.max(np.abs(actual - desired)) / np.max(np.abs(desired))
+    error = np.max(np.abs(actual - desired)) / max(np.max(np.abs(desired)), np.finfo(np.float32).tiny)
     assert error <= tol, f"differ by {error:.3g} of the largest magnitude, beyond {tol}"
+
+
+@pytest.mark.parametrize("group_sizes", [(10, 0, 37, 40), (0, 0, 0, 0), (77, 0, 0, 0), (5, 1, 2, 3)])
+def test_the_blocked_gemm_is_ragged_dot(group_sizes):
+    """Uneven, empty and single groups, and rows past the groups (zeros): forward and gradients,
+    tiles of 8 rows."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(keys[0], (77, 16)), jax.random.normal(keys[1], (4, 16, 8))
+    sizes, cotangent = jnp.array(group_sizes, jnp.int32), jax.random.normal(keys[2], (77, 8))
+    gemms = (functools.partial(moe.blocked_gemm, block=8), functools.partial(jax.lax.ragged_dot,
+                                                                            preferred_element_type=jnp.float32))
+    outputs = [jax.jit(lambda x, w, f=f: f(x, w, sizes))(x, w) for f in gemms]
+    assert_close_at_scale(*outputs)
+    grads = [jax.jit(jax.grad(lambda x, w, f=f: jnp.sum(f(x, w, sizes) * cotangent), argnums=(0, 1)))(x, w)
+             for f in gemms]
+    for a, b in zip(grads[0], grads[1]):
+        assert_close_at_scale(a, b)
+    if sum(group_sizes):  # the control: the groups' matrices in another order
+        with pytest.raises(AssertionError):
+            assert_close_at_scale(moe.blocked_gemm(x, w[::-1], sizes, 8), outputs[1])
 
 
 def test_the_loop_is_a_real_control():

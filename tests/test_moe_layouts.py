@@ -48,7 +48,7 @@ def test_expert_parallel_layout_equals_one_device(spec):
 
 def test_megablox_kernels_on_an_expert_parallel_layout_equal_one_device():
     """The Megablox grouped GEMM (TPU's default; interpreted here) behind the dense all-to-all,
-    whose buffers hold rows past the groups, against ragged_dot on one device."""
+    whose buffers hold rows past the groups, against the CPU's blocked GEMM on one device."""
     result = train("dp=2,ep=2", config=MOE, **{"model.moe_gemm": "megablox"})
     np.testing.assert_allclose(losses(result), losses(reference()), rtol=LOSS_RTOL)
 

@@ -42,7 +42,7 @@ class ExecutionPlan:
     sequence_parallel: bool = False
     attention: str = "xla"  # xla, splash or cudnn
     attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists
-    moe_gemm: str = "ragged_dot"  # ragged_dot or megablox
+    moe_gemm: str = "ragged_dot"  # ragged_dot, megablox or blocks (jaxpar.nn.moe.gemm_of)
     moe_dispatch: str = "all_to_all"  # all_to_all or ragged, where experts are split over 'expert'
     accumulation: str = ONE_PASS
     remat: str = "none"  # model.remat

@@ -10,8 +10,10 @@ k assignments by expert and sends each device the rows for its experts:
   assignments, so nothing can drop; ep times the bytes that are really sent;
 - `ragged_all_to_all` (TPU and GPU): exactly the rows each destination needs.
 
-The receiving device runs its experts as one grouped GEMM (`jax.lax.ragged_dot`) over its rows
-sorted by expert, and the results go back the same way. Where the tokens are whole on every device
+The receiving device runs its experts as one grouped GEMM over its rows sorted by expert (the
+plan's: `jax.lax.ragged_dot`, the Megablox kernels, or the blocked GEMM, tiles of rows each times
+its expert's matrix, where ragged_dot is a dense product over every expert), and the results go
+back the same way. Where the tokens are whole on every device
 of 'expert' (decoding), each device runs its own experts on every token and the outputs are summed.
 
 The router's losses are per sequence, so that every layout gives the same values: the
@@ -67,10 +69,37 @@ def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret:
     return jnp.where(grouped[:, None], y, 0)[:m]
 
 
+BLOCK_ROWS = 64  # the blocked GEMM's tile of rows: at most G * 64 padded rows beyond the routed ones
+
+
+def blocked_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int = BLOCK_ROWS) -> jax.Array:
+    """ragged_dot at about the routed rows' cost, where XLA lowers ragged_dot to a product of every
+    row with every group's matrix (XLA:CPU, XLA:GPU): each group's rows padded to a multiple of
+    `block`, and each block of rows times its own group's matrix, one batched GEMM. The padded
+    rows are at most G * block more than the routed ones; rows past the groups give zeros."""
+    R, K = x.shape
+    G, N = w.shape[0], w.shape[-1]
+    blocks = R // block + G  # a static bound: sum(ceil(size / block)) <= R / block + G
+    ends = jnp.cumsum(group_sizes)
+    padded = (group_sizes + block - 1) // block * block
+    padded_starts = jnp.cumsum(padded) - padded
+    row = jnp.arange(R)
+    group = jnp.searchsorted(ends, row, side="right")  # G: past the groups
+    in_group = group < G
+    g = jnp.minimum(group, G - 1)
+    to = jnp.where(in_group, padded_starts[g] + row - (ends[g] - group_sizes[g]), blocks * block)
+    tiles = jnp.zeros((blocks * block, K), x.dtype).at[to].set(x, mode="drop").reshape(blocks, block, K)
+    tile_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * block, side="right"), G - 1)
+    y = jnp.einsum("bmk,bkn->bmn", tiles, w[tile_group], preferred_element_type=jnp.float32)
+    return jnp.where(in_group[:, None], y.reshape(blocks * block, N).at[to].get(mode="fill", fill_value=0), 0)
+
+
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
     """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix."""
     if gemm == "megablox":
         return megablox_gemm(x, w, group_sizes, interpret=interpret)
+    if gemm == "blocks":
+        return blocked_gemm(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
@@ -201,10 +230,12 @@ def experts_of_device(rows, experts, local: Experts, ep: int, mode: str):
 
 
 def gemm_of(cfg, platform: str) -> str:
-    """model.moe_gemm: `auto` is Megablox on TPU, ragged_dot elsewhere. Decided before tracing."""
+    """model.moe_gemm: `auto` is Megablox on TPU, the blocked GEMM on CPU (XLA:CPU's ragged_dot
+    multiplies every row by every expert), ragged_dot on GPU (the blocks' gathered weights,
+    (rows / 64 + E) x C x F, do not fit a large model). Decided before tracing."""
     if cfg.moe_gemm != "auto":
         return cfg.moe_gemm
-    return "megablox" if platform == "tpu" else "ragged_dot"
+    return {"tpu": "megablox", "cpu": "blocks"}.get(platform, "ragged_dot")
 
 
 def dispatch_of(cfg, platform: str) -> str:
