@@ -7,6 +7,8 @@ import pytest
 from conftest import fresh_process_env
 from helpers import fails_with
 
+from jaxpar.core.config import Config, load_config
+from jaxpar.core.errors import UserError
 from jaxpar.train import main
 
 
@@ -66,6 +68,18 @@ def test_bad_llama_config(capsys, tmp_path, argv, expected):
 def test_llama_keys_on_a_gpt2_model_are_refused(capsys, tmp_path):
     fails_with(capsys, tmp_path, ["--config", "tiny", "--model.n_kv_head=2"],
                "model.n_kv_head is a llama-only setting, and this model is model.family=gpt2")
+
+
+def test_a_saved_config_with_every_familys_keys_still_loads():
+    """Checkpoints saved while every family's keys were one flat [model] section hold them all; a
+    GPT-2's loads as a GPT-2 (n_experts, which every model answers, included). The control: the
+    same key set on the command line is refused."""
+    saved = Config().to_dict()
+    saved["model"] |= {"n_kv_head": 0, "n_experts": 0, "rope_theta": 10000.0}
+    cfg = Config.from_dict(saved)
+    assert (cfg.model.family, cfg.model.n_experts, hasattr(cfg.model, "rope_theta")) == ("gpt2", 0, False)
+    with pytest.raises(UserError, match="model.n_experts is a llama-only setting"):
+        load_config(None, {"model.n_experts": "0"})
 
 
 def test_missing_config_file(capsys, tmp_path):

@@ -15,6 +15,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import (  # noqa: F401
     REMAT_KINDS,
     ModelConfig,
+    field_names,
     model_config,
     model_keys,
     not_this_family,
@@ -133,9 +134,10 @@ class Config:
         keys hold every family's."""
         cfg, model = cls(), sections.get("model", {})
         set_value(cfg, "model.family", model.get("family", cfg.model.family))
+        declared = field_names(cfg.model)
         for section, table in sections.items():
             for name, value in table.items():
-                if section != "model" or hasattr(cfg.model, name):
+                if section != "model" or name in declared:
                     set_value(cfg, f"{section}.{name}", value)
         validate(cfg)
         return cfg

@@ -106,7 +106,7 @@ def model_config(family: str = DEFAULT_FAMILY, **keys) -> ModelConfig:
     if family not in FAMILY_CONFIGS:
         raise UserError(f"model.family must be one of {', '.join(FAMILY_CONFIGS)}, got '{family}'")
     cls = FAMILY_CONFIGS[family]
-    for name in set(keys) - field_names(cls):
+    for name in sorted(set(keys) - field_names(cls)):
         raise not_this_family(family, name) or UserError(f"unknown config key 'model.{name}'")
     return cls(**keys | {"family": family})
 
