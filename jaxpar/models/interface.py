@@ -45,7 +45,6 @@ from jaxpar.core.config import ModelConfig
 class Family:
     """What the families share: their config and compute dtype, and the test-only auxiliary loss."""
 
-    name = ""
     head_names: tuple[str, ...] = ()
     shape_fields: tuple[str, ...] = ()
     vmappable = True

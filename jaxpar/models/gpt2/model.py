@@ -122,7 +122,6 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
 class GPT2(Family):
     """The GPT-2 family (model.family = "gpt2")."""
 
-    name = "gpt2"
     head_names = ("wte", "ln_f")  # the tied lm_head and the final LayerNorm
     shape_fields = ("n_layer", "n_head", "n_embd", "block_size", "bias")  # what `declare` reads
 

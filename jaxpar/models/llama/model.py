@@ -156,7 +156,6 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
 class Llama(Family):
     """The Llama family (model.family = "llama")."""
 
-    name = "llama"
     shape_fields = ("n_layer", "n_head", "n_embd", "n_kv_head", "mlp_dim", "tie_embeddings",  # what `declare` reads
                     "n_experts", "moe_mlp_dim", "head_dim", "qk_norm", "moe_every", "dense_layers")
 
