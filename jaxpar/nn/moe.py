@@ -72,46 +72,73 @@ def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret:
 BLOCK_ROWS = 64  # the blocked GEMM's tile of rows: at most G * 64 padded rows beyond the routed ones
 
 
+class Tiles(NamedTuple):
+    """Rows sorted by group, laid out in tiles of `block` rows, each tile of one group (padded
+    with zero rows): where each row goes (`to`; past the tiles: a row past the groups), and each
+    tile's group. Made once for the SwiGLU's two GEMMs."""
+    to: jax.Array
+    group: jax.Array
+    block: int
+
+    @classmethod
+    def of(cls, group_sizes: jax.Array, rows: int, block: int = BLOCK_ROWS) -> "Tiles":
+        G = group_sizes.shape[0]
+        count = rows // block + G  # a static bound: sum(ceil(size / block)) <= rows / block + G
+        ends = jnp.cumsum(group_sizes)
+        padded = (group_sizes + block - 1) // block * block
+        row = jnp.arange(rows)
+        group = jnp.searchsorted(ends, row, side="right")  # G: past the groups
+        g = jnp.minimum(group, G - 1)
+        to = jnp.where(group < G, jnp.cumsum(padded)[g] - padded[g] + row - (ends[g] - group_sizes[g]), count * block)
+        tile_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(count) * block, side="right")
+        return cls(to, jnp.minimum(tile_group, G - 1), block)
+
+    def put(self, x: jax.Array) -> jax.Array:
+        """(rows, K) -> (tiles, block, K)."""
+        count = self.group.shape[0]
+        tiles = jnp.zeros((count * self.block, x.shape[1]), x.dtype).at[self.to].set(x, mode="drop")
+        return tiles.reshape(count, self.block, -1)
+
+    def gemm(self, tiles: jax.Array, w: jax.Array) -> jax.Array:
+        """Each tile times its group's matrix of w (G, K, N): one batched GEMM, float32."""
+        return jnp.einsum("bmk,bkn->bmn", tiles, w[self.group], preferred_element_type=jnp.float32)
+
+    def take(self, tiles: jax.Array) -> jax.Array:
+        """(tiles, block, N) -> (rows, N); zeros for the rows past the groups."""
+        return tiles.reshape(-1, tiles.shape[-1]).at[self.to].get(mode="fill", fill_value=0)
+
+
 def blocked_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int = BLOCK_ROWS) -> jax.Array:
     """ragged_dot at about the routed rows' cost, where XLA lowers ragged_dot to a product of every
     row with every group's matrix (XLA:CPU, XLA:GPU): each group's rows padded to a multiple of
-    `block`, and each block of rows times its own group's matrix, one batched GEMM. The padded
+    `block`, and each tile of rows times its own group's matrix, one batched GEMM. The padded
     rows are at most G * block more than the routed ones; rows past the groups give zeros."""
-    R, K = x.shape
-    G, N = w.shape[0], w.shape[-1]
-    blocks = R // block + G  # a static bound: sum(ceil(size / block)) <= R / block + G
-    ends = jnp.cumsum(group_sizes)
-    padded = (group_sizes + block - 1) // block * block
-    padded_starts = jnp.cumsum(padded) - padded
-    row = jnp.arange(R)
-    group = jnp.searchsorted(ends, row, side="right")  # G: past the groups
-    in_group = group < G
-    g = jnp.minimum(group, G - 1)
-    to = jnp.where(in_group, padded_starts[g] + row - (ends[g] - group_sizes[g]), blocks * block)
-    tiles = jnp.zeros((blocks * block, K), x.dtype).at[to].set(x, mode="drop").reshape(blocks, block, K)
-    tile_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * block, side="right"), G - 1)
-    y = jnp.einsum("bmk,bkn->bmn", tiles, w[tile_group], preferred_element_type=jnp.float32)
-    return jnp.where(in_group[:, None], y.reshape(blocks * block, N).at[to].get(mode="fill", fill_value=0), 0)
+    tiles = Tiles.of(group_sizes, x.shape[0], block)
+    return tiles.take(tiles.gemm(tiles.put(x), w))
 
 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
-    """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix."""
+    """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix
+    (ragged_dot or Megablox; the blocked GEMM's tiles are grouped_swiglu's)."""
     if gemm == "megablox":
         return megablox_gemm(x, w, group_sizes, interpret=interpret)
-    if gemm == "blocks":
-        return blocked_gemm(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
 def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.Array:
     """x (rows, C) sorted by expert, group_sizes (E_l,) -> (rows, C): each group through its own
-    expert as two grouped GEMMs; rows past the groups give zeros."""
+    expert as two grouped GEMMs; rows past the groups give zeros. The blocked GEMM's tiles are
+    laid out once for both (a padding row stays zero through the SwiGLU)."""
     E_l, C, _, F = local.gate_up.shape
-    dtype = local.dtype
-    gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=local.gemm, interpret=local.interpret)
-    h = gemm(x.astype(dtype), local.gate_up.reshape(E_l, C, 2 * F).astype(dtype))
-    h = (jax.nn.silu(h[:, :F].astype(dtype)) * h[:, F:].astype(dtype)).astype(dtype)
-    return gemm(h, local.out.astype(dtype))
+    dtype, put, take = local.dtype, (lambda a: a), (lambda a: a)
+    if local.gemm == "blocks":
+        tiles = Tiles.of(group_sizes, x.shape[0])
+        gemm, put, take = tiles.gemm, tiles.put, tiles.take
+    else:
+        gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=local.gemm, interpret=local.interpret)
+    h = gemm(put(x.astype(dtype)), local.gate_up.reshape(E_l, C, 2 * F).astype(dtype))
+    h = (jax.nn.silu(h[..., :F].astype(dtype)) * h[..., F:].astype(dtype)).astype(dtype)
+    return take(gemm(h, local.out.astype(dtype)))
 
 
 def run_local_experts(rows: jax.Array, local_expert: jax.Array, local: Experts) -> jax.Array:
