@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
-from helpers import LOSS_RTOL, fails_with
+from helpers import LOSS_RTOL, error_at_scale, fails_with
 
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.model_config import model_config
@@ -67,11 +67,9 @@ def test_grouped_gemm_equals_a_loop_over_experts(renormalize, gemm):
 
 
 def assert_close_at_scale(actual, desired, tol=1e-5):
-    """Each element within `tol` of the largest magnitude of `desired`. The two sum the same
-    products in other orders; float32 sums are accurate to the size of their terms, so an entry
-    that cancels to near zero carries rounding relative to the tensor's scale, not to itself."""
-    actual, desired = np.asarray(actual), np.asarray(desired)
-    error = np.max(np.abs(actual - desired)) / max(np.max(np.abs(desired)), np.finfo(np.float32).tiny)
+    """Each element within `tol` of the largest magnitude of `desired` (helpers.error_at_scale):
+    the two sum the same products in other orders."""
+    error = error_at_scale(actual, desired)
     assert error <= tol, f"differ by {error:.3g} of the largest magnitude, beyond {tol}"
 
 
