@@ -121,7 +121,7 @@ class Context(MeshAxis):
         if m.sequence_parallel and m.block_size % (size * tp):
             raise UserError(f"sequence parallelism with cp={size} splits the stream over cp*tp={size * tp}; "
                             f"model.block_size={m.block_size} does not divide by it")
-        if getattr(m, "n_experts", 0) and getattr(m, "moe_capacity_factor", 0):
+        if m.n_experts and m.moe_capacity_factor:  # a mixture of experts has the key
             raise UserError(f"model.moe_capacity_factor={m.moe_capacity_factor} ranks each sequence's tokens in "
                             f"order, and cp={size} splits the sequences; use cp=1, or drop the capacity factor")
 
@@ -139,7 +139,7 @@ class Expert(MeshAxis):
     def check(self, cfg, size, sizes):
         if size == 1:
             return
-        experts = getattr(cfg.model, "n_experts", 0)
+        experts = cfg.model.n_experts
         if not experts:
             raise UserError(f"ep={size} splits a mixture of experts, and this model has none; set "
                             f"--model.n_experts (a llama-family model), or drop ep")
@@ -239,7 +239,7 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> N
 def check_chunk_kinds(m, pp: int, virtual: int) -> None:
     """Every stage runs one program on its chunks of layers: where layers with experts and dense
     ones mix, each chunk must have them in the same places."""
-    chunk, sparse = m.n_layer // (pp * virtual), getattr(m, "sparse_layers", ())
+    chunk, sparse = m.n_layer // (pp * virtual), m.sparse_layers
     if any(sparse[i] != sparse[i % chunk] for i in range(len(sparse))):
         raise UserError(f"pp={pp} x pipeline.virtual={virtual} chunks of {chunk} layers differ in which layers "
                         f"have experts (model.moe_every={m.moe_every}, model.dense_layers='{m.dense_layers}'), "
