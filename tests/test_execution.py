@@ -3,6 +3,7 @@ config and the mesh before tracing, and the same plan wherever the config runs: 
 `jaxpar.eval`, the planner's compile for a TPU target from this CPU host.
 """
 
+import importlib.util
 import pathlib
 
 import jax
@@ -92,3 +93,46 @@ def test_the_planner_compiles_a_tpu_targets_mixture_with_the_tpus_dispatch():
     assert plan_execution(cfg, mesh).moe_mode == "ragged"
     text = compile_abstract_step(cfg, 65, mesh).as_text()
     assert "ragged-all-to-all(" in text  # the rows; the counts that size them go by a small all-to-all
+
+
+def test_the_plan_runs_tokamax_for_mixtures_on_gpus_and_says_when_it_cannot(monkeypatch):
+    """On GPUs `auto` is tokamax's Triton ragged_dot (the routed rows only); without tokamax it
+    is XLA's ragged_dot, a dense product over every expert, said in one line. The controls: CPU
+    keeps the blocked GEMM with no note, and an explicit tokamax off a GPU is refused."""
+    from jaxpar.core.errors import UserError
+    from jaxpar.nn import gpu_gemm, moe
+    cfg = tiny_config("tiny_moe")
+    for installed, expected in ((True, "tokamax"), (False, "ragged_dot")):
+        monkeypatch.setattr(gpu_gemm, "available", lambda installed=installed: installed)
+        gemm, note = moe.gemm_of(cfg.model, "gpu")
+        assert gemm == expected and (note is None) == installed
+    assert "tokamax is not installed" in note and "E times the routed FLOPs" in note
+    monkeypatch.setattr(gpu_gemm, "available", lambda: True)
+    assert moe.gemm_of(cfg.model, "cpu") == ("blocks", None)
+    plan = execution.ExecutionPlan(experts=True, moe_gemm="ragged_dot", moe_gemm_note=note)
+    assert plan.notes == (note,) and note in plan.describe()["moe"]["grouped_gemm"]
+    cfg.model.moe_gemm = "tokamax"
+    with pytest.raises(UserError, match="model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU"):
+        moe.gemm_of(cfg.model, "cpu")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None or importlib.util.find_spec("tokamax") is None,
+                    reason="JAX's CUDA plugin and tokamax are not installed (pip install -e '.[gpu]', several GB)")
+def test_the_h100_step_of_a_mixture_runs_tokamax_at_the_routed_flops():
+    """A compile-only H100's MoE train step: its experts' GEMMs are tokamax's Triton kernels, at
+    the routed FLOPs; the control, XLA's ragged_dot, multiplies every row by all 4 experts: 4x."""
+    from jaxpar.planning import hardware, hlo_ops
+    from jaxpar.planning.placement import compile_abstract_step
+    cfg = tiny_config("tiny_moe", **mesh_overrides("dp=2"))
+    mesh = build_mesh(cfg, hardware.target_devices(hardware.parse_target("gpu:h100-2")))
+    flops = {}
+    for gemm, marks in (("auto", "tokamax:"), ("ragged_dot", "ragged_dot_general")):
+        cfg.model.moe_gemm = gemm
+        assert plan_execution(cfg, mesh).moe_gemm == ("tokamax" if gemm == "auto" else gemm)
+        text = compile_abstract_step(cfg, 65, mesh).as_text()
+        assert ("__gpu$xla.gpu.triton" in text) == (gemm == "auto")
+        comps, _, _ = hlo_ops.parse(text)
+        flops[gemm] = sum(sum(hlo_ops.op_flops(op, comps, {o.name: o.shape for o in ops}).values())
+                          for ops in comps.values() for op in ops  # a fusion counts the dots inside it
+                          if marks in op.line and op.opcode in ("fusion", "custom-call"))
+    assert flops["ragged_dot"] == pytest.approx(4 * flops["auto"], rel=0.01), flops

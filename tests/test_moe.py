@@ -55,7 +55,7 @@ def test_grouped_gemm_equals_a_loop_over_experts(renormalize, gemm):
     expert on every token."""
     cfg = model_config("llama", n_experts=4, experts_per_token=2, moe_renormalize=renormalize, moe_gemm=gemm)
     p, h = moe_params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (3, 8, 16))
-    plan = ExecutionPlan(moe_gemm=moe.gemm_of(cfg, "cpu"))
+    plan = ExecutionPlan(moe_gemm=moe.gemm_of(cfg, "cpu")[0])
     grouped = jax.jit(lambda p, h: moe.moe_mlp(plan, h, p, cfg, jnp.float32)[0])
     loop = jax.jit(lambda p, h: per_expert_loop(h, p, 2, renormalize))
     assert_close_at_scale(grouped(p, h), loop(p, h))

@@ -42,7 +42,8 @@ class ExecutionPlan:
     sequence_parallel: bool = False
     attention: str = "xla"  # xla, splash or cudnn
     attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists
-    moe_gemm: str = "ragged_dot"  # ragged_dot, megablox or blocks (jaxpar.nn.moe.gemm_of)
+    moe_gemm: str = "ragged_dot"  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
+    moe_gemm_note: str | None = None  # why `auto` runs a dearer GEMM than the platform has
     moe_dispatch: str = "all_to_all"  # all_to_all or ragged, where experts are split over 'expert'
     accumulation: str = ONE_PASS
     remat: str = "none"  # model.remat
@@ -62,6 +63,11 @@ class ExecutionPlan:
         """The rule table here: the model's, less the manual and unsplit axes."""
         table, gone = rule_table(self.sequence_parallel), self.manual | self.unsplit_axes
         return table if not gone else {name: drop_axes(axes, gone) for name, axes in table.items()}
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One line each where `auto` chose a slower path than the platform has, and why."""
+        return tuple(note for note in (self.attention_note, self.moe_gemm_note) if note)
 
     @property
     def interpret(self) -> bool:
@@ -132,7 +138,9 @@ class ExecutionPlan:
         """What run.json and --dry-run print."""
         kernel = self.attention + (f" ({self.attention_note})" if self.attention_note else "")
         return {"platform": self.platform, "mesh": self.sizes, "attention": kernel,
-                **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.moe_gemm}} if self.experts else {}),
+                **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.moe_gemm
+                                    + (f" ({self.moe_gemm_note})" if self.moe_gemm_note else "")}}
+                   if self.experts else {}),
                 "accumulation": self.accumulation, "remat": self.remat,
                 "activations_recomputed": self.recompute_activations, "weights_regathered": self.regather_weights,
                 "rules": {name: axes for name, axes in self.rules.items() if axes is not None},

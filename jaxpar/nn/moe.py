@@ -11,10 +11,11 @@ k assignments by expert and sends each device the rows for its experts:
 - `ragged_all_to_all` (TPU and GPU): exactly the rows each destination needs.
 
 The receiving device runs its experts as one grouped GEMM over its rows sorted by expert (the
-plan's: `jax.lax.ragged_dot`, the Megablox kernels, or the blocked GEMM, tiles of rows each times
-its expert's matrix, where ragged_dot is a dense product over every expert), and the results go
-back the same way. Where the tokens are whole on every device
-of 'expert' (decoding), each device runs its own experts on every token and the outputs are summed.
+plan's: `jax.lax.ragged_dot`, the Megablox kernels, tokamax's Triton kernel on GPUs
+(jaxpar.nn.gpu_gemm), or the blocked GEMM, tiles of rows each times its expert's matrix, where
+ragged_dot is a dense product over every expert), and the results go back the same way. Where the
+tokens are whole on every device of 'expert' (decoding), each device runs its own experts on every
+token and the outputs are summed.
 
 The router's losses are per sequence, so that every layout gives the same values: the
 load-balancing loss E * sum_i f_i * P_i (Hugging Face's form: f_i the tokens routed to expert i
@@ -31,7 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import EXPERT
+from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
+from jaxpar.nn import gpu_gemm
 
 
 def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
@@ -119,9 +122,11 @@ def blocked_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int 
 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
     """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix
-    (ragged_dot or Megablox; the blocked GEMM's tiles are grouped_swiglu's)."""
+    (ragged_dot, Megablox or tokamax's Triton kernel; the blocked GEMM's tiles are grouped_swiglu's)."""
     if gemm == "megablox":
         return megablox_gemm(x, w, group_sizes, interpret=interpret)
+    if gemm == "tokamax":
+        return gpu_gemm.triton_ragged_dot(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
@@ -256,13 +261,24 @@ def experts_of_device(rows, experts, local: Experts, ep: int, mode: str):
     return run_local_experts(rows, jnp.where(mine, experts - first, E_l), local)
 
 
-def gemm_of(cfg, platform: str) -> str:
-    """model.moe_gemm: `auto` is Megablox on TPU, the blocked GEMM on CPU (XLA:CPU's ragged_dot
-    multiplies every row by every expert), ragged_dot on GPU (the blocks' gathered weights,
-    (rows / 64 + E) x C x F, do not fit a large model). Decided before tracing."""
+def gemm_of(cfg, platform: str) -> tuple[str, str | None]:
+    """(model.moe_gemm as it runs, a one-line note when `auto` runs a dearer GEMM than the
+    platform has). `auto` is Megablox on TPU, the blocked GEMM on CPU (XLA:CPU's ragged_dot
+    multiplies every row by every expert), tokamax's Triton kernel on GPU (the blocks' gathered
+    weights, (rows / 64 + E) x C x F, do not fit a large model), else XLA's ragged_dot there.
+    Decided before tracing."""
+    gpu = platform in ("gpu", "cuda")
+    if cfg.moe_gemm == "tokamax" and not (gpu and gpu_gemm.available()):
+        fix = "install it: pip install -e '.[gpu]'" if gpu else "it runs on NVIDIA GPUs only"
+        raise UserError(f"model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU ({fix}); "
+                        "or use --model.moe_gemm=auto")
     if cfg.moe_gemm != "auto":
-        return cfg.moe_gemm
-    return {"tpu": "megablox", "cpu": "blocks"}.get(platform, "ragged_dot")
+        return cfg.moe_gemm, None
+    if gpu and not gpu_gemm.available():
+        return "ragged_dot", ("model.moe_gemm=auto runs XLA's ragged_dot, a masked product over every "
+                              "expert (E times the routed FLOPs): tokamax is not installed "
+                              "(pip install -e '.[gpu]')")
+    return {"tpu": "megablox", "cpu": "blocks"}.get(platform, "tokamax"), None
 
 
 def dispatch_of(cfg, platform: str) -> str:

@@ -133,12 +133,18 @@ def gemm_flops(op: Op, shapes: dict) -> float:
     return 2.0 * math.prod(dims(op.shape)) * contracted
 
 
+# jaxpar.nn.gpu_gemm's kernels, forward and backward: tokamax names its ops' arguments in the metadata
+TOKAMAX_RAGGED_DOTS = re.compile(r"tokamax:.*ragged_dot_dimension_numbers")
+
+
 def grouped_gemm_flops(op: Op, shapes: dict) -> float:
     """Megablox's gmm (lhs (m, k) by groups of rhs -> (m, n)) and tgmm (lhs (k, m), rhs (m, n) ->
-    (groups, k, n)): 2 m k n, over every row it is given (a dispatch's buffer counted as full,
-    so up to ep times the routed rows' FLOPs)."""
+    (groups, k, n)), and tokamax's Triton ragged dots on GPUs (lhs (m, k) -> (m, n), or the
+    weights' gradient (groups, k, n)): 2 m k n, over every row it is given (a dispatch's buffer
+    counted as full, so up to ep times the routed rows' FLOPs)."""
     target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
-    if (target and target.group(1) != "tpu_custom_call") or not re.match(r"t?gmm(\.|$)", op.name):
+    triton = target and target.group(1) == "__gpu$xla.gpu.triton" and TOKAMAX_RAGGED_DOTS.search(op.attrs)
+    if not triton and ((target and target.group(1) != "tpu_custom_call") or not re.match(r"t?gmm(\.|$)", op.name)):
         return 0.0
     floats = float_operands(op, shapes)
     return 2.0 * math.prod(dims(floats[0][1])) * dims(op.shape)[-1] if floats else 0.0

@@ -31,8 +31,11 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     platform = platform or kernels.platform_of(mesh)
     m = cfg.model
     attention, note = kernels.resolve(m, platform, mesh.shape.get(CONTEXT, 1), cfg.data.document_mask)
-    experts = {"experts": True, "moe_gemm": moe.gemm_of(m, platform),
-               "moe_dispatch": moe.dispatch_of(m, platform)} if m.n_experts else {}
+    experts = {}
+    if m.n_experts:
+        gemm, gemm_note = moe.gemm_of(m, platform)
+        experts = {"experts": True, "moe_gemm": gemm, "moe_gemm_note": gemm_note,
+                   "moe_dispatch": moe.dispatch_of(m, platform)}
     return ExecutionPlan(
         mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, attention=attention,
         attention_note=note, accumulation=accumulation(cfg, mesh) if for_training else ONE_PASS, remat=m.remat,

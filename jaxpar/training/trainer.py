@@ -82,10 +82,10 @@ def compile_run(p: Setup, peak: tuple[float, str]) -> Compiled:
     vocab = model_vocab(cfg, p.dataset.tokenizer)
     zero.check_state(p.state, p.shardings)
     microbatches = steps.microbatches_for(cfg, mesh)
-    loader = lambda data, split: BatchLoader(data, split, t.seed, t.batch_size,  # noqa: E731
+    loader = lambda data, split: BatchLoader(data, split, t.seed, t.batch_size,
                                              microbatches, cfg.model.block_size, mesh)
     train_batches, val_loader = loader(p.dataset, "train"), loader(p.dataset, "val")
-    fixed = lambda val: [val(i) for i in range(t.eval_batches)] if t.eval_every else []  # noqa: E731
+    fixed = lambda val: [val(i) for i in range(t.eval_batches)] if t.eval_every else []
     val_batches = fixed(val_loader)
     # A mixture's val loss is also taken per source, each over its own val split.
     source_val = {source.name: fixed(loader(part, "val")) for source, part in
@@ -243,9 +243,7 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
         writers, created = open_outputs(p, c.info, out_dir, fresh)
         if p.start and progress and is_main_process():
             print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
-        # auto kept xla where a fused kernel exists
-        note = p.model.plan.attention_note
-        if note and is_main_process():
+        for note in p.model.plan.notes if is_main_process() else ():  # auto chose a slower path
             print(note, file=sys.stderr)
         try:
             state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at, stop)

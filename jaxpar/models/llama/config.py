@@ -9,7 +9,7 @@ from jaxpar.core.model_config import ModelConfig
 ROPE_TYPES = ("default", "llama3")
 QK_NORMS = ("none", "head", "full")
 MOE_DISPATCHES = ("auto", "all_to_all", "ragged")  # jaxpar.nn.moe
-MOE_GEMMS = ("auto", "ragged_dot", "megablox", "blocks")
+MOE_GEMMS = ("auto", "ragged_dot", "megablox", "blocks", "tokamax")
 
 
 @dataclass
@@ -55,8 +55,9 @@ class LlamaConfig(ModelConfig):
     # The experts' grouped GEMM: ragged_dot (jax.lax), megablox (the Pallas kernels: their backward
     # takes the weights' gradient group by group; interpreted off TPU), blocks (each expert's rows
     # in tiles of 64, each tile times its expert's matrix: about the routed FLOPs where XLA's
-    # ragged_dot is a dense product over every expert), or auto (megablox on TPU, blocks on CPU,
-    # ragged_dot on GPU).
+    # ragged_dot is a dense product over every expert), tokamax (its Pallas-Triton ragged_dot, the
+    # routed rows only, on NVIDIA GPUs), or auto (megablox on TPU, blocks on CPU, tokamax on GPU
+    # where it is installed, else ragged_dot, said in one line).
     moe_gemm: str = "auto"
     # 0: dropless. Else each expert takes at most ceil(factor * T * k / E) assignments of a sequence
     # of T tokens, in token order; the rest are dropped (their weight 0) and counted (moe_dropped).
