@@ -1,0 +1,48 @@
+"""scripts/gpu_check.py, the GPU comparison's one command, at tiny shapes on this CPU: every
+section runs and writes its table; its trace reader, on a made-up GPU trace, counts each kernel
+once (the control: the same kernels repeated on the trace's "XLA Ops" line and on the host)."""
+
+import gzip
+import importlib.util
+import json
+import pathlib
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+
+
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
+    found = gpu_check().main(["--tiny", "--out", str(tmp_path)])
+    assert [r["run"] for r in found["speed"]] == ["tiny, batch 2, one pass", "tiny, batch 4, one pass",
+                                                  "tiny, as shipped", "tiny, one pass of 8 rows"]
+    assert all(r["tokens_per_s_median"] > 0 and r["step_time_ms_median"] > 0 for r in found["speed"])
+    assert [(r["experts"], r["gemm"]) for r in found["gemm"]] == [
+        (e, g) for e in (8, 64) for g in ("dense", "blocks", "ragged_dot")]  # blocks: the CPU plan's
+    assert all(r["forward_backward_ms"] > 0 for r in found["gemm"])
+    assert found["kernels"]["steps"] == 2  # a CPU trace has no device streams: no kernels
+    assert "ENTRY" in (tmp_path / "tiny_b2.hlo.txt").read_text()
+    assert (tmp_path / "gpu_check.md").read_text().startswith("device: cpu")
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["gemm"][0]["rows"] == 256
+
+
+def test_its_trace_reader_counts_each_gpu_kernel_once(tmp_path):
+    meta = lambda kind, pid, name, tid=0: {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+    kernel = lambda name, pid, tid, us: {"ph": "X", "name": name, "pid": pid, "tid": tid, "dur": us}
+    events = [meta("process_name", 1, "/device:GPU:0"), meta("thread_name", 1, "Stream #13(Compute)", 7),
+              meta("thread_name", 1, "XLA Ops", 8), meta("process_name", 2, "/host:CPU"),
+              kernel("gemm_fusion_dot_1", 1, 7, 300), kernel("loop_convert_fusion", 1, 7, 100),
+              kernel("gemm_fusion_dot_1", 1, 7, 200), kernel("gemm_fusion_dot_1", 1, 8, 500),
+              kernel("loop_convert_fusion", 2, 0, 900)]
+    trace = tmp_path / "plugins" / "profile" / "run" / "host.trace.json.gz"
+    trace.parent.mkdir(parents=True)
+    trace.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    module = gpu_check()
+    assert module.trace_kernels(tmp_path) == {"gemm_fusion_dot_1": 500, "loop_convert_fusion": 100}
+    assert [module.category(k) for k in ("gemm_fusion_dot_1", "loop_convert_fusion", "cudnn_fmha")] == [
+        "gemm", "elementwise/fusion", "attention"]
