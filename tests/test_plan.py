@@ -261,3 +261,25 @@ def test_explicit_layouts_infer_a_minus_one_axis_from_the_target():
     found = enumerate_candidates(tiny_config(), 8, layouts="dp=3", zeros=(0,), remats=("none",))
     assert {c.status for c in found} == {"skipped"}
     assert "uses 3 devices but 8 are available" in found[0].reason
+
+
+def test_micro_batch_auto_takes_the_most_rows_whose_step_fits():
+    """`auto` on an accelerator: the most rows a pass whose compiled step fits, found by binary
+    search; XLA's memory for each split, against capacities on either side of it. On a CPU it
+    is 6; under a pipeline, no limit; a number stays; a word other than auto is refused."""
+    from jaxpar.core.errors import UserError
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.training import micro_batch
+    cfg = tiny_config(**{"train.micro_batch": "auto"})  # 8 rows on one device: 8, 4, 2 or 1 a pass
+    mesh = build_mesh(cfg, jax.devices()[:1])
+    need = {rows: micro_batch.step_bytes(micro_batch.with_micro_batch(cfg, rows), 65, mesh, None)
+            for rows in (8, 4, 2, 1)}
+    assert need[8] > need[4] > need[2] > need[1], need
+    for capacity, rows in ((need[8], 8), (need[8] - 1, 4), (need[2], 2), (need[1] - 1, 1)):
+        assert micro_batch.largest_fitting(cfg, 65, mesh, None, capacity)[0] == rows, (capacity, need)
+    assert micro_batch.resolve(cfg, 65, mesh, None)[0].train.micro_batch == micro_batch.CPU_MICRO_BATCH
+    piped = tiny_config(**{"train.micro_batch": "auto", "mesh.pp": 2})
+    assert micro_batch.resolve(piped, 65, build_mesh(piped, jax.devices()[:2]), None)[0].train.micro_batch == 0
+    assert micro_batch.resolve(tiny_config(), 65, mesh, None)[0].train.micro_batch == 0  # tiny's own
+    with pytest.raises(UserError, match="train.micro_batch expects int, got 'most'"):
+        tiny_config(**{"train.micro_batch": "most"})

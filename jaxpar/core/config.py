@@ -32,6 +32,7 @@ from jaxpar.core.optimizer_config import (
 )
 
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
+MICRO_BATCH_AUTO = "auto"  # train.micro_batch: the device decides (jaxpar.training.micro_batch)
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule: see jaxpar.parallel.orders
 
 
@@ -42,7 +43,9 @@ class TrainConfig:
     grad_accum: int = 1  # microbatches per step on every layout (nanoGPT's gradient_accumulation_steps)
     # Most sequences one device runs through one forward/backward (Megatron's micro-batch-size);
     # a device with more rows splits them into further microbatches. 0: no limit. On a 2-core CPU,
-    # 6 rows of 64 tokens keep activations in cache: 1.3x the speed of 12 rows at once.
+    # 6 rows of 64 tokens keep activations in cache: 1.3x the speed of 12 rows at once. "auto":
+    # on a GPU or TPU the most rows whose compiled step fits the device (XLA's memory analysis),
+    # on a CPU 6 (jaxpar.training.micro_batch).
     micro_batch: int = 6
     # The learning rate, its schedule, clipping and AdamW's settings are the [optimizer] section's
     # (jaxpar.core.optimizer_config); their older names here (train.lr, ...) still work.
@@ -156,6 +159,8 @@ def keys_help(cfg: Config) -> str:
 
 def _coerce(key: str, typ: type, value):
     """Convert a TOML value or a command-line string to the field's type, or raise UserError."""
+    if key == "train.micro_batch" and value == MICRO_BATCH_AUTO:  # resolved on the mesh, before tracing
+        return value
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -253,7 +258,7 @@ def validate(cfg: Config) -> None:
         if get(key) <= 0:
             raise UserError(f"{key} must be positive, got {get(key)}")
     for key in non_negative:
-        if get(key) < 0:
+        if get(key) != MICRO_BATCH_AUTO and get(key) < 0:
             raise UserError(f"{key} must be >= 0, got {get(key)}")
     m, t = cfg.model, cfg.train
     validate_model(m)

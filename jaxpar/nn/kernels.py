@@ -46,6 +46,8 @@ def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False)
            else f"splash's tiles are {SPLASH_TILE} tokens (model.block_size={model_cfg.block_size})"
            if fused == "splash" and model_cfg.block_size % SPLASH_TILE
            else ring_chunks_too_small(model_cfg, context) if fused == "splash" else None)
+    if why and fused == "cudnn":  # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
+        why += "; xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on an H200"
     return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
 
 

@@ -10,7 +10,7 @@ import jax
 
 from jaxpar.core.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.core.config import Config
-from jaxpar.core.sharding import batch_sharding, split_ways
+from jaxpar.core.sharding import split_ways
 from jaxpar.data.loader import document_eot, load_dataset, model_vocab
 from jaxpar.models.family import build_model, family_of
 from jaxpar.nn.layers import padded_vocab
@@ -18,8 +18,9 @@ from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.parallel.pipeline import schedule_for
 from jaxpar.parallel.zero import expected_bytes_per_device
-from jaxpar.training import optimizers
+from jaxpar.training import micro_batch, optimizers
 from jaxpar.training import step as steps
+from jaxpar.training.abstract_step import compile_abstract_step
 from jaxpar.training.execution import plan_execution
 
 
@@ -63,27 +64,6 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
             f"activations ({chunk}-layer chunk)": activation_bytes(cfg, vocab, rows_per_pass, tp, layers=chunk)}
 
 
-def compile_abstract_step(cfg: Config, vocab: int, mesh, eot_id: int | None = None):
-    """The train step `jaxpar.train` runs, compiled for `mesh` from ShapeDtypeStructs (nothing is
-    allocated, so the devices may be compile-only), under the execution plan of the mesh's
-    platform (a TPU target's, from a CPU host); `eot_id`: the documents' token, as build_model."""
-    model = build_model(cfg, vocab, eot_id, plan_execution(cfg, mesh))
-    tx = steps.make_optimizer(cfg, model, mesh)
-    shardings, zero_plan = steps.state_shardings(cfg, model, mesh, tx)  # eager work: outside the mesh
-    micro = steps.microbatches_for(cfg, mesh)
-    rows = batch_sharding(mesh)
-    batch = jax.ShapeDtypeStruct((micro, cfg.train.batch_size // micro, cfg.model.block_size),
-                                 "int32", sharding=rows)
-    shapes = model.shapes()
-    abstract = steps.TrainState(jax.ShapeDtypeStruct((), "int32"), shapes,
-                                jax.eval_shape(tx.init, shapes))
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            abstract, shardings)
-    step = steps.make_train_step(cfg, model, tx, shardings, zero_plan, rows)
-    with jax.set_mesh(mesh):
-        return step.lower(abstract, (batch, batch)).compile()
-
-
 def execution_rows(execution) -> list[str]:
     """The execution plan, a line a decision (the rule table left out: the tensors show it)."""
     described = {k: v for k, v in execution.describe().items() if k not in ("rules", "mesh")}
@@ -121,6 +101,7 @@ def dry_run(cfg: Config, devices=None) -> str:
     tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     vocab, eot_id = model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
     mesh = build_mesh(cfg, devices)
+    cfg, auto_note = micro_batch.resolve(cfg, vocab, mesh, eot_id)
     with jax.set_mesh(mesh):
         execution = plan_execution(cfg, mesh)
         model = build_model(cfg, vocab, eot_id, execution)
@@ -130,7 +111,7 @@ def dry_run(cfg: Config, devices=None) -> str:
         abstract_opt = jax.eval_shape(tx.init, shapes)
         crossing = ", ".join(axes_crossing_processes(mesh)) or "none"
         rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}",
-                *execution_rows(execution), "",
+                *execution_rows(execution), *([auto_note] if auto_note else []), "",
                 *tensor_rows(shapes, plan, abstract_opt, shardings.opt_state)]
         micro = steps.microbatches_for(cfg, mesh)
         rows_per_pass = cfg.train.batch_size // micro // split_ways(mesh, "batch")
@@ -140,7 +121,9 @@ def dry_run(cfg: Config, devices=None) -> str:
             f"optimizer state ({cfg.optimizer.name})": expected_bytes_per_device(shardings.opt_state, abstract_opt),
             **activation_estimate(cfg, vocab, mesh, rows_per_pass),
         }
-        rows += ["", "peak memory per device, by part:"]
+        passes = (f"rows a pass on each device: {rows_per_pass}, {micro} passes a step "
+                  f"(train.micro_batch={cfg.train.micro_batch})")
+        rows += ["", passes, "", "peak memory per device, by part:"]
         rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
         rows += compiled_rows(cfg, vocab, mesh, eot_id)

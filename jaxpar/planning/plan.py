@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.axes import AXES, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
-from jaxpar.core.config import REMAT_KINDS, Config, load_config, valid_keys, validate
+from jaxpar.core.config import MICRO_BATCH_AUTO, REMAT_KINDS, Config, load_config, valid_keys, validate
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import parse_target
@@ -48,8 +48,8 @@ def micro_batch_options(cfg: Config, dp: int, pp: int, asked: str) -> list[int]:
     """train.micro_batch values that give distinct rows per pass (one value when pp > 1, where the
     pipeline's microbatches set the rows instead)."""
     rows = cfg.train.batch_size // cfg.train.grad_accum // max(dp, 1)
-    if pp > 1 or rows < 1:
-        return [cfg.train.micro_batch]
+    if pp > 1 or rows < 1:  # train.micro_batch=auto is no limit under a pipeline too (training.micro_batch)
+        return [0 if cfg.train.micro_batch == MICRO_BATCH_AUTO else cfg.train.micro_batch]
     if asked != "auto":
         return int_list(asked, "--micro-batch")
     options, k = [], 1

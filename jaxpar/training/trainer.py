@@ -27,6 +27,7 @@ from jaxpar.models.family import Transformer, build_model
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
+from jaxpar.training import micro_batch
 from jaxpar.training import step as steps
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 from jaxpar.training.execution import plan_execution
@@ -226,6 +227,9 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     document_eot(cfg, dataset.tokenizer)  # data.document_mask without an end-of-text token fails here
     mesh = build_mesh(cfg, devices)
+    cfg, note = micro_batch.resolve(cfg, model_vocab(cfg, dataset.tokenizer), mesh, document_eot(cfg, dataset.tokenizer))
+    if note and progress and is_main_process():
+        print(note, file=sys.stderr)
     peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
     result = RunResult()
     with jax.set_mesh(mesh):
