@@ -57,9 +57,10 @@ def separately(model, params, inputs, targets):
     return losses.reshape(inputs.shape), grads
 
 
-def config(spec: str, family: str, mask: bool = True):
+def config(spec: str, family: str, mask: bool = True, **overrides):
     return tiny_config("tiny_llama" if family == "llama" else "tiny", **mesh_overrides(spec),
-                       **{"data.document_mask": mask, "train.batch_size": len(OPENINGS), "model.block_size": T})
+                       **{"data.document_mask": mask, "train.batch_size": len(OPENINGS), "model.block_size": T},
+                       **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +72,10 @@ def reference(request):
     return request.param, params, separately(plain, params, inputs, targets)
 
 
-def on_mesh(spec: str, family: str, params, mask: bool = True):
+def on_mesh(spec: str, family: str, params, mask: bool = True, **overrides):
     """(per-token losses in the rows' order or None under a pipeline, mean loss, gradients) of
     the masked model on `spec`, through the train step's gradient function."""
-    cfg = config(spec, family, mask)
+    cfg = config(spec, family, mask, **overrides)
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
     model = build_model(cfg, VOCAB, EOT, plan_execution(cfg, mesh))
     inputs, targets = rows()
@@ -114,6 +115,20 @@ def test_a_row_of_documents_equals_each_document_alone(reference, spec):
     per_token, loss, got = on_mesh(spec, family, params)
     if per_token is not None:
         np.testing.assert_allclose(per_token, losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(loss, losses.mean(), rtol=LOSS_RTOL)
+    assert not grad_errors(got, grads)
+
+
+@pytest.mark.parametrize("reference", ["llama"], indirect=True)
+def test_tokamaxs_kernel_path_keeps_the_documents_apart(reference):
+    """The GPUs' kernel for documents (model.attention=tokamax: tokamax's flash attention given
+    the documents' mask), here through tokamax's XLA reference of it, on dp=2,tp=2 with GQA."""
+    pytest.importorskip("tokamax")
+    family, params, (losses, grads) = reference
+    cfg = config("dp=2,tp=2", family, **{"model.attention": "tokamax"})
+    assert plan_execution(cfg, build_mesh(cfg, jax.devices()[:4])).attention == "tokamax"
+    per_token, loss, got = on_mesh("dp=2,tp=2", family, params, **{"model.attention": "tokamax"})
+    np.testing.assert_allclose(per_token, losses, rtol=LOSS_RTOL)
     np.testing.assert_allclose(loss, losses.mean(), rtol=LOSS_RTOL)
     assert not grad_errors(got, grads)
 

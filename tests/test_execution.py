@@ -100,20 +100,40 @@ def test_the_plan_runs_tokamax_for_mixtures_on_gpus_and_says_when_it_cannot(monk
     is XLA's ragged_dot, a dense product over every expert, said in one line. The controls: CPU
     keeps the blocked GEMM with no note, and an explicit tokamax off a GPU is refused."""
     from jaxpar.core.errors import UserError
-    from jaxpar.nn import gpu_gemm, moe
+    from jaxpar.nn import moe, tokamax_kernels
     cfg = tiny_config("tiny_moe")
     for installed, expected in ((True, "tokamax"), (False, "ragged_dot")):
-        monkeypatch.setattr(gpu_gemm, "available", lambda installed=installed: installed)
+        monkeypatch.setattr(tokamax_kernels, "available", lambda installed=installed: installed)
         gemm, note = moe.gemm_of(cfg.model, "gpu")
         assert gemm == expected and (note is None) == installed
     assert "tokamax is not installed" in note and "E times the routed FLOPs" in note
-    monkeypatch.setattr(gpu_gemm, "available", lambda: True)
+    monkeypatch.setattr(tokamax_kernels, "available", lambda: True)
     assert moe.gemm_of(cfg.model, "cpu") == ("blocks", None)
     plan = execution.ExecutionPlan(experts=True, moe_gemm="ragged_dot", moe_gemm_note=note)
     assert plan.notes == (note,) and note in plan.describe()["moe"]["grouped_gemm"]
     cfg.model.moe_gemm = "tokamax"
     with pytest.raises(UserError, match="model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU"):
         moe.gemm_of(cfg.model, "cpu")
+
+
+def test_documents_on_gpus_run_tokamaxs_attention_or_say_why_not(monkeypatch):
+    """data.document_mask on GPUs: tokamax's flash attention with the mask (cuDNN's call has no
+    segment ids); without tokamax, or under a context ring, xla, said in one line. Controls: no
+    documents keeps cuDNN; an explicit tokamax under a ring is refused."""
+    from jaxpar.core.errors import UserError
+    from jaxpar.nn import kernels, tokamax_kernels
+    m = tiny_config(**{"model.dtype": "bfloat16"}).model
+    monkeypatch.setattr(tokamax_kernels, "available", lambda: True)
+    assert kernels.resolve(m, "gpu", 1, documents=True) == ("tokamax", None)
+    assert kernels.resolve(m, "gpu", 1, documents=False) == ("cudnn", None)
+    assert "runs no context ring" in kernels.resolve(m, "gpu", 2, documents=True)[1]
+    m.attention = "tokamax"
+    with pytest.raises(UserError, match="model.attention=tokamax runs no context ring"):
+        kernels.check_mesh(m, "gpu", 2)
+    m.attention = "auto"
+    monkeypatch.setattr(tokamax_kernels, "available", lambda: False)
+    kernel, note = kernels.resolve(m, "gpu", 1, documents=True)
+    assert kernel == "xla" and "tokamax's kernel, which has, is not installed" in note
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None or importlib.util.find_spec("tokamax") is None,

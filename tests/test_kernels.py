@@ -59,10 +59,12 @@ def test_splash_keeps_documents_apart_as_xla_does():
 
 
 def test_auto_keeps_documents_off_cudnn_on_a_gpu(monkeypatch):
-    """`attend` with documents on a GPU under `auto`: xla's masked attention, not cuDNN (which has
-    no segment ids); control: without documents the same model on a GPU asks for cuDNN."""
+    """`attend` with documents on a GPU under `auto`, tokamax not installed: xla's masked
+    attention, not cuDNN (which has no segment ids); control: without documents the same model on
+    a GPU asks for cuDNN."""
     from jaxpar.core.execution import ExecutionPlan
-    from jaxpar.nn import kernels, layers
+    from jaxpar.nn import kernels, layers, tokamax_kernels
+    monkeypatch.setattr(tokamax_kernels, "available", lambda: False)
     asked = []
     monkeypatch.setattr(layers, "fused_attention", lambda plan, *args: asked.append(plan.attention))
     q = k = v = jnp.ones((1, 2, 8, 4))
@@ -106,7 +108,8 @@ def test_splash_trains_as_one_device_on_dp2_tp2():
     ("tpu", {"context": 4}, "splash", None),  # the ring's chunks: 1024 / 8 = 128 tokens
     ("tpu", {"context": 8}, "xla", "chunks are 64 tokens"),
     ("gpu", {"dtype": "bfloat16", "context": 8}, "cudnn", None),
-    ("gpu", {"dtype": "bfloat16", "documents": True}, "xla", "no segment ids"),
+    ("gpu", {"dtype": "bfloat16", "documents": True}, "tokamax", None),  # the test extra installs it
+    ("gpu", {"dtype": "bfloat16", "documents": True, "context": 2}, "xla", "no segment ids"),
     ("tpu", {"documents": True}, "splash", None),
 ])
 def test_auto_picks_by_platform(platform, overrides, kernel, note):
@@ -128,7 +131,7 @@ def test_kernel_refusals_are_one_line(capsys, tmp_path, args, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny", *args], *expected)
 
 
-def compiled_text(target: str, devices: int = 1, **overrides) -> str:
+def compiled_text(target: str, devices: int = 1, eot_id: int | None = None, **overrides) -> str:
     from jaxpar.data.loader import load_dataset, model_vocab
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning.hardware import parse_target, target_devices
@@ -136,7 +139,7 @@ def compiled_text(target: str, devices: int = 1, **overrides) -> str:
     cfg = tiny_config("tiny", **overrides)
     devices = target_devices(parse_target(target))[:devices]
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-    return compile_abstract_step(cfg, vocab, build_mesh(cfg, devices)).as_text()
+    return compile_abstract_step(cfg, vocab, build_mesh(cfg, devices), eot_id).as_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,
@@ -145,6 +148,17 @@ def test_cudnn_compiles_for_an_h100():
     text = compiled_text("gpu:h100-1", **{"model.dtype": "bfloat16", "model.attention": "cudnn",
                                           "model.block_size": 128, "model.n_embd": 128})
     assert "__cudnn$fmhaSoftmax" in text and "__cudnn$fmhaSoftmaxBackward" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None or importlib.util.find_spec("tokamax") is None,
+                    reason="JAX's CUDA plugin and tokamax are not installed (pip install -e '.[gpu]')")
+def test_documents_compile_for_an_h100_as_tokamaxs_kernel():
+    """data.document_mask on an H100: `auto` runs tokamax's Triton flash attention with the mask,
+    forward and backward; the control without documents runs cuDNN's."""
+    gpu = {"model.dtype": "bfloat16", "model.block_size": 128, "model.n_embd": 128}
+    text = compiled_text("gpu:h100-1", eot_id=0, **gpu, **{"data.document_mask": True})
+    assert "__gpu$xla.gpu.triton" in text and "__cudnn$fmha" not in text
+    assert "__cudnn$fmhaSoftmax" in compiled_text("gpu:h100-1", **gpu)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the tpu extra)")

@@ -271,7 +271,7 @@ def validate(cfg: Config) -> None:
     validate_data(cfg.data)
     if cfg.data.document_mask and m.attention == "cudnn":
         raise UserError("model.attention=cudnn cannot keep data.document_mask's documents apart: jax's "
-                        "cuDNN attention has no segment ids; use --model.attention=auto (xla on GPUs)")
+                        "cuDNN attention has no segment ids; use --model.attention=auto (tokamax's kernel on GPUs, where it is installed)")
     if cfg.pipeline.schedule not in PIPELINE_SCHEDULES:
         raise UserError(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")

@@ -15,7 +15,7 @@ from jaxpar.core.errors import UserError
 
 DEFAULT_FAMILY = "gpt2"  # the default config's, nanoGPT's
 REMAT_KINDS = ("none", "full")
-ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn")  # jaxpar.nn.kernels
+ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn", "tokamax")  # jaxpar.nn.kernels
 SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
 
 FAMILY_CONFIGS: dict[str, type["ModelConfig"]] = {}  # model.family -> its config class
@@ -141,7 +141,7 @@ def check_attention(m: ModelConfig) -> None:
     """The attention kernel's own needs (jaxpar.nn.kernels), in one line with the fix."""
     if m.attention not in ATTENTION_KERNELS:
         raise UserError(f"model.attention must be one of {', '.join(ATTENTION_KERNELS)}, got '{m.attention}'")
-    if m.attention in ("splash", "cudnn") and m.dropout > 0:
+    if m.attention in ("splash", "cudnn", "tokamax") and m.dropout > 0:
         raise UserError(f"model.attention={m.attention} has no attention dropout, and model.dropout="
                         f"{m.dropout}; set --model.dropout=0, or --model.attention=auto (xla)")
     if m.attention == "splash" and m.block_size % SPLASH_TILE:

@@ -12,7 +12,10 @@ keeps `xla` when model.dropout > 0.
 
 Documents (data.document_mask) go to splash as its SegmentIds. `jax.nn.dot_product_attention` has
 sequence lengths but no segment ids (cuDNN's packed-document offsets are in jax's private API
-alone, for Hopper), so with documents `auto` runs xla on GPUs and model.attention=cudnn is refused.
+alone, for Hopper), so model.attention=cudnn is refused with documents, and on GPUs `auto` runs
+`tokamax` there: tokamax's Triton flash attention with the documents' mask
+(jaxpar.nn.tokamax_kernels), where tokamax is installed and no context ring splits the sequence;
+else xla, said in one line. Off a GPU, `tokamax` runs tokamax's XLA reference (the tests).
 """
 
 import functools
@@ -25,9 +28,12 @@ import jax.numpy as jnp
 from jaxpar.core.axes import CONTEXT
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import SPLASH_TILE
+from jaxpar.nn import tokamax_kernels
 
 FUSED_ON = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}  # auto's choice by platform
-NEEDS_PLATFORM = {"splash": ("tpu", "cpu"), "cudnn": ("gpu", "cuda")}  # splash on CPU: interpreted
+GPUS = ("gpu", "cuda")
+# splash on CPU: interpreted; tokamax on CPU: its XLA reference
+NEEDS_PLATFORM = {"splash": ("tpu", "cpu"), "cudnn": GPUS, "tokamax": (*GPUS, "cpu")}
 Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim"), \
     ("batch", "seq", "heads", "head_dim")
 
@@ -39,16 +45,26 @@ def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False)
     fused = FUSED_ON.get(platform)
     if fused is None:
         return "xla", None
-    why = (f"{fused} has no attention dropout (model.dropout={model_cfg.dropout})" if model_cfg.dropout > 0
-           else "jax's cuDNN attention has no segment ids for data.document_mask" if fused == "cudnn" and documents
-           else "cuDNN's fused attention takes bfloat16 only (model.dtype=float32)"
-           if fused == "cudnn" and model_cfg.dtype == "float32"
-           else f"splash's tiles are {SPLASH_TILE} tokens (model.block_size={model_cfg.block_size})"
-           if fused == "splash" and model_cfg.block_size % SPLASH_TILE
-           else ring_chunks_too_small(model_cfg, context) if fused == "splash" else None)
+    if fused == "cudnn" and documents and model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available():
+        return "tokamax", None  # cuDNN's call has no segment ids; tokamax's kernel takes the mask
+    why = why_xla(model_cfg, fused, context, documents)
     if why and fused == "cudnn":  # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
         why += "; xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on an H200"
     return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
+
+
+def why_xla(model_cfg, fused: str, context: int, documents: bool) -> str | None:
+    """Why `auto` cannot run the platform's fused kernel, or None."""
+    if model_cfg.dropout > 0:
+        return f"{fused} has no attention dropout (model.dropout={model_cfg.dropout})"
+    if fused == "cudnn" and documents:
+        where = "runs no context ring" if context > 1 else "is not installed (pip install -e '.[gpu]')"
+        return f"jax's cuDNN attention has no segment ids for data.document_mask, and tokamax's kernel, which has, {where}"
+    if fused == "cudnn" and model_cfg.dtype == "float32":
+        return "cuDNN's fused attention takes bfloat16 only (model.dtype=float32)"
+    if fused == "splash" and model_cfg.block_size % SPLASH_TILE:
+        return f"splash's tiles are {SPLASH_TILE} tokens (model.block_size={model_cfg.block_size})"
+    return ring_chunks_too_small(model_cfg, context) if fused == "splash" else None
 
 
 def check_mesh(model_cfg, platform: str, context: int = 1) -> None:
@@ -59,6 +75,9 @@ def check_mesh(model_cfg, platform: str, context: int = 1) -> None:
     if kernel == "splash" and (why := ring_chunks_too_small(model_cfg, context)):
         raise UserError(f"model.attention=splash: {why}; use a block_size that is a multiple of "
                         f"{2 * context * SPLASH_TILE}, or --model.attention=auto")
+    if kernel == "tokamax" and (context > 1 or not tokamax_kernels.available()):
+        raise UserError("model.attention=tokamax " + ("runs no context ring" if context > 1 else
+                        "needs tokamax: pip install -e '.[gpu]'") + "; use --model.attention=auto")
     if platform not in NEEDS_PLATFORM[kernel]:
         raise UserError(f"model.attention={kernel} needs {NEEDS_PLATFORM[kernel][0]} devices, and this "
                         f"mesh is on {platform}; use --model.attention=auto")
@@ -95,10 +114,13 @@ def platform_of(mesh) -> str:
 
 
 def fused_attention(plan, q, k, v, doc_starts=None):
-    """Causal attention by the plan's fused kernel ('splash' or 'cudnn'): q (batch, heads, seq,
+    """Causal attention by the plan's fused kernel (splash, cudnn or tokamax): q (batch, heads, seq,
     head_dim), k, v (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), per
-    device; within documents when doc_starts (batch, seq) is given (splash alone)."""
-    local = local_kernel(plan.attention, plan.interpret)
+    device; within documents when doc_starts (batch, seq) is given (splash and tokamax)."""
+    if plan.attention == "tokamax":
+        local = functools.partial(tokamax_kernels.attention, on_gpu=plan.platform in GPUS)
+    else:
+        local = local_kernel(plan.attention, plan.interpret)
     if doc_starts is None:
         in_axes, args = (Q_AXES, KV_AXES, KV_AXES), (q, k, v)
     else:

@@ -12,7 +12,7 @@ k assignments by expert and sends each device the rows for its experts:
 
 The receiving device runs its experts as one grouped GEMM over its rows sorted by expert (the
 plan's: `jax.lax.ragged_dot`, the Megablox kernels, tokamax's Triton kernel on GPUs
-(jaxpar.nn.gpu_gemm), or the blocked GEMM, tiles of rows each times its expert's matrix, where
+(jaxpar.nn.tokamax_kernels), or the blocked GEMM, tiles of rows each times its expert's matrix, where
 ragged_dot is a dense product over every expert), and the results go back the same way. Where the
 tokens are whole on every device of 'expert' (decoding), each device runs its own experts on every
 token and the outputs are summed.
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxpar.core.axes import EXPERT
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
-from jaxpar.nn import gpu_gemm
+from jaxpar.nn import tokamax_kernels
 
 
 def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
@@ -126,7 +126,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, 
     if gemm == "megablox":
         return megablox_gemm(x, w, group_sizes, interpret=interpret)
     if gemm == "tokamax":
-        return gpu_gemm.triton_ragged_dot(x, w, group_sizes)
+        return tokamax_kernels.ragged_dot(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
 
@@ -268,13 +268,13 @@ def gemm_of(cfg, platform: str) -> tuple[str, str | None]:
     weights, (rows / 64 + E) x C x F, do not fit a large model), else XLA's ragged_dot there.
     Decided before tracing."""
     gpu = platform in ("gpu", "cuda")
-    if cfg.moe_gemm == "tokamax" and not (gpu and gpu_gemm.available()):
+    if cfg.moe_gemm == "tokamax" and not (gpu and tokamax_kernels.available()):
         fix = "install it: pip install -e '.[gpu]'" if gpu else "it runs on NVIDIA GPUs only"
         raise UserError(f"model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU ({fix}); "
                         "or use --model.moe_gemm=auto")
     if cfg.moe_gemm != "auto":
         return cfg.moe_gemm, None
-    if gpu and not gpu_gemm.available():
+    if gpu and not tokamax_kernels.available():
         return "ragged_dot", ("model.moe_gemm=auto runs XLA's ragged_dot, a masked product over every "
                               "expert (E times the routed FLOPs): tokamax is not installed "
                               "(pip install -e '.[gpu]')")

@@ -133,7 +133,7 @@ def gemm_flops(op: Op, shapes: dict) -> float:
     return 2.0 * math.prod(dims(op.shape)) * contracted
 
 
-# jaxpar.nn.gpu_gemm's kernels, forward and backward: tokamax names its ops' arguments in the metadata
+# jaxpar.nn.tokamax_kernels's kernels, forward and backward: tokamax names its ops' arguments in the metadata
 TOKAMAX_RAGGED_DOTS = re.compile(r"tokamax:.*ragged_dot_dimension_numbers")
 
 
