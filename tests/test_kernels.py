@@ -158,7 +158,11 @@ def test_documents_compile_for_an_h100_as_tokamaxs_kernel():
     gpu = {"model.dtype": "bfloat16", "model.block_size": 128, "model.n_embd": 128}
     text = compiled_text("gpu:h100-1", eot_id=0, **gpu, **{"data.document_mask": True})
     assert "__gpu$xla.gpu.triton" in text and "__cudnn$fmha" not in text
-    assert "__cudnn$fmhaSoftmax" in compiled_text("gpu:h100-1", **gpu)
+    plain = compiled_text("gpu:h100-1", **gpu)
+    assert "__cudnn$fmhaSoftmax" in plain
+    # the roofline counts the Triton kernel's FLOPs as it counts cuDNN's: the same causal matmuls
+    flops = [roofline.estimate(t, CHIPS["h100"], devices=1)["hlo_flops_per_chip"] for t in (text, plain)]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-3), flops
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the tpu extra)")

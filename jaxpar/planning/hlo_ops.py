@@ -18,7 +18,8 @@ OPERAND = re.compile(r"%([\w.\-]+)")
 # times the share of tiles a causal mask leaves: forward QK^T and PV; backward recomputes QK^T
 # and forms dV, dP, dQ, dK (splash's dq and dkv kernels split them 3 + 4).
 ATTENTION_MATMULS = {"__cudnn$fmhaSoftmax": 2, "__cudnn$fmhaSoftmaxBackward": 5,
-                     "splash_mqa_fwd": 2, "splash_mqa_dkv": 4, "splash_mqa_dq": 3}
+                     "splash_mqa_fwd": 2, "splash_mqa_dkv": 4, "splash_mqa_dq": 3,
+                     "pallas_flash_attention_fwd": 2, "pallas_flash_attention_vjp": 5}  # the last: tokamax's Triton
 CAUSAL_TILE = 128
 
 
@@ -110,6 +111,8 @@ def attention_flops(op: Op, shapes: dict) -> float:
     """A fused attention kernel's FLOPs from its query and key operands; 0 for other custom calls."""
     target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
     name = target.group(1) if target and target.group(1) != "tpu_custom_call" else op.name
+    if name == "__gpu$xla.gpu.triton":  # a Pallas-Triton kernel names itself in its backend config
+        name = (re.search(r'name = "([^"]+)"', op.attrs) or [None, name])[1]
     matmuls = next((n for key, n in ATTENTION_MATMULS.items() if name == key or name.startswith(key + "_")
                     or (key.startswith("splash") and name.startswith(key))), 0)
     if not matmuls:
