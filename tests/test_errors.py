@@ -56,7 +56,7 @@ def test_bad_config_value(capsys, tmp_path, argv, expected):
     (["--model.n_kv_head=3"], ["model.n_kv_head=3 must divide model.n_head=4"]),
     (["--mesh", "dp=2,tp=4"], ["tp=4 does not divide model.n_kv_head=2", "dp", "--zero 3"]),
     (["--model.n_embd=36", "--model.n_head=4", "--model.mlp_dim=64"], ["the head dim (model.head_dim, or n_embd/n_head) = 9 is odd"]),
-    (["--model.family=mamba"], ["model.family must be one of gpt2, llama, got 'mamba'"]),
+    (["--model.family=mamba"], ["model.family must be one of gpt2, llama, deepseek, got 'mamba'"]),
     (["--model.gelu=tanh"], ["model.gelu is a gpt2-only setting", "model.family=llama"]),
     (["--model.bias=false"], ["model.bias is a gpt2-only setting"]),
     (["--model.rope_type=yarn"], ["model.rope_type must be one of default, llama3, got 'yarn'"]),
@@ -67,7 +67,7 @@ def test_bad_llama_config(capsys, tmp_path, argv, expected):
 
 def test_llama_keys_on_a_gpt2_model_are_refused(capsys, tmp_path):
     fails_with(capsys, tmp_path, ["--config", "tiny", "--model.n_kv_head=2"],
-               "model.n_kv_head is a llama-only setting, and this model is model.family=gpt2")
+               "model.n_kv_head is a llama/deepseek-only setting, and this model is model.family=gpt2")
 
 
 def test_a_saved_config_with_every_familys_keys_still_loads():
@@ -78,7 +78,7 @@ def test_a_saved_config_with_every_familys_keys_still_loads():
     saved["model"] |= {"n_kv_head": 0, "n_experts": 0, "rope_theta": 10000.0}
     cfg = Config.from_dict(saved)
     assert (cfg.model.family, cfg.model.n_experts, hasattr(cfg.model, "rope_theta")) == ("gpt2", 0, False)
-    with pytest.raises(UserError, match="model.n_experts is a llama-only setting"):
+    with pytest.raises(UserError, match="model.n_experts is a llama/deepseek-only setting"):
         load_config(None, {"model.n_experts": "0"})
 
 

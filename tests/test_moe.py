@@ -18,7 +18,7 @@ from jaxpar.core.model_config import model_config
 from jaxpar.inference import sample
 from jaxpar.models.family import build_model
 from jaxpar.models.llama import model as llama
-from jaxpar.nn import moe
+from jaxpar.nn import moe, routing
 from jaxpar.train import run
 
 MOE = "tiny_moe"
@@ -144,9 +144,9 @@ def test_dense_layers_between_sparse_ones_equal_a_loop_over_layers():
 
 def test_capacity_keeps_each_sequences_first_assignments_to_an_expert():
     experts = jnp.array([[0, 1], [0, 2], [0, 1], [2, 0]])  # 2 sequences of 2 tokens, k=2
-    keep = moe.within_capacity(experts, 2, capacity=1)
+    keep = routing.within_capacity(experts, 2, capacity=1)
     np.testing.assert_array_equal(keep, [[True, True], [False, True], [True, True], [True, False]])
-    assert bool(moe.within_capacity(experts, 2, capacity=4).all())  # room for every assignment: none dropped
+    assert bool(routing.within_capacity(experts, 2, capacity=4).all())  # room for every assignment: none dropped
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def test_a_checkpoint_resumes_on_another_expert_layout(trained, tmp_path):
     (["--config", MOE, "--model.experts_per_token=9"], ["model.experts_per_token=9", "model.n_experts=4"]),
     (["--config", MOE, "--model.n_experts=6", "--mesh", "dp=2,ep=4"], ["ep=4 does not divide model.n_experts=6"]),
     (["--mesh", "dp=4,ep=2"], ["ep=2 splits a mixture of experts, and this model has none"]),
-    (["--model.n_experts=4"], ["model.n_experts is a llama-only setting"]),
+    (["--model.n_experts=4"], ["model.n_experts is a llama/deepseek-only setting"]),
     (["--config", MOE, "--model.router_aux_coef=-1"], ["model.router_aux_coef must be >= 0"]),
     (["--config", MOE, "--model.moe_dispatch=magic"], ["model.moe_dispatch must be one of"]),
     (["--config", MOE, "--model.moe_gemm=magic"], ["model.moe_gemm must be one of"]),

@@ -22,7 +22,7 @@ from jaxpar.core.errors import UserError
 DATA, TENSOR, PIPE, CONTEXT, EXPERT = "data", "tensor", "pipe", "context", "expert"
 
 # Logical axes that no mesh axis splits (the rule table maps them to None).
-UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch", "routes")
+UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch", "routes", "latent")  # latent: MLA's
 
 
 @dataclass(frozen=True)

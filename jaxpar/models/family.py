@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.model_config import family_config
-from jaxpar.models import gpt2, llama
+from jaxpar.models import deepseek, gpt2, llama
 from jaxpar.models.interface import Family, Registered
 from jaxpar.nn import params as declared_params
 from jaxpar.nn.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
@@ -21,7 +21,8 @@ from jaxpar.nn.loss import sequence_loss
 
 # The families, each a folder of jaxpar/models; their configs are registered with jaxpar.core,
 # which reads the [model] section before any model is built.
-FAMILIES: dict[str, Registered] = {entry.config.family: entry for entry in (gpt2.FAMILY, llama.FAMILY)}
+FAMILIES: dict[str, Registered] = {entry.config.family: entry for entry in (gpt2.FAMILY, llama.FAMILY,
+                                                                             deepseek.FAMILY)}
 for entry in FAMILIES.values():
     family_config(entry.config)
 

@@ -97,7 +97,11 @@ def declared_params(cfg: Config, vocab_size: int) -> dict:
 
 def module_for(cfg: Config):
     """The module that names and lays out this model's weights as HF does."""
-    return FAMILIES[cfg.model.family].exported_as(cfg.model)
+    exported_as = FAMILIES[cfg.model.family].exported_as
+    if exported_as is None:
+        raise UserError(f"model.family={cfg.model.family} has no Hugging Face format in jaxpar yet; "
+                        "its checkpoints stay jaxpar's (eval and sample read them)")
+    return exported_as(cfg.model)
 
 
 def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) -> dict:

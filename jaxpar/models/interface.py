@@ -75,4 +75,4 @@ class Registered:
     model: type[Family]
     config: type[ModelConfig]
     hf_formats: tuple[ModuleType, ...]
-    exported_as: Callable[[ModelConfig], ModuleType]
+    exported_as: Callable[[ModelConfig], ModuleType] | None  # None: no HF format yet

@@ -25,7 +25,6 @@ context ring sums its parts first.
 """
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -35,16 +34,7 @@ from jaxpar.core.axes import EXPERT
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
-
-
-def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
-    """(logits (N, E) float32, probs (N, E), the chosen k weights (N, k) and experts (N, k))."""
-    logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return logits, probs, weights, experts
+from jaxpar.nn.routing import capacity, router_of, sequence_stats, within_capacity
 
 
 class Experts(NamedTuple):
@@ -222,33 +212,6 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int
     return jnp.zeros_like(back).at[order].set(back)
 
 
-def within_capacity(experts: jax.Array, B: int, capacity: int) -> jax.Array:
-    """experts (B*T, k) -> (B*T, k) bool: whether each assignment is among the first `capacity` of
-    its sequence to its expert, in token order (then choice order)."""
-    k = experts.shape[-1]
-    flat = experts.reshape(B, -1)
-    order = jnp.argsort(flat, axis=1, stable=True)
-    by_expert_sorted = jnp.take_along_axis(flat, order, axis=1)
-    first = jax.vmap(lambda e: jnp.searchsorted(e, e, side="left"))(by_expert_sorted)
-    rank_sorted = jnp.arange(flat.shape[1])[None] - first
-    rank = jnp.zeros_like(rank_sorted).at[jnp.arange(B)[:, None], order].set(rank_sorted)
-    return (rank < capacity).reshape(-1, k)
-
-
-def sequence_stats(logits, probs, experts, B: int, seq_len: int, seq_axes: tuple):
-    """Per sequence (B,): the load-balancing loss, the z-loss and the load, from this device's
-    tokens of each sequence, summed over the axes that split the sequence."""
-    E = probs.shape[-1]
-    counts = jax.nn.one_hot(experts, E, dtype=jnp.float32).sum(1).reshape(B, -1, E).sum(1)
-    prob_sums = probs.reshape(B, -1, E).sum(1)
-    z_sums = jnp.square(jax.nn.logsumexp(logits, axis=-1)).reshape(B, -1).sum(1)
-    if seq_axes:
-        counts, prob_sums, z_sums = jax.lax.psum((counts, prob_sums, z_sums), seq_axes)
-    balance = E * jnp.sum(counts / seq_len * prob_sums / seq_len, axis=-1)
-    load = jnp.max(counts, axis=-1) / jnp.mean(counts, axis=-1)
-    return balance, z_sums / seq_len, load
-
-
 def experts_of_device(rows, experts, local: Experts, ep: int, mode: str):
     """Each assignment's expert output (A, C) float32, by `mode` (see `moe_mlp`)."""
     if mode == "all_to_all":
@@ -302,11 +265,12 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
     summed_over = tuple(a for a in names_of(plan.rules["mlp"]) + ((EXPERT,) if mode == "replicated" else ())
                         if sizes and sizes[a] > 1)
     k, seq_len, factor = cfg.experts_per_token, h.shape[1], cfg.moe_capacity_factor if capped else 0
+    routing = router_of(cfg)
 
     def on_device(h, router, gate_up, out):
         B, T, C = h.shape
         x = h.reshape(B * T, C)
-        logits, probs, weights, experts = route(x, router, k, cfg.moe_renormalize)
+        logits, probs, weights, experts = routing(x, router)
         dropped = jnp.zeros((B,), jnp.float32)
         if factor:  # a dropped assignment's weight is 0: the token keeps the others
             keep = within_capacity(experts, B, capacity(cfg, seq_len))
@@ -329,8 +293,3 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
     y, balance, z, load, dropped = on_device(h, *weights)
     return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load),
                "moe_dropped": jnp.mean(dropped)}
-
-
-def capacity(cfg, seq_len: int) -> int:
-    """Assignments an expert takes from one sequence: capacity_factor x its fair share, T k / E."""
-    return max(1, math.ceil(cfg.moe_capacity_factor * seq_len * cfg.experts_per_token / cfg.n_experts))

@@ -109,26 +109,56 @@ def heads_first(plan, a: jax.Array, B: int, T: int, axes: tuple) -> jax.Array:
     return plan.constrain(a.reshape(B, T, *a.shape[1:]).transpose(0, 2, 1, 3), axes)
 
 
-def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None):
-    """One block on one layer's params -> (x, the router's losses, cache): the stream float32,
-    (batch, seq, embed) in the STREAM layout; matmuls in dtype on the gathered (batch*seq,
-    features) activations. With a KV cache (decoding), the rotated keys and the values go into it
-    and attention reads it. With doc_starts, positions count from each document's start and
-    attention stays within it."""
-    B, T, C = x.shape
-    keys = jax.random.split(key, 3) if key is not None else (None,) * 3
-    p = {name: w if name == "router" else jax.tree.map(lambda a: a.astype(dtype), w)  # the router: float32
-         for name, w in weights_for_compute(plan, p, axes).items()}
+class Layer:
+    """One layer's work on its params: the matmuls in dtype on gathered (batch*seq, features)
+    activations; the stream float32, (batch, seq, embed) in the STREAM layout."""
 
-    def matmul_input(x, norm):  # an all-gather of the sequence under sequence parallelism
-        return gather_stream(plan, rms_norm(x, norm, cfg.norm_eps).astype(dtype))
+    def __init__(self, plan, p: dict, axes: dict, cfg: ModelConfig, dtype):
+        self.plan, self.cfg, self.dtype = plan, cfg, dtype
+        self.p = {name: w if name == "router" else jax.tree.map(lambda a: a.astype(dtype), w)  # the router: float32
+                  for name, w in weights_for_compute(plan, p, axes).items()}
 
-    def dot(spec, a, w):
-        return project(spec, a, w, dtype, plan.cpu_matmuls)
+    def normed(self, x: jax.Array, norm: dict) -> jax.Array:
+        """A matmul's input: normed, in dtype, the sequence all-gathered under sequence parallelism."""
+        return gather_stream(self.plan, rms_norm(x, norm, self.cfg.norm_eps).astype(self.dtype))
 
-    h = matmul_input(x, p["attn_norm"])
-    q = dot("nc,chd->nhd", h, p["q"]["kernel"]).astype(dtype)
-    kv = dot("nc,cskd->nskd", h, p["kv"]["kernel"]).astype(dtype)
+    def dot(self, spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
+        return project(spec, a, w, self.dtype, self.plan.cpu_matmuls)
+
+    def residual(self, x: jax.Array, y: jax.Array, key) -> jax.Array:
+        B, T, C = x.shape
+        return x + dropout(to_stream(self.plan, y, (B, T, C)), self.cfg.dropout, key)
+
+    def swiglu_mlp(self, h: jax.Array, gate_up: dict, out: dict) -> jax.Array:
+        h = self.dot("nc,czf->nzf", h, gate_up["kernel"])
+        h = self.plan.constrain(recomputed(self.plan, swiglu, self.dtype)(h), ("tokens", "mlp"))
+        return self.dot("nf,cf->nc", h, out["kernel"])
+
+    def mlp(self, x: jax.Array, key, decoding: bool) -> tuple[jax.Array, dict]:
+        """The dense SwiGLU MLP, or the mixture of experts (with shared experts beside it where
+        declared) -> (x after the residual, the router's losses)."""
+        B, T, C = x.shape
+        p, cfg, h = self.p, self.cfg, self.normed(x, self.p["mlp_norm"])
+        if "router" not in p:
+            return self.residual(x, self.swiglu_mlp(h, p["gate_up"], p["mlp_out"]), key), {}
+        y, losses = moe.moe_mlp(self.plan, h.reshape(B, T, C), p, cfg, self.dtype, not decoding)
+        for logged in ("moe_load", "moe_dropped"):  # summed over the sparse layers: their mean
+            losses[logged] = losses[logged] / sum(cfg.sparse_layers)
+        if "shared_gate_up" in p:  # experts every token passes through
+            y = y + self.swiglu_mlp(h, p["shared_gate_up"], p["shared_out"]).reshape(B, T, C)
+        return self.residual(x, y, key), losses
+
+
+def attention_part(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_starts=None):
+    """Grouped-query attention with RoPE (and QK-norm) -> (x after the residual, cache); `keys`:
+    dropout's, of the probabilities and of the output. With a KV cache (decoding), the rotated
+    keys and the values go into it and attention reads it. With doc_starts, positions count from
+    each document's start and attention stays within it."""
+    plan, cfg, p, dtype = layer.plan, layer.cfg, layer.p, layer.dtype
+    B, T, _ = x.shape
+    h = layer.normed(x, p["attn_norm"])
+    q = layer.dot("nc,chd->nhd", h, p["q"]["kernel"]).astype(dtype)
+    kv = layer.dot("nc,cskd->nskd", h, p["kv"]["kernel"]).astype(dtype)
     # A token's true position: in a context ring's layout too, and after the cache's.
     k, v = (part[:, 0] for part in jnp.split(kv, 2, 1))
     if cfg.qk_norm != "none":  # over (head_dim,) or (heads, head_dim) of the (tokens, heads, head_dim)
@@ -138,19 +168,20 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
     q = rope.apply(heads_first(plan, q, B, T, ("batch", "heads", "seq", "head_dim")), cos, sin)
     k, v = (heads_first(plan, a, B, T, ("batch", "kv_heads", "seq", "head_dim")) for a in (k, v))
     y, cache = attention(plan, q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0], cache, doc_starts)
-    y = dot("nhd,hdc->nc", plan.constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
-            p["attn_out"]["kernel"])
-    x = x + dropout(to_stream(plan, y, (B, T, C)), cfg.dropout, keys[1])
-    losses = {}
-    if "router" in p:  # this layer's MLP is the mixture of experts
-        y, losses = moe.moe_mlp(plan, matmul_input(x, p["mlp_norm"]).reshape(B, T, C), p, cfg, dtype, cache is None)
-        for logged in ("moe_load", "moe_dropped"):  # summed over the sparse layers: their mean
-            losses[logged] = losses[logged] / sum(cfg.sparse_layers)
-    else:
-        h = dot("nc,czf->nzf", matmul_input(x, p["mlp_norm"]), p["gate_up"]["kernel"])
-        h = plan.constrain(recomputed(plan, swiglu, dtype)(h), ("tokens", "mlp"))
-        y = dot("nf,cf->nc", h, p["mlp_out"]["kernel"])
-    return plan.constrain(x + dropout(to_stream(plan, y, (B, T, C)), cfg.dropout, keys[2]), STREAM), losses, cache
+    y = layer.dot("nhd,hdc->nc", plan.constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
+                  p["attn_out"]["kernel"])
+    return layer.residual(x, y, keys[1]), cache
+
+
+def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None,
+          attend=attention_part):
+    """One block on one layer's params -> (x, the router's losses, cache): `attend` (the family's
+    attention), then the MLP or the experts."""
+    layer = Layer(plan, p, axes, cfg, dtype)
+    keys = jax.random.split(key, 3) if key is not None else (None,) * 3
+    x, cache = attend(layer, x, keys[:2], cache, doc_starts)
+    x, losses = layer.mlp(x, keys[2], cache is not None)
+    return plan.constrain(x, STREAM), losses, cache
 
 
 class Llama(Family):

@@ -1,0 +1,76 @@
+"""DeepSeek-V3's [model] keys beyond Llama's (jaxpar.models.llama.config): multi-head latent
+attention (MLA) and the router of its mixture of experts; and their checks.
+
+Hugging Face's names: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+n_shared_experts, n_group, topk_group, routed_scaling_factor, first_k_dense_replace (here the
+first k of model.dense_layers).
+"""
+
+from dataclasses import dataclass
+
+from jaxpar.core.errors import UserError
+from jaxpar.models.llama.config import LlamaConfig, check_llama
+
+
+@dataclass
+class DeepseekConfig(LlamaConfig):
+    family: str = "deepseek"  # MLA; sigmoid routing within the best groups of experts; shared experts
+    # MLA: queries through a rank-q_lora_rank bottleneck and an RMSNorm (0: one projection, as
+    # DeepSeek-V2-Lite); keys and values from one kv_lora_rank latent per token and its RMSNorm,
+    # each head's key qk_nope_head_dim wide from the latent plus a qk_rope_head_dim rotated key
+    # shared by every head; values v_head_dim wide.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    # The router: sigmoid scores; the topk_group best of n_group groups of experts (a group scored
+    # by its two best), then experts_per_token within them; the chosen scores normalised to sum to
+    # 1 and times routed_scaling_factor. n_shared_experts experts that every token passes through,
+    # beside the routed ones.
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_z_coef: float = 0.0  # sigmoid scores: no softmax for a z-loss to keep in range
+
+    @property
+    def head_size(self) -> int:
+        """The query-key head width: the latent part and the rotated part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head
+
+    def check(self) -> None:
+        check_llama(self)
+        check_mla(self)
+        check_router(self)
+
+
+def check_mla(m: DeepseekConfig) -> None:
+    if min(m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) < 1 or m.q_lora_rank < 0:
+        raise UserError("model.kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be >= 1, "
+                        f"and q_lora_rank >= 0; got {m.kv_lora_rank}, {m.qk_nope_head_dim}, "
+                        f"{m.qk_rope_head_dim}, {m.v_head_dim}, {m.q_lora_rank}")
+    if m.qk_rope_head_dim % 2:
+        raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} is odd, and rotary positions rotate "
+                        "pairs of dims; choose an even one")
+    if m.n_kv_head not in (0, m.n_head) or m.head_dim or m.qk_norm != "none":
+        raise UserError("DeepSeek's latent attention sets its own heads: drop model.n_kv_head, "
+                        "model.head_dim and model.qk_norm")
+
+
+def check_router(m: DeepseekConfig) -> None:
+    if not m.n_experts:
+        return
+    if m.n_group < 1 or m.n_experts % m.n_group or m.n_experts // m.n_group < 2:
+        raise UserError(f"model.n_group={m.n_group} must divide model.n_experts={m.n_experts} into groups "
+                        "of 2 or more (a group is scored by its two best experts)")
+    if not 1 <= m.topk_group <= m.n_group or m.experts_per_token > m.topk_group * (m.n_experts // m.n_group):
+        raise UserError(f"model.topk_group={m.topk_group} must be between 1 and model.n_group={m.n_group}, "
+                        f"and its groups must hold model.experts_per_token={m.experts_per_token} experts")
+    if m.n_shared_experts < 0 or m.routed_scaling_factor <= 0:
+        raise UserError(f"model.n_shared_experts must be >= 0 and model.routed_scaling_factor > 0; got "
+                        f"{m.n_shared_experts}, {m.routed_scaling_factor}")

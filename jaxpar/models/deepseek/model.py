@@ -1,0 +1,115 @@
+"""The DeepSeek-V3 family: Llama's block (jaxpar.models.llama.model) with multi-head latent
+attention (MLA) and a mixture of experts routed in groups, with shared experts beside the routed ones.
+
+MLA: each token's keys and values come from one kv_lora_rank latent (after its RMSNorm), each
+head's key qk_nope_head_dim wide from it, plus one qk_rope_head_dim key rotated by position and
+shared by every head; the query likewise in two parts, through a q_lora_rank bottleneck where
+one is set. The values are v_head_dim wide; narrower than the query-key heads, they go through
+the attention kernel zero-padded to that width, and the padding is dropped after.
+
+The code names logical axes only: the latents' 'latent' axis is replicated; heads split over
+'tensor' as Llama's do.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core.config import ModelConfig
+from jaxpar.models.llama import rope
+from jaxpar.models.llama.model import Layer, Llama, block, declare_mlps, heads_first, rms_norm
+from jaxpar.nn.layers import attention, token_positions
+from jaxpar.nn.params import dense, norm
+
+QKV = ("batch", "heads", "seq", "head_dim")
+
+
+def declare_attention(cfg: ModelConfig, std: float, resid_std: float) -> dict:
+    L, C, H = cfg.n_layer, cfg.n_embd, cfg.n_head
+    Dn, Dr, Dv, Rq, Rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+    heads = ("latent", "heads", "head_dim")
+    query = ({"q_a": dense(std, (L, C, Rq), ("layers", "embed", "latent"), 1, False),
+              "q_a_norm": norm((L, Rq), ("layers", "latent")),
+              "q_b": dense(std, (L, Rq, H, Dn + Dr), ("layers", *heads), 2, False)} if Rq else
+             {"q": dense(std, (L, C, H, Dn + Dr), ("layers", "embed", "heads", "head_dim"), 2, False)})
+    return {
+        "attn_norm": norm((L, C), ("layers", "embed")), **query,
+        "kv_a": dense(std, (L, C, Rkv), ("layers", "embed", "latent"), 1, False),
+        "kv_a_norm": norm((L, Rkv), ("layers", "latent")),
+        "k_rope": dense(std, (L, C, Dr), ("layers", "embed", "head_dim"), 1, False),
+        "k_b": dense(std, (L, Rkv, H, Dn), ("layers", *heads), 2, False),
+        "v_b": dense(std, (L, Rkv, H, Dv), ("layers", *heads), 2, False),
+        "attn_out": dense(resid_std, (L, H, Dv, C), ("layers", "heads", "head_dim", "embed"), 1, False),
+    }
+
+
+def declare_shared_experts(cfg: ModelConfig, std: float, resid_std: float) -> dict:
+    """n_shared_experts SwiGLU experts as one MLP n_shared_experts times an expert's width, on
+    the sparse layers' stack."""
+    if not (cfg.n_experts and cfg.n_shared_experts):
+        return {}
+    stack = "sparse_layers" if cfg.mixed_layers else "layers"
+    L, C, F = len(cfg.layers_in(stack)), cfg.n_embd, cfg.n_shared_experts * cfg.expert_width
+    return {"shared_gate_up": dense(std, (L, C, 2, F), (stack, "embed", "gate_up", "mlp"), 2, False),
+            "shared_out": dense(resid_std, (L, F, C), (stack, "mlp", "embed"), 1, False, transposed=True)}
+
+
+def latent_attention(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_starts=None):
+    """MLA -> (x after the residual, cache); as Llama's attention_part otherwise."""
+    plan, cfg, p, dtype = layer.plan, layer.cfg, layer.p, layer.dtype
+    B, T, _ = x.shape
+    H, Dn, Dr = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    h = layer.normed(x, p["attn_norm"])
+    if "q_a" in p:
+        q_latent = rms_norm(layer.dot("nc,cr->nr", h, p["q_a"]["kernel"]), p["q_a_norm"], cfg.norm_eps)
+        q = layer.dot("nr,rhd->nhd", q_latent.astype(dtype), p["q_b"]["kernel"])
+    else:
+        q = layer.dot("nc,chd->nhd", h, p["q"]["kernel"])
+    latent = rms_norm(layer.dot("nc,cr->nr", h, p["kv_a"]["kernel"]), p["kv_a_norm"], cfg.norm_eps).astype(dtype)
+    k_nope, v = (layer.dot("nr,rhd->nhd", latent, p[name]["kernel"]).astype(dtype) for name in ("k_b", "v_b"))
+    cos, sin = rope.angles(cfg, Dr, token_positions(plan, T, cache, doc_starts))
+    q = heads_first(plan, q.astype(dtype), B, T, QKV)
+    q = jnp.concatenate([q[..., :Dn], rope.apply(q[..., Dn:], cos, sin)], axis=-1)
+    k_rope = layer.dot("nc,cd->nd", h, p["k_rope"]["kernel"]).astype(dtype).reshape(B, T, 1, Dr).transpose(0, 2, 1, 3)
+    k_rope = jnp.broadcast_to(rope.apply(k_rope, cos, sin), (B, H, T, Dr))  # one rotated key for every head
+    k = plan.constrain(jnp.concatenate([heads_first(plan, k_nope, B, T, QKV), k_rope], axis=-1),
+                       ("batch", "kv_heads", "seq", "head_dim"))
+    v = heads_first(plan, v, B, T, ("batch", "kv_heads", "seq", "head_dim"))
+    Dv, width = v.shape[-1], q.shape[-1]
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, width - Dv)))  # the kernels take one head width
+    y, cache = attention(plan, q, k, v, cfg.dropout, keys[0], cache, doc_starts)
+    y = plan.constrain(y[..., :Dv].reshape(B * T, H, Dv), ("tokens", "heads", "head_dim"))
+    return layer.residual(x, layer.dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), keys[1]), cache
+
+
+class Deepseek(Llama):
+    """The DeepSeek-V3 family (model.family = "deepseek")."""
+
+    shape_fields = Llama.shape_fields + ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                         "v_head_dim", "n_shared_experts")
+
+    def declare(self, vocab_size: int) -> dict:
+        declared = super().declare(vocab_size)
+        cfg = self.cfg
+        std, resid_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)
+        declared["blocks"] = {**declare_attention(cfg, std, resid_std),
+                              "mlp_norm": norm((cfg.n_layer, cfg.n_embd), ("layers", "embed")),
+                              **declare_mlps(cfg, std, resid_std), **declare_shared_experts(cfg, std, resid_std)}
+        return declared
+
+    def block(self, plan, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
+        x, losses, cache = block(plan, x, p, axes, self.cfg, self.dtype, key, cache, doc_starts, latent_attention)
+        return x, self.block_losses(x) | losses, cache
+
+    def matmul_params(self, vocab_size: int) -> int:
+        """N in 6N: MLA's projections, then Llama's MLP or experts (the k chosen and the shared
+        ones), lm_head."""
+        m = self.cfg
+        C, H, Dq, Dv, Rkv = m.n_embd, m.n_head, m.head_size, m.v_head_dim, m.kv_lora_rank
+        query = m.q_lora_rank * (C + H * Dq) if m.q_lora_rank else C * H * Dq
+        attention = query + C * (Rkv + m.qk_rope_head_dim) + Rkv * H * (m.qk_nope_head_dim + Dv) + H * Dv * C
+        sparse = sum(m.sparse_layers)
+        mlp = sparse * (m.n_experts * C + (m.experts_per_token + m.n_shared_experts) * 3 * C * m.expert_width)
+        mlp += (m.n_layer - sparse) * 3 * C * m.mlp_width
+        return m.n_layer * attention + mlp + vocab_size * C

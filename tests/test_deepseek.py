@@ -1,0 +1,102 @@
+"""The DeepSeek-V3 family (configs/tiny_deepseek.toml: MLA with a query bottleneck, 8 routed experts
+in 4 groups beside a shared one, the first layer dense): the router's choice within the best
+groups against a hand-made case; MLA against a plain per-head computation of it; training on
+dp=2,tp=2 and on dp=2,ep=2 (MLA without the query bottleneck there) as one device, losses,
+router losses and params at the suite's tolerances; its keys refused on another family.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import LOSS_RTOL, assert_same_training, losses, train
+
+from jaxpar.core.errors import UserError
+from jaxpar.core.execution import ExecutionPlan
+from jaxpar.models.deepseek.model import latent_attention
+from jaxpar.models.family import build_model
+from jaxpar.models.llama import rope
+from jaxpar.models.llama.model import Layer
+from jaxpar.nn import routing
+
+DEEPSEEK = "tiny_deepseek"
+
+
+def test_the_router_chooses_within_the_best_groups():
+    """8 experts in 4 groups, the best 2 groups kept (a group scored by its two best): expert 0
+    scores highest of all, but its group (0, 1) sums lowest, so it is passed over. The chosen
+    scores sum to routed_scaling_factor. Control: a top-2 over every expert takes expert 0."""
+    scores = np.array([[0.99, 0.01, 0.7, 0.6, 0.8, 0.75, 0.2, 0.3]])
+    logits = np.log(scores / (1 - scores))  # sigmoid(logits) = scores
+    router = jnp.eye(8, dtype=jnp.float32)
+    _, probs, weights, experts = routing.route_in_groups(jnp.asarray(logits, jnp.float32), router, k=2, n_group=4,
+                                                     topk_group=2, scale=2.5)
+    assert sorted(np.asarray(experts)[0].tolist()) == [4, 5]  # groups (4, 5) and (2, 3) are the best two
+    np.testing.assert_allclose(np.asarray(weights).sum(), 2.5, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(weights)[0], np.array([0.8, 0.75]) / 1.55 * 2.5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(probs).sum(), 1.0, rtol=1e-6)
+    assert 0 in np.asarray(jax.lax.top_k(jnp.asarray(scores), 2)[1])  # the control
+
+
+def plain_mla(p: dict, x: np.ndarray, cfg) -> np.ndarray:
+    """MLA head by head in float64 numpy: what latent_attention must give (before the residual)."""
+    def rms(a, scale):
+        return a / np.sqrt(np.mean(a * a, -1, keepdims=True) + cfg.norm_eps) * scale
+    T = x.shape[1]
+    Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    h = rms(x, p["attn_norm"]["scale"])
+    q = np.einsum("btr,rhd->bthd", rms(h @ p["q_a"]["kernel"], p["q_a_norm"]["scale"]), p["q_b"]["kernel"])
+    latent = rms(h @ p["kv_a"]["kernel"], p["kv_a_norm"]["scale"])
+    k_nope = np.einsum("btr,rhd->bthd", latent, p["k_b"]["kernel"])
+    v = np.einsum("btr,rhd->bthd", latent, p["v_b"]["kernel"])
+    cos, sin = (np.asarray(a, np.float64) for a in rope.angles(cfg, Dr, jnp.arange(T)))
+    def rotate(a):  # (..., T, Dr)
+        half = Dr // 2
+        return a * cos + np.concatenate([-a[..., half:], a[..., :half]], -1) * sin
+    q_rope = rotate(q[..., Dn:].transpose(0, 2, 1, 3))  # (B, H, T, Dr)
+    k_rope = rotate((h @ p["k_rope"]["kernel"])[:, None])  # (B, 1, T, Dr), every head's
+    scores = (np.einsum("bthd,bshd->bhts", q[..., :Dn], k_nope) + np.einsum("bhtd,bhsd->bhts", q_rope,
+              np.broadcast_to(k_rope, q_rope.shape))) / np.sqrt(Dn + Dr)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd,hdc->btc", probs, v, p["attn_out"]["kernel"])
+
+
+def test_latent_attention_is_mla_head_by_head():
+    """latent_attention (values zero-padded to the query-key width through the kernel) against
+    plain_mla, within 1e-5 of the output's largest magnitude. Control: with the rotation off (every
+    angle ~0) the output differs by over 1% of it."""
+    cfg = tiny_config(DEEPSEEK).model
+    model = build_model(tiny_config(DEEPSEEK), 65, None, ExecutionPlan())
+    params = model.init(0)
+    # Layer 0's attention, its matrices 10x the init's scale: scores and outputs of order 1
+    layer_p = {name: jax.tree.map(lambda a, scale=1.0 if "norm" in name else 10.0: a[0] * scale, w)
+               for name, w in params["blocks"].items() if name.startswith(("attn", "q_", "kv_", "k_", "v_"))}
+    x = np.asarray(jax.random.normal(jax.random.key(1), (2, 16, cfg.n_embd)), np.float32)
+    layer = Layer(ExecutionPlan(), layer_p, jax.tree.map(lambda _: None, layer_p), cfg, jnp.float32)
+    got = np.asarray(latent_attention(layer, jnp.asarray(x), (None, None))[0]) - x
+    want = plain_mla(jax.tree.map(lambda a: np.asarray(a, np.float64), layer_p), x.astype(np.float64), cfg)
+    assert np.max(np.abs(want)) > 0.5
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.max(np.abs(want)), rtol=0)
+    cfg.rope_theta = 1e30  # every angle ~0: no rotation
+    unrotated = np.asarray(latent_attention(layer, jnp.asarray(x), (None, None))[0]) - x
+    assert np.max(np.abs(unrotated - want)) > 1e-2 * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("dp=2,ep=2", {"model.q_lora_rank": 0})])
+def test_deepseek_trains_as_one_device(spec, overrides):
+    reference = train(config=DEEPSEEK, **overrides)
+    result = train(spec, config=DEEPSEEK, **overrides)
+    assert_same_training(result, reference)
+    aux = lambda r: np.array([[r.aux[s][n] for n in ("moe_balance", "moe_load")] for s in sorted(r.aux)])
+    np.testing.assert_allclose(aux(result), aux(reference), rtol=LOSS_RTOL)
+    assert losses(reference)[-1] < losses(reference)[0]
+
+
+def test_deepseek_keys_are_refused_on_another_family_and_bad_groups_in_one_line():
+    with pytest.raises(UserError, match="model.kv_lora_rank is a deepseek-only setting"):
+        tiny_config("tiny_llama", **{"model.kv_lora_rank": 8})
+    with pytest.raises(UserError, match="model.n_group=3 must divide model.n_experts=8"):
+        tiny_config(DEEPSEEK, **{"model.n_group": 3})
