@@ -51,12 +51,13 @@ def test_the_one_table_splits_as_each_layout_s_own_table_did(spec, old, sequence
     cfg = tiny_config(**mesh_overrides(spec), **{"train.batch_size": 16})
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
     new = rule_table(sequence_parallel)
-    # The mixture of experts' (ep=1 here), and its stacks where dense layers mix with sparse ones.
-    assert set(new) - set(old) == {"experts", "routes", "sparse_layers", "dense_layers"}
+    # The mixture of experts' (ep=1 here), its stacks where dense layers mix with sparse ones, and
+    # MLA's latent (replicated).
+    assert set(new) - set(old) == {"experts", "routes", "sparse_layers", "dense_layers", "latent"}
     for name in old:
         assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P(old[name])), 1), name
     assert new["sparse_layers"] == new["dense_layers"] == new["layers"]
-    for name in ("experts", "routes"):
+    for name in ("experts", "routes", "latent"):
         assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P()), 1), name
 
 
