@@ -1,8 +1,9 @@
 """The DeepSeek-V3 family (configs/tiny_deepseek.toml: MLA with a query bottleneck, 8 routed experts
 in 4 groups beside a shared one, the first layer dense): the router's choice within the best
 groups against a hand-made case; MLA against a plain per-head computation of it; training on
-dp=2,tp=2 and on dp=2,ep=2 (MLA without the query bottleneck there) as one device, losses,
-router losses and params at the suite's tolerances; its keys refused on another family.
+dp=2,tp=2, on dp=2,ep=2 (MLA without the query bottleneck there) and on a cp=2 ring as one
+device, losses, router losses and params at the suite's tolerances; its keys refused on another
+family.
 """
 
 import jax
@@ -85,7 +86,8 @@ def test_latent_attention_is_mla_head_by_head():
     assert np.max(np.abs(unrotated - want)) > 1e-2 * np.max(np.abs(want))
 
 
-@pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("dp=2,ep=2", {"model.q_lora_rank": 0})])
+@pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("dp=2,ep=2", {"model.q_lora_rank": 0}),
+                                            ("cp=2", {})])  # the ring carries MLA's keys and padded values
 def test_deepseek_trains_as_one_device(spec, overrides):
     reference = train(config=DEEPSEEK, **overrides)
     result = train(spec, config=DEEPSEEK, **overrides)
