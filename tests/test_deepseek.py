@@ -102,3 +102,20 @@ def test_deepseek_keys_are_refused_on_another_family_and_bad_groups_in_one_line(
         tiny_config("tiny_llama", **{"model.kv_lora_rank": 8})
     with pytest.raises(UserError, match="model.n_group=3 must divide model.n_experts=8"):
         tiny_config(DEEPSEEK, **{"model.n_group": 3})
+    with pytest.raises(UserError, match="model.attention=cudnn takes heads up to 128 dims in multiples of 8, and "
+                                        "this model's are 12"):  # 8 + 4: MLA's query-key heads
+        tiny_config(DEEPSEEK, **{"model.attention": "cudnn", "model.dtype": "bfloat16"})
+
+
+@pytest.mark.parametrize("preset, vocab, total, active", [("deepseek-v3-671b", 129280, 671e9, 37e9),
+                                                          ("moonlight-16b-a3b", 163840, 16e9, 3e9)])
+def test_the_presets_hold_their_published_sizes(preset, vocab, total, active):
+    """All parameters within 0.5% of the published total, and the active ones (the matmuls a token
+    runs, and its embedding row's table) within 5% of the published active count: a mistyped width
+    is off by more. Nothing is allocated."""
+    cfg = tiny_config(preset)
+    model = build_model(cfg, vocab)
+    count = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(model.shapes()))
+    assert abs(count / total - 1) < 0.005, count
+    runs = model.family.matmul_params(vocab) + vocab * cfg.model.n_embd
+    assert abs(runs / active - 1) < 0.05, runs

@@ -109,6 +109,8 @@ def test_splash_trains_as_one_device_on_dp2_tp2():
     ("tpu", {"context": 8}, "xla", "chunks are 64 tokens"),
     ("gpu", {"dtype": "bfloat16", "context": 8}, "cudnn", None),
     ("gpu", {"dtype": "bfloat16", "documents": True}, "tokamax", None),  # the test extra installs it
+    ("gpu", {"family": "llama", "dtype": "bfloat16", "head_dim": 192}, "tokamax", None),  # MLA's: wider than cuDNN takes
+    ("gpu", {"family": "llama", "dtype": "bfloat16", "head_dim": 192, "context": 2}, "xla", "takes heads up to 128 dims"),
     ("gpu", {"dtype": "bfloat16", "documents": True, "context": 2}, "xla", "no segment ids"),
     ("tpu", {"documents": True}, "splash", None),
 ])

@@ -147,6 +147,9 @@ def check_attention(m: ModelConfig) -> None:
     if m.attention == "splash" and m.block_size % SPLASH_TILE:
         raise UserError(f"model.attention=splash runs tiles of {SPLASH_TILE} tokens, and model.block_size="
                         f"{m.block_size} is not a multiple; choose one, or --model.attention=auto")
+    if m.attention == "cudnn" and (m.head_size > 128 or m.head_size % 8):  # jaxpar.nn.kernels.cudnn_takes
+        raise UserError(f"model.attention=cudnn takes heads up to 128 dims in multiples of 8, and this model's are "
+                        f"{m.head_size}; use --model.attention=auto (tokamax's kernel on GPUs)")
     if m.attention == "cudnn" and m.dtype == "float32":
         raise UserError("model.attention=cudnn takes bfloat16 only; set --model.dtype=bfloat16, "
                         "or --model.attention=auto")

@@ -45,21 +45,30 @@ def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False)
     fused = FUSED_ON.get(platform)
     if fused is None:
         return "xla", None
-    if fused == "cudnn" and documents and model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available():
-        return "tokamax", None  # cuDNN's call has no segment ids; tokamax's kernel takes the mask
+    cudnn_cannot = documents or not cudnn_takes(model_cfg.head_size)
+    if fused == "cudnn" and cudnn_cannot and model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available():
+        return "tokamax", None  # tokamax's kernel takes the documents' mask, and wider heads
     why = why_xla(model_cfg, fused, context, documents)
     if why and fused == "cudnn":  # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
         why += "; xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on an H200"
     return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
 
 
+def cudnn_takes(head_dim: int) -> bool:
+    """cuDNN's fused attention takes heads of at most 128 dims, in multiples of 8."""
+    return head_dim <= 128 and head_dim % 8 == 0
+
+
 def why_xla(model_cfg, fused: str, context: int, documents: bool) -> str | None:
     """Why `auto` cannot run the platform's fused kernel, or None."""
     if model_cfg.dropout > 0:
         return f"{fused} has no attention dropout (model.dropout={model_cfg.dropout})"
+    where = "runs no context ring" if context > 1 else "is not installed (pip install -e '.[gpu]')"
     if fused == "cudnn" and documents:
-        where = "runs no context ring" if context > 1 else "is not installed (pip install -e '.[gpu]')"
         return f"jax's cuDNN attention has no segment ids for data.document_mask, and tokamax's kernel, which has, {where}"
+    if fused == "cudnn" and not cudnn_takes(model_cfg.head_size):
+        return (f"cuDNN's fused attention takes heads up to 128 dims in multiples of 8 (this model's: "
+                f"{model_cfg.head_size}), and tokamax's kernel, which takes them, {where}")
     if fused == "cudnn" and model_cfg.dtype == "float32":
         return "cuDNN's fused attention takes bfloat16 only (model.dtype=float32)"
     if fused == "splash" and model_cfg.block_size % SPLASH_TILE:
