@@ -54,6 +54,9 @@ def check_mla(m: DeepseekConfig) -> None:
         raise UserError("model.kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be >= 1, "
                         f"and q_lora_rank >= 0; got {m.kv_lora_rank}, {m.qk_nope_head_dim}, "
                         f"{m.qk_rope_head_dim}, {m.v_head_dim}, {m.q_lora_rank}")
+    if m.v_head_dim > m.head_size:  # the values go through the kernel padded to the query-key width
+        raise UserError(f"model.v_head_dim={m.v_head_dim} is wider than the query-key heads (qk_nope_head_dim + "
+                        f"qk_rope_head_dim = {m.head_size}); choose at most {m.head_size}")
     if m.qk_rope_head_dim % 2:
         raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} is odd, and rotary positions rotate "
                         "pairs of dims; choose an even one")
