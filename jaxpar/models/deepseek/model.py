@@ -89,14 +89,11 @@ class Deepseek(Llama):
     shape_fields = Llama.shape_fields + ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                          "v_head_dim", "n_shared_experts")
 
-    def declare(self, vocab_size: int) -> dict:
-        declared = super().declare(vocab_size)
+    def declare_blocks(self) -> dict:
         cfg = self.cfg
-        std, resid_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)
-        declared["blocks"] = {**declare_attention(cfg, std, resid_std),
-                              "mlp_norm": norm((cfg.n_layer, cfg.n_embd), ("layers", "embed")),
-                              **declare_mlps(cfg, std, resid_std), **declare_shared_experts(cfg, std, resid_std)}
-        return declared
+        std, resid_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)  # as Llama's
+        return {**declare_attention(cfg, std, resid_std), "mlp_norm": norm((cfg.n_layer, cfg.n_embd), ("layers", "embed")),
+                **declare_mlps(cfg, std, resid_std), **declare_shared_experts(cfg, std, resid_std)}
 
     def block(self, plan, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
         x, losses, cache = block(plan, x, p, axes, self.cfg, self.dtype, key, cache, doc_starts, latent_attention)

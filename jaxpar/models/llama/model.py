@@ -201,11 +201,15 @@ class Llama(Family):
     def declare(self, vocab_size: int) -> dict:
         cfg, rows = self.cfg, padded_vocab(vocab_size)
         declared = {"wte": Param((rows, cfg.n_embd), ("vocab", "embed"), EMBEDDING, 0.02),
-                    "blocks": declare_blocks(cfg),
+                    "blocks": self.declare_blocks(),
                     "norm": norm((cfg.n_embd,), ("embed",))}
         if not cfg.tie_embeddings:
             declared["lm_head"] = Param((rows, cfg.n_embd), ("vocab", "embed"), EMBEDDING, 0.02)
         return declared
+
+    def declare_blocks(self) -> dict:
+        """The n_layer blocks' params (a family built on Llama's block declares its own)."""
+        return declare_blocks(self.cfg)
 
     def embed(self, plan, top: dict, tokens: jax.Array, key=None, positions=None) -> jax.Array:
         """The token embedding (positions enter as RoPE, in the blocks), with dropout."""
