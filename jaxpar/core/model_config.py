@@ -18,6 +18,11 @@ REMAT_KINDS = ("none", "full")
 ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn", "tokamax")  # jaxpar.nn.kernels
 SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
 
+
+def cudnn_takes(head_dim: int) -> bool:
+    """cuDNN's fused attention takes heads of at most 128 dims, in multiples of 8."""
+    return head_dim <= 128 and head_dim % 8 == 0
+
 FAMILY_CONFIGS: dict[str, type["ModelConfig"]] = {}  # model.family -> its config class
 
 
@@ -147,7 +152,7 @@ def check_attention(m: ModelConfig) -> None:
     if m.attention == "splash" and m.block_size % SPLASH_TILE:
         raise UserError(f"model.attention=splash runs tiles of {SPLASH_TILE} tokens, and model.block_size="
                         f"{m.block_size} is not a multiple; choose one, or --model.attention=auto")
-    if m.attention == "cudnn" and (m.head_size > 128 or m.head_size % 8):  # jaxpar.nn.kernels.cudnn_takes
+    if m.attention == "cudnn" and not cudnn_takes(m.head_size):
         raise UserError(f"model.attention=cudnn takes heads up to 128 dims in multiples of 8, and this model's are "
                         f"{m.head_size}; use --model.attention=auto (tokamax's kernel on GPUs)")
     if m.attention == "cudnn" and m.dtype == "float32":

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from jaxpar.core.axes import CONTEXT
 from jaxpar.core.errors import UserError
-from jaxpar.core.model_config import SPLASH_TILE
+from jaxpar.core.model_config import SPLASH_TILE, cudnn_takes
 from jaxpar.nn import tokamax_kernels
 
 FUSED_ON = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}  # auto's choice by platform
@@ -52,11 +52,6 @@ def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False)
     if why and fused == "cudnn":  # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
         why += "; xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on an H200"
     return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
-
-
-def cudnn_takes(head_dim: int) -> bool:
-    """cuDNN's fused attention takes heads of at most 128 dims, in multiples of 8."""
-    return head_dim <= 128 and head_dim % 8 == 0
 
 
 def why_xla(model_cfg, fused: str, context: int, documents: bool) -> str | None:

@@ -34,6 +34,7 @@ from jaxpar.core.axes import EXPERT
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
+from jaxpar.nn.kernels import GPUS
 from jaxpar.nn.routing import capacity, router_of, sequence_stats, within_capacity
 
 
@@ -230,7 +231,7 @@ def gemm_of(cfg, platform: str) -> tuple[str, str | None]:
     multiplies every row by every expert), tokamax's Triton kernel on GPU (the blocks' gathered
     weights, (rows / 64 + E) x C x F, do not fit a large model), else XLA's ragged_dot there.
     Decided before tracing."""
-    gpu = platform in ("gpu", "cuda")
+    gpu = platform in GPUS
     if cfg.moe_gemm == "tokamax" and not (gpu and tokamax_kernels.available()):
         fix = "install it: pip install -e '.[gpu]'" if gpu else "it runs on NVIDIA GPUs only"
         raise UserError(f"model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU ({fix}); "

@@ -192,6 +192,11 @@ def host_available_bytes() -> int | None:
         return None
 
 
+def device_bytes_limit(device) -> int | None:
+    """An accelerator's memory as its runtime reports it; None for host (CPU) and compile-only devices."""
+    return (device.memory_stats() or {}).get("bytes_limit")
+
+
 def check_fits_in_memory(summary: dict, local: list) -> None:
     """A UserError, before anything is written, when XLA's memory estimate cannot fit the devices.
 
@@ -201,9 +206,8 @@ def check_fits_in_memory(summary: dict, local: list) -> None:
     need = summary.get("peak_memory_bytes")
     if not need or not local:
         return
-    stats = local[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        have, where, need_all = stats["bytes_limit"], "a device holds", need
+    if (limit := device_bytes_limit(local[0])) is not None:
+        have, where, need_all = limit, "a device holds", need
     else:
         have, where, need_all = host_available_bytes(), "this host has free", need * len(local)
     if have and need_all > have:

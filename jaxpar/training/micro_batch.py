@@ -41,7 +41,7 @@ def largest_fitting(cfg: Config, vocab: int, mesh, eot_id: int | None, capacity:
     made); the fewest rows where none fits, for the trainer's own memory check to refuse.
     Memory grows with the rows, so a binary search over the options finds it."""
     options = rows_per_pass_options(cfg, mesh)
-    fits = lambda rows: step_bytes(with_micro_batch(cfg, rows), vocab, mesh, eot_id) <= capacity  # noqa: E731
+    fits = lambda rows: step_bytes(with_micro_batch(cfg, rows), vocab, mesh, eot_id) <= capacity
     if len(options) == 1 or fits(options[0]):  # one pass: the common case, one compile
         return options[0], int(len(options) > 1)
     lo, hi, compiles = 1, len(options) - 1, 1  # options[hi] is taken when nothing fits
@@ -55,12 +55,6 @@ def largest_fitting(cfg: Config, vocab: int, mesh, eot_id: int | None, capacity:
     return options[lo], compiles
 
 
-def device_capacity(mesh) -> int | None:
-    """A device's memory, as the runtime reports it (None on CPUs and compile-only devices)."""
-    stats = mesh.devices.flat[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
 def resolve(cfg: Config, vocab: int, mesh, eot_id: int | None, capacity: int | None = None) -> tuple[Config, str | None]:
     """(cfg with train.micro_batch an integer, a one-line account of `auto`'s choice or None)."""
     if cfg.train.micro_batch != MICRO_BATCH_AUTO:
@@ -68,7 +62,7 @@ def resolve(cfg: Config, vocab: int, mesh, eot_id: int | None, capacity: int | N
     if mesh.shape[PIPE] > 1:
         return with_micro_batch(cfg, 0), None
     platform = platform_of(mesh)
-    capacity = capacity or device_capacity(mesh)
+    capacity = capacity or hlo.device_bytes_limit(mesh.devices.flat[0])
     if platform == "cpu" or not capacity:
         return with_micro_batch(cfg, CPU_MICRO_BATCH), None
     rows, compiles = largest_fitting(cfg, vocab, mesh, eot_id, capacity)
