@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.axes import EXPERT, rule_table
+from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import drop_axes, logical_to_spec, names_of
 
 # How a step sums its passes' gradients (jaxpar.training.passes, jaxpar.parallel.pipeline).
@@ -84,6 +85,13 @@ class ExecutionPlan:
         """The GELU and SwiGLU keep their input alone and run again in the backward: on an
         accelerator, where a step waits on bytes; a CPU waits on arithmetic."""
         return self.platform != "cpu"
+
+    @property
+    def one_pass_log_sum_exp(self) -> bool:
+        """The chunked loss takes each piece's log-sum-exp in one pass over its float32 logits
+        (jaxpar.nn.loss): on GPUs, where XLA reads them once for the max and again for the sum.
+        XLA:TPU fuses the max into the head's matmul already; a CPU waits on arithmetic."""
+        return self.platform in GPUS
 
     @property
     def moe_mode(self) -> str:

@@ -9,6 +9,8 @@ tpu:...`) loads libtpu's topologies on its own, so it works either way.
 import importlib.util
 import os
 
+GPUS = ("gpu", "cuda")  # the names JAX gives an NVIDIA GPU's platform
+
 
 def attached_accelerators() -> bool:
     """Whether a TPU or a GPU is attached, by JAX's own checks of the PCI devices."""

@@ -97,7 +97,12 @@ class Transformer:
         """(mean next-token cross-entropy, auxiliary losses), the logits over model.loss_chunks
         pieces of the sequence (jaxpar.nn.loss.sequence_loss)."""
         top, x, losses = self.stream(params, tokens, dropout_key)
-        return sequence_loss(self.logits_of, self.head(top), x, targets, self.cfg.loss_chunks), losses
+        return self.sequence_loss(self.head(top), x, targets), losses
+
+    def sequence_loss(self, head: dict, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy of the last layer's output x, over model.loss_chunks
+        pieces, each piece's log-sum-exp as the plan says (jaxpar.nn.loss.sequence_loss)."""
+        return sequence_loss(self.logits_of, head, x, targets, self.cfg.loss_chunks, self.plan.one_pass_log_sum_exp)
 
     def head(self, top: dict) -> dict:
         """The top-level weights the loss reads after the last block (the family's head_names)."""

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 from jaxpar.core.axes import CONTEXT
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import SPLASH_TILE, cudnn_takes
+from jaxpar.core.platform import GPUS
 from jaxpar.nn import tokamax_kernels
 
 FUSED_ON = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}  # auto's choice by platform
-GPUS = ("gpu", "cuda")
 # splash on CPU: interpreted; tokamax on CPU: its XLA reference
 NEEDS_PLATFORM = {"splash": ("tpu", "cpu"), "cudnn": GPUS, "tokamax": (*GPUS, "cpu")}
 Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim"), \

@@ -34,7 +34,7 @@ from jaxpar.core.axes import EXPERT
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
-from jaxpar.nn.kernels import GPUS
+from jaxpar.core.platform import GPUS
 from jaxpar.nn.routing import capacity, router_of, sequence_stats, within_capacity
 
 

@@ -18,7 +18,6 @@ from jaxpar.core.sharding import split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.nn.layers import STREAM, document_positions
-from jaxpar.nn.loss import sequence_loss
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule
 
@@ -94,7 +93,7 @@ class StageOps:
         return y, aux
 
     def loss_of(self, head, y, k):
-        return sequence_loss(self.model.logits_of, head, y, self.targets[k], self.model.cfg.loss_chunks)
+        return self.model.sequence_loss(head, y, self.targets[k])
 
     def op_input(self, c, t):
         """(microbatch, chunk, its input, its output gradient) for the op at tick t."""
