@@ -1,6 +1,7 @@
 """The DeepSeek-V3 family (configs/tiny_deepseek.toml: MLA with a query bottleneck, 8 routed experts
 in 4 groups beside a shared one, the first layer dense): the router's choice within the best
-groups against a hand-made case; MLA against a plain per-head computation of it; training on
+groups against a hand-made case; the balance bias's counts and update against a hand count, and
+only that update moving it; MLA against a plain per-head computation of it; training on
 dp=2,tp=2, on dp=2,ep=2 (MLA without the query bottleneck there) and on a cp=2 ring as one
 device, losses, router losses and params at the suite's tolerances; its keys refused on another
 family.
@@ -31,13 +32,59 @@ def test_the_router_chooses_within_the_best_groups():
     scores = np.array([[0.99, 0.01, 0.7, 0.6, 0.8, 0.75, 0.2, 0.3]])
     logits = np.log(scores / (1 - scores))  # sigmoid(logits) = scores
     router = jnp.eye(8, dtype=jnp.float32)
-    _, probs, weights, experts = routing.route_in_groups(jnp.asarray(logits, jnp.float32), router, k=2, n_group=4,
-                                                     topk_group=2, scale=2.5)
+    _, probs, weights, experts = routing.route_in_groups(jnp.asarray(logits, jnp.float32), router, jnp.zeros(8),
+                                                         k=2, n_group=4, topk_group=2, scale=2.5)
     assert sorted(np.asarray(experts)[0].tolist()) == [4, 5]  # groups (4, 5) and (2, 3) are the best two
     np.testing.assert_allclose(np.asarray(weights).sum(), 2.5, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(weights)[0], np.array([0.8, 0.75]) / 1.55 * 2.5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(probs).sum(), 1.0, rtol=1e-6)
     assert 0 in np.asarray(jax.lax.top_k(jnp.asarray(scores), 2)[1])  # the control
+
+
+def hand_counts(x: np.ndarray, router: np.ndarray, balance: np.ndarray, k=2, n_group=4, topk_group=2):
+    """Each expert's tokens, routed as DeepSeek-V3 routes them, one token at a time in numpy."""
+    counts = np.zeros(router.shape[1])
+    for choice in 1 / (1 + np.exp(-(x @ router))) + balance:
+        groups = np.sort(choice.reshape(n_group, -1), axis=1)[:, -2:].sum(1)
+        best = np.argsort(-groups)[:topk_group]
+        allowed = np.isin(np.arange(choice.size) // (choice.size // n_group), best)
+        counts[np.argsort(-np.where(allowed, choice, 0.0))[:k]] += 1
+    return counts
+
+
+def test_the_balance_bias_steers_the_choice_and_moves_by_the_routed_counts():
+    """A sparse layer's `moe_bias` is the biases' mean size, and its gradient for them is the tokens
+    routed to each expert with the bias in the choice (here a mean over 4 sequences), counted by
+    hand; the update moves each bias by +-rate towards the mean count, 0 at it. Control: the same
+    tokens without the bias go to other experts."""
+    from jaxpar.nn import moe
+    cfg, rng = tiny_config(DEEPSEEK).model, np.random.default_rng(0)
+    B, T, C, E, F = 4, 8, cfg.n_embd, cfg.n_experts, cfg.expert_width
+    h, router = rng.normal(size=(B, T, C)).astype(np.float32), rng.normal(0, 0.3, (C, E)).astype(np.float32)
+    balance = rng.normal(0, 0.2, E).astype(np.float32)
+    p = {"experts_gate_up": {"kernel": jnp.asarray(rng.normal(0, 0.02, (E, C, 2, F)), jnp.float32)},
+         "experts_out": {"kernel": jnp.asarray(rng.normal(0, 0.02, (E, F, C)), jnp.float32)}}
+
+    def bias_term(balance):
+        layer = p | {"router": {"kernel": jnp.asarray(router), "balance": balance}}
+        return moe.moe_mlp(ExecutionPlan(), jnp.asarray(h), layer, cfg, jnp.float32)[1]["moe_bias"]
+    size, routed = jax.value_and_grad(bias_term)(jnp.asarray(balance))
+    counts = hand_counts(h.reshape(-1, C), router, balance)
+    np.testing.assert_allclose(np.asarray(routed) * B, counts, rtol=1e-6)
+    np.testing.assert_allclose(size, np.mean(np.abs(balance)), rtol=1e-6)
+    assert (hand_counts(h.reshape(-1, C), router, 0 * balance) != counts).any()  # the control
+    moved = routing.rebalanced(jnp.asarray(balance), routed, 1e-3)
+    np.testing.assert_allclose(moved, balance + 1e-3 * np.sign(counts.mean() - counts), rtol=1e-6)
+    tied = routing.rebalanced(jnp.zeros(3), jnp.asarray([2.0, 2.0, 2.0]) / 3, 1e-3)  # means, not integers
+    np.testing.assert_array_equal(tied, np.zeros(3))
+
+
+def test_only_the_balancing_update_moves_the_biases():
+    """After 10 steps from 0, each bias is a whole number of updates (model.moe_bias_update_rate):
+    the optimizer's steps (AdamW, weight decay) would have left fractions."""
+    balance = np.asarray(train(config=DEEPSEEK).params["blocks"]["router"]["balance"]) / 1e-3
+    assert np.abs(balance).max() >= 2
+    np.testing.assert_allclose(balance, np.round(balance), atol=1e-3)
 
 
 def plain_mla(p: dict, x: np.ndarray, cfg) -> np.ndarray:
@@ -92,7 +139,7 @@ def test_deepseek_trains_as_one_device(spec, overrides):
     reference = train(config=DEEPSEEK, **overrides)
     result = train(spec, config=DEEPSEEK, **overrides)
     assert_same_training(result, reference)
-    aux = lambda r: np.array([[r.aux[s][n] for n in ("moe_balance", "moe_load")] for s in sorted(r.aux)])
+    aux = lambda r: np.array([[r.aux[s][n] for n in ("moe_balance", "moe_load", "moe_bias")] for s in sorted(r.aux)])
     np.testing.assert_allclose(aux(result), aux(reference), rtol=LOSS_RTOL)
     assert losses(reference)[-1] < losses(reference)[0]
 

@@ -21,7 +21,8 @@ The router's losses are per sequence, so that every layout gives the same values
 load-balancing loss E * sum_i f_i * P_i (Hugging Face's form: f_i the tokens routed to expert i
 over the sequence's length, P_i the mean router probability), the z-loss mean(logsumexp(logits)^2)
 and, for the logs, the load: the busiest expert's tokens over the mean. A sequence split over a
-context ring sums its parts first.
+context ring sums its parts first. Where the router has a balance bias (DeepSeek-V3's), `moe_bias`
+logs its mean size and carries the routed counts to it as its gradient (jaxpar.nn.routing).
 """
 
 import functools
@@ -35,7 +36,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
 from jaxpar.core.platform import GPUS
-from jaxpar.nn.routing import capacity, router_of, sequence_stats, within_capacity
+from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, within_capacity
 
 
 class Experts(NamedTuple):
@@ -267,11 +268,12 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
                         if sizes and sizes[a] > 1)
     k, seq_len, factor = cfg.experts_per_token, h.shape[1], cfg.moe_capacity_factor if capped else 0
     routing = router_of(cfg)
+    balance = p["router"].get("balance")  # DeepSeek's selection bias (jaxpar.nn.routing)
 
-    def on_device(h, router, gate_up, out):
+    def on_device(h, router, gate_up, out, *balance):
         B, T, C = h.shape
         x = h.reshape(B * T, C)
-        logits, probs, weights, experts = routing(x, router)
+        logits, probs, weights, experts = routing(x, router, *balance or (None,))
         dropped = jnp.zeros((B,), jnp.float32)
         if factor:  # a dropped assignment's weight is 0: the token keeps the others
             keep = within_capacity(experts, B, capacity(cfg, seq_len))
@@ -281,16 +283,20 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
         if summed_over:
             y = jax.lax.psum(y, summed_over)
+        # The bias's size, logged, carrying this device's routed counts as its gradient.
+        size = [jax.lax.stop_gradient(jnp.mean(jnp.abs(b))) for b in balance]
+        bias = [counted(balance[0], experts, B) + size[0]] if balance else []
         return (y.astype(dtype).reshape(B, T, C),
-                *sequence_stats(logits, probs, experts, B, seq_len, seq_axes), dropped)
+                *sequence_stats(logits, probs, experts, B, seq_len, seq_axes), dropped, *bias)
 
     weights = (p["router"]["kernel"], p["experts_gate_up"]["kernel"], p["experts_out"]["kernel"])
+    weights += () if balance is None else (balance,)
     if plan.mesh is not None:  # else one device's computation as it is
         on_device = plan.per_device(
             on_device, (("batch", "seq", "embed"), ("embed", "routes"), ("experts", "embed", "gate_up", "mlp"),
-                        ("experts", "mlp", "embed")),
-            (("batch", "seq", "embed"), ("batch",), ("batch",), ("batch",), ("batch",)))
+                        ("experts", "mlp", "embed"), ("routes",))[:1 + len(weights)],
+            (("batch", "seq", "embed"),) + (("batch",),) * (4 + (balance is not None)))
         h = plan.constrain(h, ("batch", "seq", "embed"))
-    y, balance, z, load, dropped = on_device(h, *weights)
-    return y, {"moe_balance": jnp.mean(balance), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load),
-               "moe_dropped": jnp.mean(dropped)}
+    y, balance_loss, z, load, dropped, *bias = on_device(h, *weights)
+    return y, {"moe_balance": jnp.mean(balance_loss), "moe_z": jnp.mean(z), "moe_load": jnp.mean(load),
+               "moe_dropped": jnp.mean(dropped), **({"moe_bias": jnp.mean(bias[0])} if bias else {})}

@@ -4,7 +4,9 @@ rule table) and their roles (for the optimizer's groups, the checkpoint and the 
 are all read from it.
 
 Roles: `matrix` (a projection inside the blocks), `embedding` (a table indexed by token or
-position, or an lm_head over the vocabulary), `norm` (a norm's scale), `bias`.
+position, or an lm_head over the vocabulary), `norm` (a norm's scale), `bias`, `balance` (a
+router's per-expert selection bias, moved after each step by the balancing update and never by the
+optimizer: jaxpar.nn.routing.rebalanced).
 """
 
 from dataclasses import dataclass
@@ -12,16 +14,16 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-MATRIX, EMBEDDING, NORM, BIAS = "matrix", "embedding", "norm", "bias"
+MATRIX, EMBEDDING, NORM, BIAS, BALANCE = "matrix", "embedding", "norm", "bias", "balance"
 FUSED = ("qkv", "gate_up")  # the axis of a fused kernel's parts (q, k, v or gate, up)
-ROLES = (MATRIX, EMBEDDING, NORM, BIAS)
+ROLES = (MATRIX, EMBEDDING, NORM, BIAS, BALANCE)
 
 
 @dataclass(frozen=True)
 class Param:
     """One parameter. Matrices and embeddings are drawn from N(0, std); a `transposed` stacked
     matrix is drawn as (layers, in, out) and stored as (layers, out, in), so a seed gives the same
-    weights in either layout. Norm scales start at 1, biases at 0."""
+    weights in either layout. Norm scales start at 1, biases and balance biases at 0."""
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     role: str
@@ -39,7 +41,7 @@ class Param:
     def initial(self, key) -> jax.Array:
         if self.role == NORM:
             return jnp.ones(self.shape, jnp.float32)
-        if self.role == BIAS:
+        if self.role in (BIAS, BALANCE):
             return jnp.zeros(self.shape, jnp.float32)
         if not self.transposed:
             return self.std * jax.random.normal(key, self.shape, jnp.float32)

@@ -4,6 +4,15 @@ Two routers: the softmax top-k (Mixtral, Qwen3-MoE, OLMoE), its k weights renorm
 and DeepSeek-V3's, sigmoid scores and a top-k within the best groups of experts, where the
 config declares groups. A capacity factor drops the assignments past an expert's share of a
 sequence, in token order. The balance loss, the z-loss and the load are per sequence.
+
+DeepSeek-V3 balances its experts without an auxiliary loss (arXiv 2412.19437, section 2.1.2): a
+per-expert bias (a `balance` param) is added to the scores where experts are chosen, not to the
+weights, and after each step it moves by model.moe_bias_update_rate towards the experts that the
+step's tokens, over the whole mesh, routed to less than the mean. The counts reach the update as
+the bias's gradient: `counted` is zero in value, and its gradient for the bias is the tokens
+routed to each expert. So every layout's gradient machinery (passes, data, tensor, expert and
+pipeline axes, ZeRO) sums them as it sums any gradient, scaled alike for every expert, which the
+update's sign ignores. The step takes them out before the norm and the optimizer.
 """
 
 import functools
@@ -23,30 +32,51 @@ def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
     return logits, probs, weights, experts
 
 
-def route_in_groups(h: jax.Array, router: jax.Array, k: int, n_group: int, topk_group: int, scale: float):
-    """DeepSeek-V3's routing, as `route` returns it: sigmoid scores; the topk_group best of n_group
-    groups of experts, each scored by its two best; the top k within those; the chosen scores
-    normalised to sum to 1, times `scale`. `probs`, for the balance loss, are the scores
-    normalised over the experts (the paper's s'_{i,t})."""
+def route_in_groups(h: jax.Array, router: jax.Array, balance: jax.Array, k: int, n_group: int, topk_group: int,
+                    scale: float):
+    """DeepSeek-V3's routing, as `route` returns it: sigmoid scores, each expert's `balance` bias
+    added where experts are chosen (transformers' e_score_correction_bias); the topk_group best of
+    n_group groups of experts, each scored by its two best; the top k within those; the chosen
+    scores (without the bias) normalised to sum to 1, times `scale`. `probs`, for the balance
+    loss, are the scores normalised over the experts (the paper's s'_{i,t})."""
     logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
     N, E = scores.shape
-    group_scores = jax.lax.top_k(scores.reshape(N, n_group, E // n_group), 2)[0].sum(-1)
+    choice = scores + balance
+    group_scores = jax.lax.top_k(choice.reshape(N, n_group, E // n_group), 2)[0].sum(-1)
     best_groups = jax.lax.top_k(group_scores, topk_group)[1]
     allowed = jnp.repeat(jax.nn.one_hot(best_groups, n_group).sum(1), E // n_group, axis=1) > 0
-    experts = jax.lax.top_k(jnp.where(allowed, scores, 0.0), k)[1]
+    experts = jax.lax.top_k(jnp.where(allowed, choice, 0.0), k)[1]  # 0 for the others, as transformers has it
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20) * scale
     return logits, scores / jnp.sum(scores, axis=-1, keepdims=True), weights, experts
 
 
 def router_of(cfg):
-    """The family's routing (h, router) -> `route`'s four: DeepSeek's in groups where the config
-    declares groups, else the softmax top-k."""
+    """The family's routing (h, router, balance) -> `route`'s four: DeepSeek's in groups where the
+    config declares groups, else the softmax top-k (which has no balance bias: None)."""
     if hasattr(cfg, "n_group"):
         return functools.partial(route_in_groups, k=cfg.experts_per_token, n_group=cfg.n_group,
                                  topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor)
-    return functools.partial(route, k=cfg.experts_per_token, renormalize=cfg.moe_renormalize)
+    return lambda h, router, balance: route(h, router, cfg.experts_per_token, cfg.moe_renormalize)
+
+
+def counted(balance: jax.Array, experts: jax.Array, B: int) -> jax.Array:
+    """(B,) zeros whose gradient for `balance` (E,) is the assignments of this device's tokens
+    (B * T, k) to each expert: each sequence's counts times the bias, less the same stopped."""
+    counts = jax.nn.one_hot(experts, balance.shape[0], dtype=jnp.float32).sum(1).reshape(B, -1, balance.shape[0]).sum(1)
+    carried = counts @ balance
+    return carried - jax.lax.stop_gradient(carried)
+
+
+def rebalanced(balance: jax.Array, routed: jax.Array, rate: float) -> jax.Array:
+    """balance (..., E) moved by rate towards the experts routed to less than the mean: + rate
+    where an expert's count is below its layer's mean, - rate above it. `routed` (..., E): the
+    counts, as one scale times the step's (means over passes and devices, not integers), so a
+    count within a millionth of the mean counts as equal."""
+    mean = jnp.mean(routed, axis=-1, keepdims=True)
+    below = mean - routed
+    return balance + rate * jnp.where(jnp.abs(below) <= 1e-6 * mean, 0.0, jnp.sign(below))
 
 
 def within_capacity(experts: jax.Array, B: int, capacity: int) -> jax.Array:

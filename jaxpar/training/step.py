@@ -1,7 +1,9 @@
 """The train state, the optimizer and the jitted train and eval steps.
 
 A step reads top to bottom: the passes' loss and gradients (jaxpar.training.passes), their global
-norm, the clipped update of the optimizer from the registry (jaxpar.training.optimizers).
+norm, the clipped update of the optimizer from the registry (jaxpar.training.optimizers), and
+where the routers have balance biases, their move by the step's routed counts, which reach the step
+in the biases' gradient slots (jaxpar.nn.routing).
 Shardings come from the rule table and are pinned through jit in/out shardings, so a step can
 never change where a parameter or an optimizer moment lives.
 """
@@ -20,6 +22,8 @@ from jaxpar.core.axes import PIPE, pipeline_microbatches
 from jaxpar.core.config import Config, TrainConfig
 from jaxpar.core.sharding import shardings_for, split_ways
 from jaxpar.models.family import Transformer
+from jaxpar.nn.params import BALANCE
+from jaxpar.nn.routing import rebalanced
 from jaxpar.parallel import pipeline, zero
 from jaxpar.training import muon, optimizers
 from jaxpar.training.passes import laid_out, make_grad_fn, make_loss_fn
@@ -104,17 +108,27 @@ def make_train_step(cfg: Config, model: Transformer, tx, shardings: TrainState, 
     microbatches, so the update equals one step on the whole global batch.
     """
     grads_of = make_grad_fn(cfg, model, zero_plan.grads)
+    roles, rate = model.roles(), getattr(cfg.model, "moe_bias_update_rate", 0.0)
 
     def step(state: TrainState, batch):
-        metrics, grads = grads_of(state.params, *batch, state.step)
+        metrics, routed = grads_of(state.params, *batch, state.step)
+        grads = without_balance(routed, roles)
         grad_norm = optax.tree.norm(grads)
         clipped = optimizers.clip(grads, grad_norm, cfg.optimizer)
         updates, opt_state = tx.update(clipped, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = optax.apply_updates(state.params, without_balance(updates, roles))
+        params = jax.tree.map(lambda p, r, role: rebalanced(p, r, rate) if role == BALANCE else p,
+                              params, routed, roles)
         return TrainState(state.step + 1, params, opt_state), {**metrics, "grad_norm": grad_norm}
 
     return jax.jit(step, in_shardings=(shardings, (batch_sharding, batch_sharding)),
                    out_shardings=(shardings, None), donate_argnums=0)
+
+
+def without_balance(tree: dict, roles: dict) -> dict:
+    """A params-shaped tree with zeros for the balance biases: their gradient slots hold routed
+    counts, and only the balancing update moves them."""
+    return jax.tree.map(lambda a, role: jnp.zeros_like(a) if role == BALANCE else a, tree, roles)
 
 
 def make_eval_step(cfg: Config, model: Transformer, param_shardings, batch_sharding):

@@ -3,7 +3,7 @@ attention (MLA) and the router of its mixture of experts; and their checks.
 
 Hugging Face's names: q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
 n_shared_experts, n_group, topk_group, routed_scaling_factor, first_k_dense_replace (here the
-first k of model.dense_layers).
+first k of model.dense_layers); the router's balance bias is e_score_correction_bias.
 """
 
 from dataclasses import dataclass
@@ -32,6 +32,10 @@ class DeepseekConfig(LlamaConfig):
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Balancing without an auxiliary loss: each expert's selection bias moves by this much after
+    # each step, up where the step routed it fewer tokens than the mean, down where more
+    # (DeepSeek-V3's gamma; 0 keeps the biases as they are).
+    moe_bias_update_rate: float = 0.001
     router_z_coef: float = 0.0  # sigmoid scores: no softmax for a z-loss to keep in range
 
     @property
@@ -74,6 +78,7 @@ def check_router(m: DeepseekConfig) -> None:
     if not 1 <= m.topk_group <= m.n_group or m.experts_per_token > m.topk_group * (m.n_experts // m.n_group):
         raise UserError(f"model.topk_group={m.topk_group} must be between 1 and model.n_group={m.n_group}, "
                         f"and its groups must hold model.experts_per_token={m.experts_per_token} experts")
-    if m.n_shared_experts < 0 or m.routed_scaling_factor <= 0:
-        raise UserError(f"model.n_shared_experts must be >= 0 and model.routed_scaling_factor > 0; got "
-                        f"{m.n_shared_experts}, {m.routed_scaling_factor}")
+    if m.n_shared_experts < 0 or m.routed_scaling_factor <= 0 or m.moe_bias_update_rate < 0:
+        raise UserError("model.n_shared_experts and model.moe_bias_update_rate must be >= 0, and "
+                        f"model.routed_scaling_factor > 0; got {m.n_shared_experts}, {m.moe_bias_update_rate}, "
+                        f"{m.routed_scaling_factor}")

@@ -1,5 +1,6 @@
 """The DeepSeek-V3 family: Llama's block (jaxpar.models.llama.model) with multi-head latent
-attention (MLA) and a mixture of experts routed in groups, with shared experts beside the routed ones.
+attention (MLA) and a mixture of experts routed in groups, with shared experts beside the routed ones,
+balanced by a per-expert selection bias that the step moves (jaxpar.nn.routing), not by a loss alone.
 
 MLA: each token's keys and values come from one kv_lora_rank latent (after its RMSNorm), each
 head's key qk_nope_head_dim wide from it, plus one qk_rope_head_dim key rotated by position and
@@ -20,7 +21,7 @@ from jaxpar.core.config import ModelConfig
 from jaxpar.models.llama import rope
 from jaxpar.models.llama.model import Layer, Llama, block, declare_mlps, heads_first, rms_norm
 from jaxpar.nn.layers import attention, token_positions
-from jaxpar.nn.params import dense, norm
+from jaxpar.nn.params import BALANCE, Param, dense, norm
 
 QKV = ("batch", "heads", "seq", "head_dim")
 
@@ -92,8 +93,18 @@ class Deepseek(Llama):
     def declare_blocks(self) -> dict:
         cfg = self.cfg
         std, resid_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)  # as Llama's
-        return {**declare_attention(cfg, std, resid_std), "mlp_norm": norm((cfg.n_layer, cfg.n_embd), ("layers", "embed")),
-                **declare_mlps(cfg, std, resid_std), **declare_shared_experts(cfg, std, resid_std)}
+        mlps = declare_mlps(cfg, std, resid_std)
+        if "router" in mlps:  # each expert's selection bias (jaxpar.nn.routing), on the router's stack
+            stack = mlps["router"]["kernel"].axes[0]
+            mlps["router"]["balance"] = Param((len(cfg.layers_in(stack)), cfg.n_experts), (stack, "routes"), BALANCE)
+        mlp_norm = norm((cfg.n_layer, cfg.n_embd), ("layers", "embed"))
+        return {**declare_attention(cfg, std, resid_std), "mlp_norm": mlp_norm, **mlps,
+                **declare_shared_experts(cfg, std, resid_std)}
+
+    def loss_weights(self) -> dict[str, float]:
+        """Llama's, and `moe_bias`: the balance biases' mean size, logged; in the training loss
+        it adds a constant, and carries the routed counts to the biases as their gradient."""
+        return super().loss_weights() | ({"moe_bias": 1.0} if self.cfg.n_experts else {})
 
     def block(self, plan, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
         x, losses, cache = block(plan, x, p, axes, self.cfg, self.dtype, key, cache, doc_starts, latent_attention)
