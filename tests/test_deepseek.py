@@ -7,6 +7,8 @@ device, losses, router losses and params at the suite's tolerances; its keys ref
 family.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,6 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.models.deepseek.model import latent_attention
 from jaxpar.models.family import build_model
-from jaxpar.models.llama import rope
 from jaxpar.models.llama.model import Layer
 from jaxpar.nn import routing
 
@@ -48,7 +49,7 @@ def hand_counts(x: np.ndarray, router: np.ndarray, balance: np.ndarray, k=2, n_g
         groups = np.sort(choice.reshape(n_group, -1), axis=1)[:, -2:].sum(1)
         best = np.argsort(-groups)[:topk_group]
         allowed = np.isin(np.arange(choice.size) // (choice.size // n_group), best)
-        counts[np.argsort(-np.where(allowed, choice, 0.0))[:k]] += 1
+        counts[np.argsort(-np.where(allowed, choice, -np.inf))[:k]] += 1
     return counts
 
 
@@ -88,22 +89,24 @@ def test_only_the_balancing_update_moves_the_biases():
 
 
 def plain_mla(p: dict, x: np.ndarray, cfg) -> np.ndarray:
-    """MLA head by head in float64 numpy: what latent_attention must give (before the residual)."""
+    """MLA head by head in float64 numpy: what latent_attention must give (before the residual).
+    The rotated dims are pairs (x0, x1), (x2, x3), ..., each pair rotated by its own frequency."""
     def rms(a, scale):
         return a / np.sqrt(np.mean(a * a, -1, keepdims=True) + cfg.norm_eps) * scale
     T = x.shape[1]
-    Dn, Dr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    Dn, Dr, Rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     h = rms(x, p["attn_norm"]["scale"])
     q = np.einsum("btr,rhd->bthd", rms(h @ p["q_a"]["kernel"], p["q_a_norm"]["scale"]), p["q_b"]["kernel"])
-    latent = rms(h @ p["kv_a"]["kernel"], p["kv_a_norm"]["scale"])
-    k_nope = np.einsum("btr,rhd->bthd", latent, p["k_b"]["kernel"])
-    v = np.einsum("btr,rhd->bthd", latent, p["v_b"]["kernel"])
-    cos, sin = (np.asarray(a, np.float64) for a in rope.angles(cfg, Dr, jnp.arange(T)))
-    def rotate(a):  # (..., T, Dr)
-        half = Dr // 2
-        return a * cos + np.concatenate([-a[..., half:], a[..., :half]], -1) * sin
+    latent = rms(h @ p["kv_a"]["kernel"][:, :Rkv], p["kv_a_norm"]["scale"])
+    k_nope = np.einsum("btr,rhd->bthd", latent, p["kv_b"]["kernel"][..., :Dn])
+    v = np.einsum("btr,rhd->bthd", latent, p["kv_b"]["kernel"][..., Dn:])
+    angle = np.arange(T)[:, None] * cfg.rope_theta ** (-np.arange(0, Dr, 2) / Dr)  # (T, Dr / 2)
+    def rotate(a):  # (..., T, Dr) in pairs -> rotated, as (the pairs' firsts, their seconds)
+        first, second = a[..., 0::2], a[..., 1::2]
+        return np.concatenate([first * np.cos(angle) - second * np.sin(angle),
+                               second * np.cos(angle) + first * np.sin(angle)], -1)
     q_rope = rotate(q[..., Dn:].transpose(0, 2, 1, 3))  # (B, H, T, Dr)
-    k_rope = rotate((h @ p["k_rope"]["kernel"])[:, None])  # (B, 1, T, Dr), every head's
+    k_rope = rotate((h @ p["kv_a"]["kernel"][:, Rkv:])[:, None])  # (B, 1, T, Dr), every head's
     scores = (np.einsum("bthd,bshd->bhts", q[..., :Dn], k_nope) + np.einsum("bhtd,bhsd->bhts", q_rope,
               np.broadcast_to(k_rope, q_rope.shape))) / np.sqrt(Dn + Dr)
     scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
@@ -114,8 +117,9 @@ def plain_mla(p: dict, x: np.ndarray, cfg) -> np.ndarray:
 
 def test_latent_attention_is_mla_head_by_head():
     """latent_attention (values zero-padded to the query-key width through the kernel) against
-    plain_mla, within 1e-5 of the output's largest magnitude. Control: with the rotation off (every
-    angle ~0) the output differs by over 1% of it."""
+    plain_mla, within 1e-5 of the output's largest magnitude. Controls: with the rotated dims taken
+    as halves instead of pairs, or with the rotation off (every angle ~0), the output differs by 100
+    times that."""
     cfg = tiny_config(DEEPSEEK).model
     model = build_model(tiny_config(DEEPSEEK), 65, None, ExecutionPlan())
     params = model.init(0)
@@ -128,9 +132,11 @@ def test_latent_attention_is_mla_head_by_head():
     want = plain_mla(jax.tree.map(lambda a: np.asarray(a, np.float64), layer_p), x.astype(np.float64), cfg)
     assert np.max(np.abs(want)) > 0.5
     np.testing.assert_allclose(got, want, atol=1e-5 * np.max(np.abs(want)), rtol=0)
-    cfg.rope_theta = 1e30  # every angle ~0: no rotation
-    unrotated = np.asarray(latent_attention(layer, jnp.asarray(x), (None, None))[0]) - x
-    assert np.max(np.abs(unrotated - want)) > 1e-2 * np.max(np.abs(want))
+    for change in ({"rope_interleave": False}, {"rope_theta": 1e30}):  # halves, not pairs; no rotation
+        other = Layer(ExecutionPlan(), layer_p, jax.tree.map(lambda _: None, layer_p),
+                      dataclasses.replace(cfg, **change), jnp.float32)
+        wrong = np.asarray(latent_attention(other, jnp.asarray(x), (None, None))[0]) - x
+        assert np.max(np.abs(wrong - want)) > 100 * 1e-5 * np.max(np.abs(want)), change  # 100x the tolerance
 
 
 @pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("dp=2,ep=2", {"model.q_lora_rank": 0}),

@@ -129,7 +129,7 @@ def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
 @pytest.mark.parametrize("hf_dir, change, expected", [
     (QWEN3, {"model_type": "qwen2_moe", "shared_expert_intermediate_size": 32},
      "has shared experts (shared_expert_intermediate_size=32)"),
-    (QWEN3, {"model_type": "deepseek_v3", "n_shared_experts": 1, "scoring_func": "sigmoid", "n_group": 8,
+    (QWEN3, {"model_type": "deepseek_v2", "n_shared_experts": 1, "scoring_func": "sigmoid", "n_group": 8,
              "topk_group": 4}, "shared experts (n_shared_experts=1), sigmoid routing (scoring_func=sigmoid), "
      "grouped routing (n_group=8, topk_group=4)"),
     (MIXTRAL, {"router_jitter_noise": 0.1}, "has router jitter (router_jitter_noise=0.1)"),

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out, for every model family: a directory with config.json and
 model.safetensors (or the shards model.safetensors.index.json names), as save_pretrained writes it.
 
-Each family's names and layouts are modules in its folder (gpt2/hf.py, llama/hf.py, llama/hf_moe.py:
+Each family's names and layouts are modules in its folder (gpt2/hf.py, llama/hf.py, llama/hf_moe.py,
+deepseek/hf.py:
 each one table that jaxpar.formats.hf_mapping reads and writes by), which its registry entry names;
 one is picked by config.json's model_type on the way in and by the model's family on the way out.
 In: `apply_hf_config` sets the model's shape from config.json and refuses what jaxpar does not
@@ -27,8 +28,8 @@ from jaxpar.nn.params import in_order
 # and on the way out by the family's `exported_as` (jaxpar.models.interface.Registered).
 ADAPTERS = {kind: adapter for entry in FAMILIES.values() for adapter in entry.hf_formats
             for kind in adapter.MODEL_TYPES}
-SUPPORTED = ("gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), qwen3, mixtral (MixtralForCausalLM) and "
-             "qwen3_moe (Qwen3MoeForCausalLM)")
+SUPPORTED = ("gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), qwen3, mixtral (MixtralForCausalLM), "
+             "qwen3_moe (Qwen3MoeForCausalLM) and deepseek_v3 (DeepseekV3ForCausalLM, kimi_k2)")
 
 
 def format_of(config: dict, path: Path):

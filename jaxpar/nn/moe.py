@@ -33,9 +33,9 @@ import jax.numpy as jnp
 
 from jaxpar.core.axes import EXPERT
 from jaxpar.core.errors import UserError
+from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
-from jaxpar.core.platform import GPUS
 from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, within_capacity
 
 

@@ -33,12 +33,13 @@ def route(h: jax.Array, router: jax.Array, k: int, renormalize: bool):
 
 
 def route_in_groups(h: jax.Array, router: jax.Array, balance: jax.Array, k: int, n_group: int, topk_group: int,
-                    scale: float):
+                    scale: float, renormalize: bool = True):
     """DeepSeek-V3's routing, as `route` returns it: sigmoid scores, each expert's `balance` bias
     added where experts are chosen (transformers' e_score_correction_bias); the topk_group best of
     n_group groups of experts, each scored by its two best; the top k within those; the chosen
-    scores (without the bias) normalised to sum to 1, times `scale`. `probs`, for the balance
-    loss, are the scores normalised over the experts (the paper's s'_{i,t})."""
+    scores (without the bias) normalised to sum to 1 (unless not `renormalize`: norm_topk_prob),
+    times `scale`. `probs`, for the balance loss, are the scores normalised over the experts (the
+    paper's s'_{i,t})."""
     logits = jnp.dot(h.astype(jnp.float32), router.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
     N, E = scores.shape
@@ -46,9 +47,11 @@ def route_in_groups(h: jax.Array, router: jax.Array, balance: jax.Array, k: int,
     group_scores = jax.lax.top_k(choice.reshape(N, n_group, E // n_group), 2)[0].sum(-1)
     best_groups = jax.lax.top_k(group_scores, topk_group)[1]
     allowed = jnp.repeat(jax.nn.one_hot(best_groups, n_group).sum(1), E // n_group, axis=1) > 0
-    experts = jax.lax.top_k(jnp.where(allowed, choice, 0.0), k)[1]  # 0 for the others, as transformers has it
+    experts = jax.lax.top_k(jnp.where(allowed, choice, -jnp.inf), k)[1]
     weights = jnp.take_along_axis(scores, experts, axis=-1)
-    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20) * scale
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * scale
     return logits, scores / jnp.sum(scores, axis=-1, keepdims=True), weights, experts
 
 
@@ -57,7 +60,8 @@ def router_of(cfg):
     config declares groups, else the softmax top-k (which has no balance bias: None)."""
     if hasattr(cfg, "n_group"):
         return functools.partial(route_in_groups, k=cfg.experts_per_token, n_group=cfg.n_group,
-                                 topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor)
+                                 topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor,
+                                 renormalize=cfg.moe_renormalize)
     return lambda h, router, balance: route(h, router, cfg.experts_per_token, cfg.moe_renormalize)
 
 

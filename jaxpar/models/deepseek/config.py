@@ -24,6 +24,9 @@ class DeepseekConfig(LlamaConfig):
     qk_nope_head_dim: int = 32
     qk_rope_head_dim: int = 16
     v_head_dim: int = 32
+    # The rotated dims in pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them out
+    # (transformers' rope_interleave); false: in halves, as Llama's are.
+    rope_interleave: bool = True
     # The router: sigmoid scores; the topk_group best of n_group groups of experts (a group scored
     # by its two best), then experts_per_token within them; the chosen scores normalised to sum to
     # 1 and times routed_scaling_factor. n_shared_experts experts that every token passes through,

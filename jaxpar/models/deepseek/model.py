@@ -6,7 +6,10 @@ MLA: each token's keys and values come from one kv_lora_rank latent (after its R
 head's key qk_nope_head_dim wide from it, plus one qk_rope_head_dim key rotated by position and
 shared by every head; the query likewise in two parts, through a q_lora_rank bottleneck where
 one is set. The values are v_head_dim wide; narrower than the query-key heads, they go through
-the attention kernel zero-padded to that width, and the padding is dropped after.
+the attention kernel zero-padded to that width, and the padding is dropped after. The weights are
+laid out as Hugging Face's are (hf.py): the latent and the rotated key from one projection
+(`kv_a`), each head's key and value from another (`kv_b`); with model.rope_interleave the rotated
+dims are pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them out.
 
 The code names logical axes only: the latents' 'latent' axis is replicated; heads split over
 'tensor' as Llama's do.
@@ -36,11 +39,9 @@ def declare_attention(cfg: ModelConfig, std: float, resid_std: float) -> dict:
              {"q": dense(std, (L, C, H, Dn + Dr), ("layers", "embed", "heads", "head_dim"), 2, False)})
     return {
         "attn_norm": norm((L, C), ("layers", "embed")), **query,
-        "kv_a": dense(std, (L, C, Rkv), ("layers", "embed", "latent"), 1, False),
+        "kv_a": dense(std, (L, C, Rkv + Dr), ("layers", "embed", "latent"), 1, False),  # the latent, the rotated key
         "kv_a_norm": norm((L, Rkv), ("layers", "latent")),
-        "k_rope": dense(std, (L, C, Dr), ("layers", "embed", "head_dim"), 1, False),
-        "k_b": dense(std, (L, Rkv, H, Dn), ("layers", *heads), 2, False),
-        "v_b": dense(std, (L, Rkv, H, Dv), ("layers", *heads), 2, False),
+        "kv_b": dense(std, (L, Rkv, H, Dn + Dv), ("layers", *heads), 2, False),  # each head's key, its value
         "attn_out": dense(resid_std, (L, H, Dv, C), ("layers", "heads", "head_dim", "embed"), 1, False),
     }
 
@@ -56,6 +57,12 @@ def declare_shared_experts(cfg: ModelConfig, std: float, resid_std: float) -> di
             "shared_out": dense(resid_std, (L, F, C), (stack, "mlp", "embed"), 1, False, transposed=True)}
 
 
+def paired(x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotated dims laid out in pairs (x0, x1), (x2, x3), ... (model.rope_interleave) regrouped
+    into the halves that rope.apply rotates: the evens, then the odds, as transformers does."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1) if cfg.rope_interleave else x
+
+
 def latent_attention(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_starts=None):
     """MLA -> (x after the residual, cache); as Llama's attention_part otherwise."""
     plan, cfg, p, dtype = layer.plan, layer.cfg, layer.p, layer.dtype
@@ -67,13 +74,15 @@ def latent_attention(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_st
         q = layer.dot("nr,rhd->nhd", q_latent.astype(dtype), p["q_b"]["kernel"])
     else:
         q = layer.dot("nc,chd->nhd", h, p["q"]["kernel"])
-    latent = rms_norm(layer.dot("nc,cr->nr", h, p["kv_a"]["kernel"]), p["kv_a_norm"], cfg.norm_eps).astype(dtype)
-    k_nope, v = (layer.dot("nr,rhd->nhd", latent, p[name]["kernel"]).astype(dtype) for name in ("k_b", "v_b"))
+    latent_and_rope = layer.dot("nc,cr->nr", h, p["kv_a"]["kernel"])
+    latent = rms_norm(latent_and_rope[:, :-Dr], p["kv_a_norm"], cfg.norm_eps).astype(dtype)
+    k_nope_and_v = layer.dot("nr,rhd->nhd", latent, p["kv_b"]["kernel"]).astype(dtype)
+    k_nope, v = k_nope_and_v[..., :Dn], k_nope_and_v[..., Dn:]
     cos, sin = rope.angles(cfg, Dr, token_positions(plan, T, cache, doc_starts))
     q = heads_first(plan, q.astype(dtype), B, T, QKV)
-    q = jnp.concatenate([q[..., :Dn], rope.apply(q[..., Dn:], cos, sin)], axis=-1)
-    k_rope = layer.dot("nc,cd->nd", h, p["k_rope"]["kernel"]).astype(dtype).reshape(B, T, 1, Dr).transpose(0, 2, 1, 3)
-    k_rope = jnp.broadcast_to(rope.apply(k_rope, cos, sin), (B, H, T, Dr))  # one rotated key for every head
+    q = jnp.concatenate([q[..., :Dn], rope.apply(paired(q[..., Dn:], cfg), cos, sin)], axis=-1)
+    k_rope = latent_and_rope[:, -Dr:].astype(dtype).reshape(B, T, 1, Dr).transpose(0, 2, 1, 3)
+    k_rope = jnp.broadcast_to(rope.apply(paired(k_rope, cfg), cos, sin), (B, H, T, Dr))  # one for every head
     k = plan.constrain(jnp.concatenate([heads_first(plan, k_nope, B, T, QKV), k_rope], axis=-1),
                        ("batch", "kv_heads", "seq", "head_dim"))
     v = heads_first(plan, v, B, T, ("batch", "kv_heads", "seq", "head_dim"))

@@ -40,7 +40,7 @@ def dialect(architecture: str, block: str, gate: str, up: str, down: str) -> Dia
 DIALECTS = {"mixtral": dialect("MixtralForCausalLM", "block_sparse_moe", "w1", "w3", "w2"),
             "qwen3_moe": dialect("Qwen3MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj")}
 # The MoEs jaxpar does not compute are read too, so that their refusals can say why.
-MODEL_TYPES = (*DIALECTS, "qwen2_moe", "deepseek_v2", "deepseek_v3")
+MODEL_TYPES = (*DIALECTS, "qwen2_moe", "deepseek_v2")  # DeepSeek-V3's: jaxpar.models.deepseek.hf
 
 
 def refused_variants(config: dict) -> list[str]:

@@ -1,0 +1,135 @@
+"""Hugging Face's DeepseekV3ForCausalLM and jaxpar's DeepSeek family: config.json's fields and the
+weights' names, both ways; also the configs of Moonlight (model_type deepseek_v3) and Kimi K2
+(kimi_k2), which reuse the architecture. Used through jaxpar.models.hf.
+
+jaxpar lays MLA's weights out as HF does (model.py): `kv_a` is kv_a_proj_with_mqa (the latent, then
+the rotated key), `kv_b` is kv_b_proj (each head's unrotated key, then its value), and with
+rope_interleave the rotated dims stay in DeepSeek's pairs. So every weight maps with a transpose
+and a reshape, as Llama's do; the router's e_score_correction_bias is the balance bias, and each
+expert's and the shared experts' gate, up and down projections are Mixtral's kind of tensors.
+Multi-token prediction layers past num_hidden_layers are not read.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.core.config import Config
+from jaxpar.core.errors import UserError
+from jaxpar.formats.hf_mapping import Mapping, Weight
+from jaxpar.models.llama import hf as hf_llama
+
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+EXPERT = "mlp.experts.{e}."
+MAPPING = Mapping(layer="model.layers.{i}.", out_first=True, blocks={
+    ("attn_norm", "scale"): Weight("input_layernorm.weight"),
+    ("q_a", "kernel"): Weight("self_attn.q_a_proj.weight"),
+    ("q_a_norm", "scale"): Weight("self_attn.q_a_layernorm.weight"),
+    ("q_b", "kernel"): Weight("self_attn.q_b_proj.weight", (1, 2)),  # (latent, heads, head_dim)
+    ("q", "kernel"): Weight("self_attn.q_proj.weight", (1, 2)),  # without a query bottleneck
+    ("kv_a", "kernel"): Weight("self_attn.kv_a_proj_with_mqa.weight"),
+    ("kv_a_norm", "scale"): Weight("self_attn.kv_a_layernorm.weight"),
+    ("kv_b", "kernel"): Weight("self_attn.kv_b_proj.weight", (1, 2)),
+    ("attn_out", "kernel"): Weight("self_attn.o_proj.weight", (2, 1)),  # (heads, head_dim, embed)
+    ("mlp_norm", "scale"): Weight("post_attention_layernorm.weight"),
+    ("gate_up", "kernel"): Weight(("mlp.gate_proj.weight", "mlp.up_proj.weight")),  # the dense first layers
+    ("mlp_out", "kernel"): Weight("mlp.down_proj.weight"),
+    ("router", "kernel"): Weight("mlp.gate.weight"),
+    ("router", "balance"): Weight("mlp.gate.e_score_correction_bias"),
+    ("experts_gate_up", "kernel"): Weight((f"{EXPERT}gate_proj.weight", f"{EXPERT}up_proj.weight")),
+    ("experts_out", "kernel"): Weight(f"{EXPERT}down_proj.weight"),
+    ("shared_gate_up", "kernel"): Weight(("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
+    ("shared_out", "kernel"): Weight("mlp.shared_experts.down_proj.weight"),
+}, top=hf_llama.MAPPING.top)
+FIELDS = [  # (jaxpar's model field, config.json's key, its type)
+    ("n_layer", "num_hidden_layers", int), ("n_head", "num_attention_heads", int), ("n_embd", "hidden_size", int),
+    ("mlp_dim", "intermediate_size", int), ("kv_lora_rank", "kv_lora_rank", int),
+    ("qk_nope_head_dim", "qk_nope_head_dim", int), ("qk_rope_head_dim", "qk_rope_head_dim", int),
+    ("v_head_dim", "v_head_dim", int), ("n_experts", "n_routed_experts", int),
+    ("experts_per_token", "num_experts_per_tok", int), ("moe_mlp_dim", "moe_intermediate_size", int),
+    ("n_shared_experts", "n_shared_experts", int), ("n_group", "n_group", int), ("topk_group", "topk_group", int),
+    ("routed_scaling_factor", "routed_scaling_factor", float)]
+
+
+def check_supported(config: dict, path: Path) -> None:
+    """What jaxpar's DeepSeek does not compute, refused by name."""
+    why = {"quantization_config": "quantized weights (quantization_config): pass a bf16 or f32 checkpoint",
+           "attention_bias": "biases in attention (attention_bias=true)"}
+    for key, what in why.items():
+        if config.get(key):
+            hf_llama.refuse(path, what, "jaxpar's DeepSeek computes DeepseekV3ForCausalLM's math")
+    if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
+        hf_llama.refuse(path, f"{config.get('scoring_func')} routing by {config.get('topk_method')}",
+                        "jaxpar routes as DeepSeek-V3 does: sigmoid scores, noaux_tc")
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    if heads != config.get("num_attention_heads"):
+        hf_llama.refuse(path, f"num_key_value_heads={heads} unlike num_attention_heads",
+                        "MLA gives every head its own key and value")
+    if config.get("hidden_act", "silu") != "silu":
+        hf_llama.refuse(path, f"hidden_act '{config['hidden_act']}'", "its SwiGLU uses silu")
+
+
+def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]], int, int]:
+    """([(model field, value, where config.json says so)], vocab_size, positions it can see)."""
+    check_supported(config, path)
+    try:
+        fields = [(field, kind(config[key]), f"{key}={config[key]}") for field, key, kind in FIELDS]
+        vocab_size, positions = int(config["vocab_size"]), int(config.get("max_position_embeddings", 4096))
+        dense = int(config["first_k_dense_replace"])
+    except (KeyError, TypeError) as e:
+        raise UserError(f"'{path}' has no usable {e.args[0]}; pass a complete DeepSeek-V3 config.json") from None
+    q_rank, eps = int(config.get("q_lora_rank") or 0), float(config.get("rms_norm_eps", 1e-6))
+    tied, interleave = bool(config.get("tie_word_embeddings", False)), bool(config.get("rope_interleave", True))
+    fields += [("family", "deepseek", f"model_type={config.get('model_type')}"),
+               ("q_lora_rank", q_rank, f"q_lora_rank={config.get('q_lora_rank')}"),
+               ("rope_interleave", interleave, f"rope_interleave={config.get('rope_interleave', True)}"),
+               ("moe_renormalize", bool(config.get("norm_topk_prob", True)),
+                f"norm_topk_prob={config.get('norm_topk_prob', True)}"),
+               ("dense_layers", ",".join(map(str, range(dense))), f"first_k_dense_replace={dense}"),
+               ("moe_every", 1, "first_k_dense_replace"), ("norm_eps", eps, f"rms_norm_eps={eps}"),
+               ("tie_embeddings", tied, f"tie_word_embeddings={str(tied).lower()}"),
+               ("max_positions", positions, f"max_position_embeddings={positions}")]
+    return fields + hf_llama.rope_fields(config, path), vocab_size, positions
+
+
+def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
+    """{param path: make_array_from_callback's reader} for every declared param, all checked."""
+    return hf_llama.readers(tensors, cfg, vocab_size, declared, path, MAPPING)
+
+
+def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """jaxpar's params as DeepseekV3ForCausalLM.save_pretrained writes them."""
+    check_exportable(cfg)
+    return MAPPING.state_dict(params, declared, cfg, vocab_size, dtype)
+
+
+def check_exportable(cfg: Config) -> None:
+    m = cfg.model
+    if not m.n_experts or m.dense_layer_ids != tuple(range(len(m.dense_layer_ids))) or m.moe_every != 1:
+        raise UserError(f"DeepseekV3ForCausalLM has experts in every layer after its first dense ones "
+                        f"(first_k_dense_replace), and this model has n_experts={m.n_experts}, dense_layers="
+                        f"'{m.dense_layers}', moe_every={m.moe_every}; train one laid out so to export it")
+
+
+def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+    """config.json of DeepseekV3ForCausalLM, as transformers 5 writes it."""
+    check_exportable(cfg)
+    m = cfg.model
+    rope = {"rope_theta": m.rope_theta, "rope_type": m.rope_type}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+        "attention_dropout": m.dropout, "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype,
+        "first_k_dense_replace": len(m.dense_layer_ids), "head_dim": m.qk_rope_head_dim, "hidden_act": "silu",
+        "hidden_size": m.n_embd, "initializer_range": 0.02, "intermediate_size": m.mlp_width,
+        "kv_lora_rank": m.kv_lora_rank, "max_position_embeddings": max(m.block_size, m.max_positions),
+        "moe_intermediate_size": m.expert_width, "n_group": m.n_group, "n_routed_experts": m.n_experts,
+        "n_shared_experts": m.n_shared_experts, "norm_topk_prob": m.moe_renormalize,
+        "num_attention_heads": m.n_head, "num_experts_per_tok": m.experts_per_token, "num_hidden_layers": m.n_layer,
+        "num_key_value_heads": m.n_head, "num_nextn_predict_layers": 0, "output_router_logits": False,
+        "pad_token_id": None, "pretraining_tp": 1,
+        "q_lora_rank": m.q_lora_rank or None, "qk_head_dim": m.head_size, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "rms_norm_eps": m.norm_eps, "rope_interleave": m.rope_interleave,
+        "rope_parameters": rope, "routed_scaling_factor": m.routed_scaling_factor,
+        "tie_word_embeddings": m.tie_embeddings, "topk_group": m.topk_group, "use_cache": True,
+        "v_head_dim": m.v_head_dim, "vocab_size": vocab_size,
+    }

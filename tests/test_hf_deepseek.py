@@ -1,0 +1,92 @@
+"""Hugging Face DeepSeek-V3 in and out: transformers' DeepseekV3ForCausalLM logits on one device and on
+an expert- and tensor-parallel mesh (and through the decoding cache), the export bit for bit under
+HF's names, and what jaxpar does not compute refused in one line.
+
+The fixtures (tests/fixtures/hf_deepseek_*, made by scripts/make_hf_deepseek_fixtures.py with
+transformers 5.24) are random models with vocab 101 whose routers, with a non-zero correction bias,
+send tokens to every expert: one with a query bottleneck, 8 routed experts in 4 groups and a dense
+first layer in float32; one without the bottleneck, 4 experts in 2 groups, tied, in bfloat16.
+Tolerance: logits within rtol 1e-5 plus atol 1e-5 of transformers' float32 ones (of order 1 to 5).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import logits_of
+from helpers import placed as placed_on
+from test_hf_moe import tensors_of
+
+from jaxpar.core.errors import UserError
+from jaxpar.models import hf
+from jaxpar.models.decode import empty_cache, forward
+from jaxpar.models.family import build_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+V3, V3_BF16 = FIXTURES / "hf_deepseek_v3", FIXTURES / "hf_deepseek_v3_bf16"
+RTOL = ATOL = 1e-5
+
+
+@pytest.mark.parametrize("hf_dir, spec", [(V3, "dp=1"), (V3, "ep=2,tp=2"), (V3_BF16, "dp=1")])
+def test_hf_deepseek_gives_transformers_logits(hf_dir, spec):
+    cfg, vocab, mesh, shardings = placed_on(spec, 0, hf_dir)
+    m = cfg.model
+    assert (m.family, m.q_lora_rank, m.n_experts, m.dense_layers, m.rope_interleave) == \
+        {V3: ("deepseek", 16, 8, "0", True), V3_BF16: ("deepseek", 0, 4, "0", True)}[hf_dir]
+    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+    assert np.abs(np.asarray(params["blocks"]["router"]["balance"])).max() > 0.01  # the correction bias read
+    ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
+    np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
+    if hf_dir == V3 and spec == "dp=1":  # the cached forward pass, all at once and then in two parts
+        model = build_model(cfg, vocab)
+        with jax.set_mesh(mesh):
+            decode = jax.jit(lambda p, t, c, pos: forward(model, p, t, c, pos), static_argnums=3)
+            _, cache = decode(params, ids[:, :9], empty_cache(model, 2), 0)
+            rest, _ = decode(params, ids[:, 9:], cache, 9)
+        np.testing.assert_allclose(np.asarray(rest)[..., :vocab], expected[:, 9:], RTOL, ATOL)
+        # Controls: the rotated dims taken as halves, or the correction bias left out of the choice.
+        cfg.model.rope_interleave = False
+        assert np.abs(logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 100 * ATOL
+        cfg.model.rope_interleave = True
+        unbiased = jax.tree.map(lambda a: a, params)
+        unbiased["blocks"]["router"]["balance"] = 0 * params["blocks"]["router"]["balance"]
+        assert np.abs(logits_of(cfg, vocab, mesh, unbiased, ids) - expected).max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("hf_dir", [V3, V3_BF16])
+def test_export_is_what_save_pretrained_writes(hf_dir):
+    cfg, vocab, _, shardings = placed_on("dp=1", 0, hf_dir)
+    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+    original = tensors_of(hf_dir)
+    dtype = original["model.norm.weight"].dtype
+    exported = hf.hf_state_dict(params, cfg, vocab, dtype=dtype)
+    assert sorted(exported) == sorted(original)
+    for name, array in original.items():  # bf16 -> float32 master weights -> bf16: exact
+        assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
+    config, written = json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
+    for key, value in config.items():
+        if key not in ("dtype", "initializer_range", "transformers_version", "num_nextn_predict_layers"):
+            assert written[key] == value, key
+
+
+def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
+    out = tmp_path / "hf"
+    shutil.copytree(hf_dir, out)
+    (out / "config.json").write_text(json.dumps(json.loads((hf_dir / "config.json").read_text()) | change))
+    return out
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"quantization_config": {"quant_method": "fp8"}}, "has quantized weights (quantization_config)"),
+    ({"scoring_func": "softmax"}, "has softmax routing by None"),
+    ({"num_key_value_heads": 2}, "has num_key_value_heads=2 unlike num_attention_heads"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40}}, "has rope type 'yarn'"),
+    ({"n_group": 3}, "model.n_group=3 must divide model.n_experts=8"),
+])
+def test_what_jaxpar_does_not_compute_is_one_line(tmp_path, change, expected):
+    with pytest.raises(UserError) as error:
+        placed_on("dp=1", 0, copy_with(tmp_path, V3, change))
+    assert expected in str(error.value) and "\n" not in str(error.value)
