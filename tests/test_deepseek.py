@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import LOSS_RTOL, assert_same_training, losses, train
+from helpers import LOSS_RTOL, assert_same_training, fails_with, losses, train
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
@@ -140,14 +140,44 @@ def test_latent_attention_is_mla_head_by_head():
 
 
 @pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("dp=2,ep=2", {"model.q_lora_rank": 0}),
-                                            ("cp=2", {})])  # the ring carries MLA's keys and padded values
+                                            ("cp=2", {"model.mtp_layers": 0})])  # the ring: MLA's keys, padded values
 def test_deepseek_trains_as_one_device(spec, overrides):
     reference = train(config=DEEPSEEK, **overrides)
     result = train(spec, config=DEEPSEEK, **overrides)
     assert_same_training(result, reference)
-    aux = lambda r: np.array([[r.aux[s][n] for n in ("moe_balance", "moe_load", "moe_bias")] for s in sorted(r.aux)])
+    names = ("moe_balance", "moe_load", "moe_bias") + (("mtp_loss",) if "model.mtp_layers" not in overrides else ())
+    aux = lambda r: np.array([[r.aux[s][n] for n in names] for s in sorted(r.aux)])
     np.testing.assert_allclose(aux(result), aux(reference), rtol=LOSS_RTOL)
     assert losses(reference)[-1] < losses(reference)[0]
+
+
+def test_the_mtp_loss_is_the_module_computed_over_the_whole_row():
+    """tiny_deepseek's one multi-token prediction module: `mtp_loss` equals the module computed
+    another way, at rtol 1e-5: over all T positions (each position's next token being its
+    target), the cross-entropy against the targets one place further, the last position (which
+    has none) dropped. Control: against the next token's targets instead, it differs."""
+    from jaxpar.models.llama.model import rms_norm
+    from jaxpar.nn.loss import token_losses
+    cfg = tiny_config(DEEPSEEK)
+    model, eps = build_model(cfg, 65), cfg.model.norm_eps
+    params = model.init(0)
+    rows = jnp.asarray(np.random.default_rng(0).integers(0, 65, (4, cfg.model.block_size + 1)), jnp.int32)
+    tokens, targets = rows[:, :-1], rows[:, 1:]
+    mtp_loss = model.loss(params, tokens, targets)[1]["mtp_loss"]
+    top, x, _ = model.stream(params, tokens)
+    p = jax.tree.map(lambda a: a[0], top["mtp"])
+    joined = jnp.concatenate([rms_norm(model.family.embed(model.plan, top, targets), p["enorm"], eps),
+                              rms_norm(x, p["hnorm"], eps)], axis=-1)
+    axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"], is_leaf=lambda n: isinstance(n, tuple))
+    h, _, _ = model.family.block(model.plan, joined @ p["eh_proj"]["kernel"], p["block"], axes)
+    logits = model.logits_of({**model.head(top), "norm": p["norm"]}, h)
+    np.testing.assert_allclose(mtp_loss, jnp.mean(token_losses(logits[:, :-1], targets[:, 1:])), rtol=1e-5)
+    assert abs(jnp.mean(token_losses(logits, targets)) / mtp_loss - 1) > 1e-3  # the control
+
+
+@pytest.mark.parametrize("mesh", ["pp=2,dp=4", "cp=2,dp=4"])
+def test_mtp_under_a_pipeline_or_a_ring_is_one_line(capsys, tmp_path, mesh):
+    fails_with(capsys, tmp_path, ["--config", DEEPSEEK, "--mesh", mesh], f"model.mtp_layers=1 with {mesh[:4]}")
 
 
 def test_deepseek_keys_are_refused_on_another_family_and_bad_groups_in_one_line():
@@ -155,6 +185,10 @@ def test_deepseek_keys_are_refused_on_another_family_and_bad_groups_in_one_line(
         tiny_config("tiny_llama", **{"model.kv_lora_rank": 8})
     with pytest.raises(UserError, match="model.n_group=3 must divide model.n_experts=8"):
         tiny_config(DEEPSEEK, **{"model.n_group": 3})
+    with pytest.raises(UserError, match="model.mtp_layers is a deepseek-only setting"):
+        tiny_config("tiny_llama", **{"model.mtp_layers": 1})
+    with pytest.raises(UserError, match="model.mtp_layers=-1 and model.mtp_weight=0.3 must be >= 0"):
+        tiny_config(DEEPSEEK, **{"model.mtp_layers": -1})
     with pytest.raises(UserError, match="model.v_head_dim=16 is wider than the query-key heads"):
         tiny_config(DEEPSEEK, **{"model.v_head_dim": 16})
     with pytest.raises(UserError, match="model.attention=cudnn takes heads up to 128 dims in multiples of 8, and "

@@ -16,14 +16,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_config
 from helpers import logits_of
 from helpers import placed as placed_on
 from test_hf_moe import tensors_of
 
 from jaxpar.core.errors import UserError
+from jaxpar.inference import export, sample
 from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache, forward
 from jaxpar.models.family import build_model
+from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V3, V3_BF16 = FIXTURES / "hf_deepseek_v3", FIXTURES / "hf_deepseek_v3_bf16"
@@ -68,7 +71,7 @@ def test_export_is_what_save_pretrained_writes(hf_dir):
         assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
     config, written = json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
     for key, value in config.items():
-        if key not in ("dtype", "initializer_range", "transformers_version", "num_nextn_predict_layers"):
+        if key not in ("dtype", "initializer_range", "transformers_version", "num_nextn_predict_layers"):  # MTP: 0
             assert written[key] == value, key
 
 
@@ -90,3 +93,23 @@ def test_what_jaxpar_does_not_compute_is_one_line(tmp_path, change, expected):
     with pytest.raises(UserError) as error:
         placed_on("dp=1", 0, copy_with(tmp_path, V3, change))
     assert expected in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_export_of_a_trained_deepseek_samples_its_text(tmp_path, capsys):
+    """tiny_deepseek after 2 steps (its balance biases moved, one MTP module): the export holds the
+    module as layer 2 (DeepSeek's place), and sampling it with --hf on ep=2 gives the run's greedy text."""
+    run(tiny_config("tiny_deepseek", **{"train.steps": 2, "train.eval_every": 0}), tmp_path / "run",
+        jax.devices()[:1], progress=False)
+    export.export(tmp_path / "run", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["num_nextn_predict_layers"]) == (["DeepseekV3ForCausalLM"], 1)
+    names = tensors_of(tmp_path / "hf")
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.mlp.experts.7.down_proj.weight",
+            "model.layers.2.shared_head.head.weight"} <= set(names)
+    assert np.abs(names["model.layers.1.mlp.gate.e_score_correction_bias"]).max() > 0
+    greedy = ["--temperature", "0", "--prompt", "ROMEO:", "--max-new-tokens", "12"]
+    texts = []
+    for source in (["--ckpt", str(tmp_path / "run")], ["--hf", str(tmp_path / "hf"), "--mesh", "ep=2"]):
+        sample.main(source + greedy)
+        texts.append(capsys.readouterr().out)
+    assert texts[0].startswith("ROMEO:") and texts[0] == texts[1]

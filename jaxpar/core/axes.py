@@ -22,7 +22,8 @@ from jaxpar.core.errors import UserError
 DATA, TENSOR, PIPE, CONTEXT, EXPERT = "data", "tensor", "pipe", "context", "expert"
 
 # Logical axes that no mesh axis splits (the rule table maps them to None).
-UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch", "routes", "latent")  # latent: MLA's
+UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch", "routes", "latent",  # latent: MLA's
+           "mtp_layers")  # DeepSeek's multi-token prediction modules
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class Pipe(MeshAxis):
 
     def check(self, cfg, size, sizes):
         if size > 1:
+            if getattr(cfg.model, "mtp_layers", 0):
+                raise UserError(f"model.mtp_layers={cfg.model.mtp_layers} with pp={size}: the multi-token prediction "
+                                "modules do not run in a pipeline yet; use pp=1 or --model.mtp_layers=0")
             if cfg.train.zero == 3:
                 raise UserError("ZeRO stage 3 with pipeline parallelism is not supported; use --zero 1 or 2 "
                                 "with pp > 1")
@@ -121,6 +125,10 @@ class Context(MeshAxis):
         if m.sequence_parallel and m.block_size % (size * tp):
             raise UserError(f"sequence parallelism with cp={size} splits the stream over cp*tp={size * tp}; "
                             f"model.block_size={m.block_size} does not divide by it")
+        if getattr(m, "mtp_layers", 0):
+            raise UserError(f"model.mtp_layers={m.mtp_layers} with cp={size}: the multi-token prediction modules "
+                            "read tokens ahead in the sequence's order, and the ring lays it out in zigzag; use cp=1 "
+                            "or --model.mtp_layers=0")
         if m.n_experts and m.moe_capacity_factor:  # a mixture of experts has the key
             raise UserError(f"model.moe_capacity_factor={m.moe_capacity_factor} ranks each sequence's tokens in "
                             f"order, and cp={size} splits the sequences; use cp=1, or drop the capacity factor")

@@ -64,6 +64,11 @@ class Family:
         weights = {"activation_l2": self.cfg.test_activation_l2}
         return {name: w for name, w in weights.items() if w != 0}
 
+    def ahead_losses(self, model, top: dict, x, tokens, targets, doc_starts=None) -> dict:
+        """Auxiliary losses of predictions further ahead than the next token (DeepSeek's
+        multi-token prediction), from the last layer's output x; none by default."""
+        return {}
+
 
 @dataclass(frozen=True)
 class Registered:

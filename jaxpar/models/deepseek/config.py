@@ -39,6 +39,10 @@ class DeepseekConfig(LlamaConfig):
     # each step, up where the step routed it fewer tokens than the mean, down where more
     # (DeepSeek-V3's gamma; 0 keeps the biases as they are).
     moe_bias_update_rate: float = 0.001
+    # Multi-token prediction: mtp_layers modules after the model, module k predicting the token
+    # k + 1 ahead (jaxpar.models.deepseek.mtp); their mean loss times mtp_weight joins the loss.
+    mtp_layers: int = 0
+    mtp_weight: float = 0.3
     router_z_coef: float = 0.0  # sigmoid scores: no softmax for a z-loss to keep in range
 
     @property
@@ -54,6 +58,10 @@ class DeepseekConfig(LlamaConfig):
         check_llama(self)
         check_mla(self)
         check_router(self)
+        if self.mtp_layers < 0 or self.mtp_weight < 0 or self.mtp_layers >= self.block_size:
+            raise UserError(f"model.mtp_layers={self.mtp_layers} and model.mtp_weight={self.mtp_weight} must be "
+                            f">= 0, and mtp_layers below model.block_size={self.block_size} (module k predicts "
+                            "k + 1 tokens ahead within a row)")
 
 
 def check_mla(m: DeepseekConfig) -> None:

@@ -7,7 +7,10 @@ the rotated key), `kv_b` is kv_b_proj (each head's unrotated key, then its value
 rope_interleave the rotated dims stay in DeepSeek's pairs. So every weight maps with a transpose
 and a reshape, as Llama's do; the router's e_score_correction_bias is the balance bias, and each
 expert's and the shared experts' gate, up and down projections are Mixtral's kind of tensors.
-Multi-token prediction layers past num_hidden_layers are not read.
+Multi-token prediction modules are written where DeepSeek's checkpoints keep them, as layers past
+num_hidden_layers (their block's weights, enorm, hnorm, eh_proj, shared_head.norm, and copies of
+the embedding and the head), and config.json's num_nextn_predict_layers counts them; transformers
+builds no module of them, and jaxpar reads none of them back.
 """
 
 from pathlib import Path
@@ -16,7 +19,7 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.formats.hf_mapping import Mapping, Weight
+from jaxpar.formats.hf_mapping import Mapping, Weight, host_arrays
 from jaxpar.models.llama import hf as hf_llama
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -41,6 +44,9 @@ MAPPING = Mapping(layer="model.layers.{i}.", out_first=True, blocks={
     ("shared_gate_up", "kernel"): Weight(("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
     ("shared_out", "kernel"): Weight("mlp.shared_experts.down_proj.weight"),
 }, top=hf_llama.MAPPING.top)
+MTP_MAPPING = Mapping(layer="model.layers.{i}.", out_first=True, top={}, blocks={
+    ("enorm", "scale"): Weight("enorm.weight"), ("hnorm", "scale"): Weight("hnorm.weight"),
+    ("eh_proj", "kernel"): Weight("eh_proj.weight"), ("norm", "scale"): Weight("shared_head.norm.weight")})
 FIELDS = [  # (jaxpar's model field, config.json's key, its type)
     ("n_layer", "num_hidden_layers", int), ("n_head", "num_attention_heads", int), ("n_embd", "hidden_size", int),
     ("mlp_dim", "intermediate_size", int), ("kv_lora_rank", "kv_lora_rank", int),
@@ -87,6 +93,7 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
                 f"norm_topk_prob={config.get('norm_topk_prob', True)}"),
                ("dense_layers", ",".join(map(str, range(dense))), f"first_k_dense_replace={dense}"),
                ("moe_every", 1, "first_k_dense_replace"), ("norm_eps", eps, f"rms_norm_eps={eps}"),
+               ("mtp_layers", 0, "jaxpar reads no multi-token prediction module"),
                ("tie_embeddings", tied, f"tie_word_embeddings={str(tied).lower()}"),
                ("max_positions", positions, f"max_position_embeddings={positions}")]
     return fields + hf_llama.rope_fields(config, path), vocab_size, positions
@@ -98,9 +105,25 @@ def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: P
 
 
 def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
-    """jaxpar's params as DeepseekV3ForCausalLM.save_pretrained writes them."""
+    """jaxpar's params as DeepseekV3ForCausalLM.save_pretrained writes them, then the
+    multi-token prediction modules as DeepSeek's checkpoints keep them."""
     check_exportable(cfg)
-    return MAPPING.state_dict(params, declared, cfg, vocab_size, dtype)
+    out = MAPPING.state_dict({k: v for k, v in params.items() if k != "mtp"}, declared, cfg, vocab_size, dtype)
+    return out | (mtp_tensors(params["mtp"], declared, cfg, out, dtype) if "mtp" in params else {})
+
+
+def mtp_tensors(mtp: dict, declared: dict, cfg: Config, main: dict, dtype) -> dict[str, np.ndarray]:
+    """Module k's tensors as layer n_layer + k - 1's: its block's under the main layers' names."""
+    out, L = {}, cfg.model.n_layer
+    head = main.get("lm_head.weight", main["model.embed_tokens.weight"])
+    for key, array in host_arrays(mtp):
+        mapping, name = (MAPPING, key[1:]) if key[0] == "block" else (MTP_MAPPING, key)
+        for k in range(cfg.model.mtp_layers):
+            out |= mapping.hf_tensors(("blocks", *name), declared[("mtp", *key)], array[k], dtype, i=L + k)
+    for k in range(cfg.model.mtp_layers):
+        out |= {f"model.layers.{L + k}.embed_tokens.weight": main["model.embed_tokens.weight"],
+                f"model.layers.{L + k}.shared_head.head.weight": head}
+    return out
 
 
 def check_exportable(cfg: Config) -> None:
@@ -125,7 +148,7 @@ def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "fl
         "moe_intermediate_size": m.expert_width, "n_group": m.n_group, "n_routed_experts": m.n_experts,
         "n_shared_experts": m.n_shared_experts, "norm_topk_prob": m.moe_renormalize,
         "num_attention_heads": m.n_head, "num_experts_per_tok": m.experts_per_token, "num_hidden_layers": m.n_layer,
-        "num_key_value_heads": m.n_head, "num_nextn_predict_layers": 0, "output_router_logits": False,
+        "num_key_value_heads": m.n_head, "num_nextn_predict_layers": m.mtp_layers, "output_router_logits": False,
         "pad_token_id": None, "pretraining_tp": 1,
         "q_lora_rank": m.q_lora_rank or None, "qk_head_dim": m.head_size, "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim, "rms_norm_eps": m.norm_eps, "rope_interleave": m.rope_interleave,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
+from jaxpar.models.deepseek.mtp import declare_mtp, mtp_losses
 from jaxpar.models.llama import rope
 from jaxpar.models.llama.model import Layer, Llama, block, declare_mlps, heads_first, rms_norm
 from jaxpar.nn.layers import attention, token_positions
@@ -97,7 +98,16 @@ class Deepseek(Llama):
     """The DeepSeek-V3 family (model.family = "deepseek")."""
 
     shape_fields = Llama.shape_fields + ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                                         "v_head_dim", "n_shared_experts")
+                                         "v_head_dim", "n_shared_experts", "mtp_layers")
+
+    def declare(self, vocab_size: int) -> dict:
+        """Llama's params, then the multi-token prediction modules' (declared last, so that the
+        rest draw the same values with or without them)."""
+        declared = super().declare(vocab_size)
+        return declared | ({"mtp": declare_mtp(self)} if self.cfg.mtp_layers else {})
+
+    def ahead_losses(self, model, top: dict, x, tokens, targets, doc_starts=None) -> dict:
+        return mtp_losses(model, top, x, tokens, targets, doc_starts) if self.cfg.mtp_layers else {}
 
     def declare_blocks(self) -> dict:
         cfg = self.cfg
@@ -113,7 +123,8 @@ class Deepseek(Llama):
     def loss_weights(self) -> dict[str, float]:
         """Llama's, and `moe_bias`: the balance biases' mean size, logged; in the training loss
         it adds a constant, and carries the routed counts to the biases as their gradient."""
-        return super().loss_weights() | ({"moe_bias": 1.0} if self.cfg.n_experts else {})
+        mtp = {"mtp_loss": self.cfg.mtp_weight} if self.cfg.mtp_layers else {}
+        return super().loss_weights() | ({"moe_bias": 1.0} if self.cfg.n_experts else {}) | mtp
 
     def block(self, plan, x: jax.Array, p: dict, axes: dict, key=None, cache=None, doc_starts=None):
         x, losses, cache = block(plan, x, p, axes, self.cfg, self.dtype, key, cache, doc_starts, latent_attention)
@@ -121,12 +132,12 @@ class Deepseek(Llama):
 
     def matmul_params(self, vocab_size: int) -> int:
         """N in 6N: MLA's projections, then Llama's MLP or experts (the k chosen and the shared
-        ones), lm_head."""
+        ones), lm_head; and each multi-token prediction module's projection, block and lm_head."""
         m = self.cfg
         C, H, Dq, Dv, Rkv = m.n_embd, m.n_head, m.head_size, m.v_head_dim, m.kv_lora_rank
         query = m.q_lora_rank * (C + H * Dq) if m.q_lora_rank else C * H * Dq
         attention = query + C * (Rkv + m.qk_rope_head_dim) + Rkv * H * (m.qk_nope_head_dim + Dv) + H * Dv * C
-        sparse = sum(m.sparse_layers)
-        mlp = sparse * (m.n_experts * C + (m.experts_per_token + m.n_shared_experts) * 3 * C * m.expert_width)
-        mlp += (m.n_layer - sparse) * 3 * C * m.mlp_width
-        return m.n_layer * attention + mlp + vocab_size * C
+        sparse, dense = sum(m.sparse_layers), 3 * C * m.mlp_width
+        experts = m.n_experts * C + (m.experts_per_token + m.n_shared_experts) * 3 * C * m.expert_width
+        main = m.n_layer * attention + sparse * experts + (m.n_layer - sparse) * dense + vocab_size * C
+        return main + m.mtp_layers * (2 * C * C + attention + (experts if m.n_experts else dense) + vocab_size * C)

@@ -1,0 +1,65 @@
+"""DeepSeek-V3's multi-token prediction (arXiv 2412.19437, section 2.2): model.mtp_layers = D modules
+after the main model, module k predicting the token k + 1 places ahead of each position.
+
+Module k takes the hidden state h^{k-1}_i (the main model's last layer output for k = 1, before its
+final norm) and the embedding of token i + k, each through its own RMSNorm, concatenated (the
+embedding first, as DeepSeek's checkpoints' eh_proj reads them), projected back to the model's
+width, through one transformer block of the main model's kind (MLA and experts), then its own
+RMSNorm and the shared lm_head. Its cross-entropy is over the positions that have a token k + 1
+ahead in the row: T - k of them. The modules' mean loss, times model.mtp_weight, joins the training
+loss and is logged as `mtp_loss`; their routers' losses join the main model's. Evaluation and
+sampling never run them.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.models.llama.model import rms_norm
+from jaxpar.nn.loss import cross_entropy
+from jaxpar.nn.matmul import project
+from jaxpar.nn.params import dense, norm, tree_of
+
+STACK = "mtp_layers"  # the modules' stacked axis (replicated: every device holds every module)
+
+
+def declare_mtp(family) -> dict:
+    """The modules' params: per module its two input norms, the projection (2C -> C), one block
+    of the main model's sparse kind (its layers' stack renamed), and its output norm."""
+    cfg = family.cfg
+    D, C = cfg.mtp_layers, cfg.n_embd
+    one_block = type(family)(dataclasses.replace(cfg, n_layer=D, dense_layers="", mtp_layers=0)).declare_blocks()
+    block = tree_of(one_block, lambda p: dataclasses.replace(p, axes=(STACK, *p.axes[1:])))
+    return {"enorm": norm((D, C), (STACK, "embed")), "hnorm": norm((D, C), (STACK, "embed")),
+            "eh_proj": dense(0.02, (D, 2 * C, C), (STACK, "embed", "embed"), 1, False),
+            "block": block, "norm": norm((D, C), (STACK, "embed"))}
+
+
+def module(stacked: dict, k: int) -> dict:
+    """Module k's (from 1) params out of the stacked ones."""
+    return jax.tree.map(lambda a: a[k - 1], stacked)
+
+
+def mtp_losses(model, top: dict, x: jax.Array, tokens: jax.Array, targets: jax.Array, doc_starts=None) -> dict:
+    """{"mtp_loss": the modules' mean cross-entropy, and their routers' losses} for the rows
+    (tokens, targets), x the main model's last layer output on them."""
+    family, plan, cfg = model.family, model.plan, model.cfg
+    axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"], is_leaf=lambda n: isinstance(n, tuple))
+    T, D = tokens.shape[1], cfg.mtp_layers
+    row = jnp.concatenate([tokens, targets[:, -1:]], axis=1)  # tokens 0 .. T of each row
+    h, losses, router = x, [], {}
+    for k in range(1, D + 1):
+        n, p = T - k, module(top["mtp"], k)  # the positions with a token k + 1 ahead
+        embedded = family.embed(plan, top, row[:, k:k + n])
+        joined = jnp.concatenate([rms_norm(embedded, p["enorm"], cfg.norm_eps),
+                                  rms_norm(h[:, :n], p["hnorm"], cfg.norm_eps)], axis=-1)
+        h = project("btc,cd->btd", joined.astype(family.dtype), p["eh_proj"]["kernel"].astype(family.dtype),
+                    family.dtype, plan.cpu_matmuls)
+        docs = None if doc_starts is None else doc_starts[:, :n]
+        h, more, _ = family.block(plan, h, p["block"], axes, None, None, docs)
+        head = {**model.head(top), "norm": p["norm"]}
+        losses.append(cross_entropy(model.logits_of(head, h), row[:, k + 1:k + 1 + n]))
+        router = {name: router.get(name, 0.0) + value for name, value in more.items()}
+    return router | {"mtp_loss": sum(losses) / D}
+
