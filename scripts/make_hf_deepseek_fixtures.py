@@ -14,6 +14,8 @@ input_ids.npy (int32, from numpy's default_rng(1234)) and transformers' float32 
                           (first_k_dense_replace 1), 8 routed experts in 4 groups (top-2 within the best
                           2) beside 1 shared expert, routed_scaling_factor 2.5, a non-zero
                           e_score_correction_bias, interleaved rotary dims (rope_interleave), float32
+    hf_deepseek_v3_yarn   YaRN rope scaling (factor 4 over an original 16 positions, mscale and mscale_all_dim 1):
+                          cos and sin scaled, the scores by mscale^2; 2 layers, 4 experts in 2 groups, float32
     hf_deepseek_v3_bf16   no query bottleneck (q_proj), 2 layers, the first dense, 4 experts in 2 groups
                           (top-2 within the best 1), tied embeddings, saved in bfloat16: its logits those of
                           the bf16 weights upcast to float32
@@ -43,6 +45,12 @@ FIXTURE_SPECS = {  # name: (config, torch seed, input shape, saved dtype)
     "hf_deepseek_v3": (DeepseekV3Config(
         **COMMON, num_hidden_layers=3, q_lora_rank=16, n_routed_experts=8, n_group=4, topk_group=2,
         routed_scaling_factor=2.5, tie_word_embeddings=False), 1240, (2, 32), torch.float32),
+    "hf_deepseek_v3_yarn": (DeepseekV3Config(
+        **(COMMON | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0}}),
+        num_hidden_layers=2, q_lora_rank=16, n_routed_experts=4, n_group=2, topk_group=1,
+        routed_scaling_factor=1.0, tie_word_embeddings=False), 1242, (2, 32), torch.float32),
     "hf_deepseek_v3_bf16": (DeepseekV3Config(
         **COMMON, num_hidden_layers=2, q_lora_rank=None, n_routed_experts=4, n_group=2, topk_group=1,
         routed_scaling_factor=1.0, tie_word_embeddings=True), 1241, (2, 32), torch.bfloat16),

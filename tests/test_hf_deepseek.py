@@ -5,7 +5,8 @@ HF's names, and what jaxpar does not compute refused in one line.
 The fixtures (tests/fixtures/hf_deepseek_*, made by scripts/make_hf_deepseek_fixtures.py with
 transformers 5.24) are random models with vocab 101 whose routers, with a non-zero correction bias,
 send tokens to every expert: one with a query bottleneck, 8 routed experts in 4 groups and a dense
-first layer in float32; one without the bottleneck, 4 experts in 2 groups, tied, in bfloat16.
+first layer in float32; one without the bottleneck, 4 experts in 2 groups, tied, in bfloat16; one
+with YaRN rope scaling (factor 4 over 16 original positions, 32 fed).
 Tolerance: logits within rtol 1e-5 plus atol 1e-5 of transformers' float32 ones (of order 1 to 5).
 """
 
@@ -29,16 +30,17 @@ from jaxpar.models.family import build_model
 from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
-V3, V3_BF16 = FIXTURES / "hf_deepseek_v3", FIXTURES / "hf_deepseek_v3_bf16"
+V3, V3_BF16, V3_YARN = (FIXTURES / name for name in ("hf_deepseek_v3", "hf_deepseek_v3_bf16", "hf_deepseek_v3_yarn"))
 RTOL = ATOL = 1e-5
 
 
-@pytest.mark.parametrize("hf_dir, spec", [(V3, "dp=1"), (V3, "ep=2,tp=2"), (V3_BF16, "dp=1")])
+@pytest.mark.parametrize("hf_dir, spec", [(V3, "dp=1"), (V3, "ep=2,tp=2"), (V3_BF16, "dp=1"), (V3_YARN, "dp=1")])
 def test_hf_deepseek_gives_transformers_logits(hf_dir, spec):
     cfg, vocab, mesh, shardings = placed_on(spec, 0, hf_dir)
     m = cfg.model
-    assert (m.family, m.q_lora_rank, m.n_experts, m.dense_layers, m.rope_interleave) == \
-        {V3: ("deepseek", 16, 8, "0", True), V3_BF16: ("deepseek", 0, 4, "0", True)}[hf_dir]
+    assert (m.family, m.q_lora_rank, m.n_experts, m.dense_layers, m.rope_type) == \
+        {V3: ("deepseek", 16, 8, "0", "default"), V3_BF16: ("deepseek", 0, 4, "0", "default"),
+         V3_YARN: ("deepseek", 16, 4, "0", "yarn")}[hf_dir]
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
     assert np.abs(np.asarray(params["blocks"]["router"]["balance"])).max() > 0.01  # the correction bias read
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
@@ -57,9 +59,12 @@ def test_hf_deepseek_gives_transformers_logits(hf_dir, spec):
         unbiased = jax.tree.map(lambda a: a, params)
         unbiased["blocks"]["router"]["balance"] = 0 * params["blocks"]["router"]["balance"]
         assert np.abs(logits_of(cfg, vocab, mesh, unbiased, ids) - expected).max() > 100 * ATOL
+    if hf_dir == V3_YARN:  # Control: YaRN's frequencies without its scaling of the scores
+        cfg.model.rope_mscale_all_dim = 0.0
+        assert np.abs(logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 100 * ATOL
 
 
-@pytest.mark.parametrize("hf_dir", [V3, V3_BF16])
+@pytest.mark.parametrize("hf_dir", [V3, V3_BF16, V3_YARN])
 def test_export_is_what_save_pretrained_writes(hf_dir):
     cfg, vocab, _, shardings = placed_on("dp=1", 0, hf_dir)
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
@@ -86,7 +91,9 @@ def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
     ({"quantization_config": {"quant_method": "fp8"}}, "has quantized weights (quantization_config)"),
     ({"scoring_func": "softmax"}, "has softmax routing by None"),
     ({"num_key_value_heads": 2}, "has num_key_value_heads=2 unlike num_attention_heads"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 40}}, "has rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 40, "attention_factor": 1.2}},
+     "has YaRN with attention_factor"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2}}, "has rope type 'dynamic'"),
     ({"n_group": 3}, "model.n_group=3 must divide model.n_experts=8"),
 ])
 def test_what_jaxpar_does_not_compute_is_one_line(tmp_path, change, expected):
@@ -97,7 +104,8 @@ def test_what_jaxpar_does_not_compute_is_one_line(tmp_path, change, expected):
 
 def test_the_export_of_a_trained_deepseek_samples_its_text(tmp_path, capsys):
     """tiny_deepseek after 2 steps (its balance biases moved, one MTP module): the export holds the
-    module as layer 2 (DeepSeek's place), and sampling it with --hf on ep=2 gives the run's greedy text."""
+    module as layer 2 (DeepSeek's place), and sampling it with --hf on ep=2 gives the run's greedy
+    text, as the run's checkpoint does with its latent cache and without a cache."""
     run(tiny_config("tiny_deepseek", **{"train.steps": 2, "train.eval_every": 0}), tmp_path / "run",
         jax.devices()[:1], progress=False)
     export.export(tmp_path / "run", tmp_path / "hf")
@@ -109,7 +117,18 @@ def test_the_export_of_a_trained_deepseek_samples_its_text(tmp_path, capsys):
     assert np.abs(names["model.layers.1.mlp.gate.e_score_correction_bias"]).max() > 0
     greedy = ["--temperature", "0", "--prompt", "ROMEO:", "--max-new-tokens", "12"]
     texts = []
-    for source in (["--ckpt", str(tmp_path / "run")], ["--hf", str(tmp_path / "hf"), "--mesh", "ep=2"]):
+    for source in (["--ckpt", str(tmp_path / "run")], ["--ckpt", str(tmp_path / "run"), "--no-cache"],
+                   ["--hf", str(tmp_path / "hf"), "--mesh", "ep=2"]):
         sample.main(source + greedy)
         texts.append(capsys.readouterr().out)
-    assert texts[0].startswith("ROMEO:") and texts[0] == texts[1]
+    assert texts[0].startswith("ROMEO:") and texts[0] == texts[1] == texts[2]
+
+
+def test_decoding_caches_the_latent():
+    """tiny_deepseek's cache holds a token's 16-wide latent and 4-wide rotated key in each of its
+    2 layers, float32: 160 bytes a token, where each head's key and value would be 4 x (12 + 8)."""
+    from jaxpar.models.decode import cache_bytes_per_token
+    model = build_model(tiny_config("tiny_deepseek"), 65)
+    cache = empty_cache(model, 3)
+    assert (cache.k.shape, cache.v.shape) == ((2, 3, 1, 32, 16), (2, 3, 1, 32, 4))
+    assert cache_bytes_per_token(model) == 2 * (16 + 4) * 4 == 160

@@ -2,7 +2,8 @@
 that training runs (jaxpar.models.interface; the cache is its last argument).
 
 New tokens enter at any position: k and v of earlier positions come from the cache, of shape
-(layers, batch, kv_heads, block_size, head_dim): the KV heads only, under grouped-query attention.
+(layers, batch, kv_heads, block_size, head_dim): the KV heads only, under grouped-query attention;
+a family may cache something else of the same rank (DeepSeek's latent and rotated key).
 """
 
 import jax
@@ -14,9 +15,17 @@ from jaxpar.nn.layers import KVCache, weights_for_compute
 
 
 def empty_cache(model: Transformer, batch: int) -> KVCache:
-    cfg, family = model.cfg, model.family
-    shape = (cfg.n_layer, batch, family.kv_heads, cfg.block_size, family.head_dim)
-    return KVCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype), jnp.int32(0))
+    """Every layer's cache of `batch` rows of block_size tokens, empty: the family's widths
+    (DeepSeek's: a latent and a rotated key per token, not each head's key and value)."""
+    cfg, (heads, k_width, v_width) = model.cfg, model.family.cache_widths()
+    shape = (cfg.n_layer, batch, heads, cfg.block_size)
+    return KVCache(jnp.zeros((*shape, k_width), cfg.dtype), jnp.zeros((*shape, v_width), cfg.dtype), jnp.int32(0))
+
+
+def cache_bytes_per_token(model: Transformer) -> int:
+    """What the decoding cache holds of one token, over every layer."""
+    heads, k_width, v_width = model.family.cache_widths()
+    return model.cfg.n_layer * heads * (k_width + v_width) * jnp.dtype(model.cfg.dtype).itemsize
 
 
 def forward(model: Transformer, params: dict, tokens, cache: KVCache, pos, doc_starts=None):

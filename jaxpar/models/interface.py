@@ -64,6 +64,10 @@ class Family:
         weights = {"activation_l2": self.cfg.test_activation_l2}
         return {name: w for name, w in weights.items() if w != 0}
 
+    def cache_widths(self) -> tuple[int, int, int]:
+        """What decoding caches of a token in each layer: (heads, a key's width, a value's)."""
+        return self.kv_heads, self.head_dim, self.head_dim
+
     def ahead_losses(self, model, top: dict, x, tokens, targets, doc_starts=None) -> dict:
         """Auxiliary losses of predictions further ahead than the next token (DeepSeek's
         multi-token prediction), from the last layer's output x; none by default."""

@@ -12,6 +12,7 @@ from jaxpar.core.axes import CONTEXT, PIPE, TENSOR
 from jaxpar.core.config import Config
 from jaxpar.core.sharding import split_ways
 from jaxpar.data.loader import document_eot, load_dataset, model_vocab
+from jaxpar.models.decode import cache_bytes_per_token
 from jaxpar.models.family import build_model, family_of
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel import hlo
@@ -123,7 +124,10 @@ def dry_run(cfg: Config, devices=None) -> str:
         }
         passes = (f"rows a pass on each device: {rows_per_pass}, {micro} passes a step "
                   f"(train.micro_batch={cfg.train.micro_batch})")
-        rows += ["", passes, "", "peak memory per device, by part:"]
+        heads, k_width, v_width = model.family.cache_widths()
+        cache = (f"decoding cache: {cache_bytes_per_token(model):,} bytes a token ({cfg.model.n_layer} layers x "
+                 f"{heads} x ({k_width} + {v_width}) in {cfg.model.dtype})")
+        rows += ["", passes, cache, "", "peak memory per device, by part:"]
         rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
         rows += compiled_rows(cfg, vocab, mesh, eot_id)

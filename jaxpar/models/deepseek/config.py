@@ -9,7 +9,7 @@ first k of model.dense_layers); the router's balance bias is e_score_correction_
 from dataclasses import dataclass
 
 from jaxpar.core.errors import UserError
-from jaxpar.models.llama.config import LlamaConfig, check_llama
+from jaxpar.models.llama.config import ROPE_TYPES, LlamaConfig, check_llama
 
 
 @dataclass
@@ -27,6 +27,14 @@ class DeepseekConfig(LlamaConfig):
     # The rotated dims in pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints lay them out
     # (transformers' rope_interleave); false: in halves, as Llama's are.
     rope_interleave: bool = True
+    # YaRN (rope_type "yarn", DeepSeek-V3's long context): rope_factor and rope_original_max_position
+    # as Llama 3's keys; the ramp between rope_beta_fast and rope_beta_slow rotations; cos and sin
+    # scaled by mscale(rope_mscale) / mscale(rope_mscale_all_dim), the scores by
+    # mscale(rope_mscale_all_dim)^2, mscale(m) = 0.1 m ln(factor) + 1 (0: unset, as transformers').
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
     # The router: sigmoid scores; the topk_group best of n_group groups of experts (a group scored
     # by its two best), then experts_per_token within them; the chosen scores normalised to sum to
     # 1 and times routed_scaling_factor. n_shared_experts experts that every token passes through,
@@ -44,6 +52,10 @@ class DeepseekConfig(LlamaConfig):
     mtp_layers: int = 0
     mtp_weight: float = 0.3
     router_z_coef: float = 0.0  # sigmoid scores: no softmax for a z-loss to keep in range
+
+    @property
+    def rope_types(self) -> tuple[str, ...]:
+        return (*ROPE_TYPES, "yarn")
 
     @property
     def head_size(self) -> int:

@@ -96,7 +96,30 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
                ("mtp_layers", 0, "jaxpar reads no multi-token prediction module"),
                ("tie_embeddings", tied, f"tie_word_embeddings={str(tied).lower()}"),
                ("max_positions", positions, f"max_position_embeddings={positions}")]
-    return fields + hf_llama.rope_fields(config, path), vocab_size, positions
+    return fields + rope_fields(config, path, positions), vocab_size, positions
+
+
+YARN = {"rope_factor": ("factor", float), "rope_original_max_position": ("original_max_position_embeddings", int),
+        "rope_beta_fast": ("beta_fast", float), "rope_beta_slow": ("beta_slow", float),
+        "rope_mscale": ("mscale", float), "rope_mscale_all_dim": ("mscale_all_dim", float)}
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0}
+
+
+def rope_fields(config: dict, path: Path, positions: int) -> list[tuple[str, object, str]]:
+    """Llama's rope fields, or YaRN's (DeepSeek-V3's long context), as transformers reads them."""
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return hf_llama.rope_fields(config, path)
+    if rope.get("attention_factor") is not None or rope.get("truncate", True) is False:
+        hf_llama.refuse(path, "YaRN with attention_factor or truncate=false", "it computes YaRN's defaults")
+    try:
+        rope = YARN_DEFAULTS | {k: v for k, v in rope.items() if v is not None}
+        rope.setdefault("factor", positions / int(rope["original_max_position_embeddings"]))
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        return [("rope_theta", theta, f"rope_theta={theta}"), ("rope_type", "yarn", "rope type yarn"),
+                *((name, kind(rope[key]), f"{key}={rope[key]}") for name, (key, kind) in YARN.items())]
+    except KeyError as e:
+        raise UserError(f"'{path}': yarn rope scaling without {e.args[0]}; pass a complete config.json") from None
 
 
 def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
@@ -139,6 +162,10 @@ def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "fl
     check_exportable(cfg)
     m = cfg.model
     rope = {"rope_theta": m.rope_theta, "rope_type": m.rope_type}
+    if m.rope_type == "yarn":
+        rope |= {key: getattr(m, name) or None for name, (key, _) in YARN.items()}
+    elif m.rope_type == "llama3":
+        rope |= {key: getattr(m, name) for name, key in hf_llama.LLAMA3_KEYS.items()}
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
         "attention_dropout": m.dropout, "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype,

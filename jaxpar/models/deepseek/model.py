@@ -24,7 +24,7 @@ from jaxpar.core.config import ModelConfig
 from jaxpar.models.deepseek.mtp import declare_mtp, mtp_losses
 from jaxpar.models.llama import rope
 from jaxpar.models.llama.model import Layer, Llama, block, declare_mlps, heads_first, rms_norm
-from jaxpar.nn.layers import attention, token_positions
+from jaxpar.nn.layers import KVCache, attention, cached_attention, token_positions
 from jaxpar.nn.params import BALANCE, Param, dense, norm
 
 QKV = ("batch", "heads", "seq", "head_dim")
@@ -65,7 +65,9 @@ def paired(x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def latent_attention(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_starts=None):
-    """MLA -> (x after the residual, cache); as Llama's attention_part otherwise."""
+    """MLA -> (x after the residual, cache); as Llama's attention_part otherwise. Decoding caches
+    each token's latent and rotated key (kv_lora_rank + qk_rope_head_dim numbers a layer), not its
+    heads' keys and values, and every step expands the cached ones through kv_b."""
     plan, cfg, p, dtype = layer.plan, layer.cfg, layer.p, layer.dtype
     B, T, _ = x.shape
     H, Dn, Dr = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -76,22 +78,38 @@ def latent_attention(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_st
     else:
         q = layer.dot("nc,chd->nhd", h, p["q"]["kernel"])
     latent_and_rope = layer.dot("nc,cr->nr", h, p["kv_a"]["kernel"])
-    latent = rms_norm(latent_and_rope[:, :-Dr], p["kv_a_norm"], cfg.norm_eps).astype(dtype)
-    k_nope_and_v = layer.dot("nr,rhd->nhd", latent, p["kv_b"]["kernel"]).astype(dtype)
-    k_nope, v = k_nope_and_v[..., :Dn], k_nope_and_v[..., Dn:]
+    latent = rms_norm(latent_and_rope[:, :-Dr], p["kv_a_norm"], cfg.norm_eps).astype(dtype).reshape(B, 1, T, -1)
     cos, sin = rope.angles(cfg, Dr, token_positions(plan, T, cache, doc_starts))
     q = heads_first(plan, q.astype(dtype), B, T, QKV)
     q = jnp.concatenate([q[..., :Dn], rope.apply(paired(q[..., Dn:], cfg), cos, sin)], axis=-1)
+    if cfg.rope_type == "yarn" and cfg.rope_mscale_all_dim:  # YaRN's scores times mscale^2: as the query's
+        q = (q.astype(jnp.float32) * rope.mscale(cfg, cfg.rope_mscale_all_dim) ** 2).astype(dtype)
     k_rope = latent_and_rope[:, -Dr:].astype(dtype).reshape(B, T, 1, Dr).transpose(0, 2, 1, 3)
-    k_rope = jnp.broadcast_to(rope.apply(paired(k_rope, cfg), cos, sin), (B, H, T, Dr))  # one for every head
-    k = plan.constrain(jnp.concatenate([heads_first(plan, k_nope, B, T, QKV), k_rope], axis=-1),
-                       ("batch", "kv_heads", "seq", "head_dim"))
-    v = heads_first(plan, v, B, T, ("batch", "kv_heads", "seq", "head_dim"))
-    Dv, width = v.shape[-1], q.shape[-1]
-    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, width - Dv)))  # the kernels take one head width
-    y, cache = attention(plan, q, k, v, cfg.dropout, keys[0], cache, doc_starts)
+    k_rope = rope.apply(paired(k_rope, cfg), cos, sin)  # (B, 1, T, Dr): one for every head
+    if cache is None:
+        k, v = keys_and_values(layer, latent, k_rope, q.shape[-1])
+        y, _ = attention(plan, q, k, v, cfg.dropout, keys[0], None, doc_starts)
+    else:
+        cache = cache.write(latent, k_rope)
+        y = cached_attention(q, KVCache(*keys_and_values(layer, cache.k, cache.v, q.shape[-1]), cache.pos), doc_starts)
+    Dv = cfg.v_head_dim
     y = plan.constrain(y[..., :Dv].reshape(B * T, H, Dv), ("tokens", "heads", "head_dim"))
     return layer.residual(x, layer.dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), keys[1]), cache
+
+
+def keys_and_values(layer: Layer, latent: jax.Array, k_rope: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """Every head's keys (B, H, S, Dn + Dr) and values (B, H, S, width: zero-padded, as the
+    kernels take one head width) from the latents (B, 1, S, kv_lora_rank) and the rotated keys
+    (B, 1, S, Dr)."""
+    plan, cfg, dtype = layer.plan, layer.cfg, layer.dtype
+    B, _, S, R = latent.shape
+    H, Dn = cfg.n_head, cfg.qk_nope_head_dim
+    k_nope_and_v = layer.dot("nr,rhd->nhd", latent.reshape(B * S, R), layer.p["kv_b"]["kernel"]).astype(dtype)
+    k_rope = jnp.broadcast_to(k_rope, (B, H, S, k_rope.shape[-1]))
+    k = plan.constrain(jnp.concatenate([heads_first(plan, k_nope_and_v[..., :Dn], B, S, QKV), k_rope], axis=-1),
+                       ("batch", "kv_heads", "seq", "head_dim"))
+    v = heads_first(plan, k_nope_and_v[..., Dn:], B, S, ("batch", "kv_heads", "seq", "head_dim"))
+    return k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, width - v.shape[-1])))
 
 
 class Deepseek(Llama):
@@ -105,6 +123,10 @@ class Deepseek(Llama):
         rest draw the same values with or without them)."""
         declared = super().declare(vocab_size)
         return declared | ({"mtp": declare_mtp(self)} if self.cfg.mtp_layers else {})
+
+    def cache_widths(self) -> tuple[int, int, int]:
+        """A token's latent and its rotated key, one of each a layer."""
+        return 1, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim
 
     def ahead_losses(self, model, top: dict, x, tokens, targets, doc_starts=None) -> dict:
         return mtp_losses(model, top, x, tokens, targets, doc_starts) if self.cfg.mtp_layers else {}

@@ -69,6 +69,11 @@ class LlamaConfig(ModelConfig):
     dense_layers: str = ""
 
     @property
+    def rope_types(self) -> tuple[str, ...]:
+        """The rope_type values this family computes."""
+        return ROPE_TYPES
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 
@@ -123,8 +128,8 @@ def check_llama(m: LlamaConfig) -> None:
         raise UserError(f"model.mlp_dim must be >= 0 and model.norm_eps, model.rope_theta > 0; got "
                         f"{m.mlp_dim}, {m.norm_eps}, {m.rope_theta}")
     check_experts(m)
-    if m.rope_type not in ROPE_TYPES:
-        raise UserError(f"model.rope_type must be one of {', '.join(ROPE_TYPES)}, got '{m.rope_type}'")
+    if m.rope_type not in m.rope_types:
+        raise UserError(f"model.rope_type must be one of {', '.join(m.rope_types)}, got '{m.rope_type}'")
     # Checked under any rope_type: a value that is set must be one that could be used.
     if not (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
             and m.rope_original_max_position > 0):
