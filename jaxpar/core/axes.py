@@ -125,10 +125,6 @@ class Context(MeshAxis):
         if m.sequence_parallel and m.block_size % (size * tp):
             raise UserError(f"sequence parallelism with cp={size} splits the stream over cp*tp={size * tp}; "
                             f"model.block_size={m.block_size} does not divide by it")
-        if getattr(m, "mtp_layers", 0):
-            raise UserError(f"model.mtp_layers={m.mtp_layers} with cp={size}: the multi-token prediction modules "
-                            "read tokens ahead in the sequence's order, and the ring lays it out in zigzag; use cp=1 "
-                            "or --model.mtp_layers=0")
         if m.n_experts and m.moe_capacity_factor:  # a mixture of experts has the key
             raise UserError(f"model.moe_capacity_factor={m.moe_capacity_factor} ranks each sequence's tokens in "
                             f"order, and cp={size} splits the sequences; use cp=1, or drop the capacity factor")

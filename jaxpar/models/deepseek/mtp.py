@@ -9,13 +9,19 @@ RMSNorm and the shared lm_head. Its cross-entropy is over the positions that hav
 ahead in the row: T - k of them. The modules' mean loss, times model.mtp_weight, joins the training
 loss and is logged as `mtp_loss`; their routers' losses join the main model's. Evaluation and
 sampling never run them.
+
+Under a context ring the rows arrive in its zigzag layout, and a token's k-ahead neighbour may be
+on another device: the modules put the main model's output and the rows back in order and run on
+the whole sequence, the ring's devices each computing all of it (the modules are one block each).
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.llama.model import rms_norm
 from jaxpar.nn.loss import cross_entropy
 from jaxpar.nn.matmul import project
@@ -44,6 +50,12 @@ def module(stacked: dict, k: int) -> dict:
 def mtp_losses(model, top: dict, x: jax.Array, tokens: jax.Array, targets: jax.Array, doc_starts=None) -> dict:
     """{"mtp_loss": the modules' mean cross-entropy, and their routers' losses} for the rows
     (tokens, targets), x the main model's last layer output on them."""
+    ring_axis, ring = model.plan.ring()
+    if ring > 1:  # in order, each device the whole sequence
+        model = model.on(model.plan.unsplit(ring_axis))
+        order = np.argsort(zigzag_permutation(tokens.shape[1], ring))
+        x, tokens, targets = x[:, order], tokens[:, order], targets[:, order]
+        doc_starts = None if doc_starts is None else doc_starts[:, order]
     family, plan, cfg = model.family, model.plan, model.cfg
     axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"], is_leaf=lambda n: isinstance(n, tuple))
     T, D = tokens.shape[1], cfg.mtp_layers
