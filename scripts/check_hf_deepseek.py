@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_hf_llama as check  # noqa: E402
+import check_hf_llama as check
 
 ARCHS = ("lora", "bf16")
 DEEPSEEK = {key: check.LLAMA[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -45,18 +45,11 @@ VARIANTS = {"lora": {"q_lora_rank": 32, "n_routed_experts": 8, "n_group": 4, "to
 
 
 def build_deepseek(arch: str):
-    """The random DeepSeek-V3, eager attention, every RMSNorm weight moved off 1, the routers' correction
-    biases drawn; in bfloat16 for `bf16`."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-    torch.manual_seed(check.SEED)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK, **VARIANTS[arch], attn_implementation="eager"))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn_like(buffer))
+    """The random DeepSeek-V3 as the fixtures make theirs (eager attention, every RMSNorm weight moved
+    off 1, the routers' correction biases drawn); in bfloat16 for `bf16`."""
+    from make_hf_deepseek_fixtures import build
+    from transformers import DeepseekV3Config
+    model = build(DeepseekV3Config(**DEEPSEEK, **VARIANTS[arch], attn_implementation="eager"), check.SEED)
     return (model.to(torch.bfloat16) if arch == "bf16" else model).eval()
 
 

@@ -24,16 +24,16 @@ Every RMSNorm weight is moved off 1. The script prints how many tokens each expe
 a fixture is known to route to every expert, and each config.json.
 """
 
-import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures"
-INPUT_SEED = 1234
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_hf_moe_fixtures import INPUT_SEED, main, save_checked
+
 COMMON = {"vocab_size": 101, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
           "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "num_experts_per_tok": 2, "kv_lora_rank": 16,
           "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "intermediate_size": 40,
@@ -95,30 +95,8 @@ def make_fixture(out: Path, spec: tuple) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(out)
     reloaded = DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
-    logits, _ = logits_and_load(reloaded, input_ids)
-    if dtype == torch.float32:
-        assert np.array_equal(logits, in_memory), f"{out.name}: the saved model's logits differ"
-    assert all(min(counts) > 0 for counts in load), f"{out.name}: an expert receives no token: {load}"
-    np.save(out / "input_ids.npy", input_ids)
-    np.save(out / "logits.npy", logits.astype(np.float32))
-    print(f"{out.name}: logits {logits.shape}, largest |logit| {np.abs(logits).max():.3g}; tokens per expert by "
-          f"sparse layer {load}" + ("" if dtype == torch.float32 else
-                                    f"; max |bf16 - f32 model| {np.abs(logits - in_memory).max():.3g}"))
-    files = sorted(p.name for p in out.iterdir())
-    print(f"  files {files}, {sum(p.stat().st_size for p in out.iterdir()):,} B\n  config.json:\n"
-          + (out / "config.json").read_text())
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=FIXTURES, help=f"the fixtures' parent (default: {FIXTURES})")
-    args = parser.parse_args()
-    import transformers
-    transformers.utils.logging.disable_progress_bar()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
-    for name, spec in FIXTURE_SPECS.items():
-        make_fixture(args.out / name, spec)
+    save_checked(out, input_ids, logits_and_load(reloaded, input_ids)[0], in_memory, load, dtype)
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, FIXTURE_SPECS, make_fixture)

@@ -95,29 +95,36 @@ def make_fixture(out: Path, spec: tuple) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.to(dtype).save_pretrained(out, **({"max_shard_size": shard_size} if shard_size else {}))
     reloaded = model_class.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
-    logits = logits_only(reloaded, input_ids)
+    save_checked(out, input_ids, logits_only(reloaded, input_ids), in_memory, load, dtype)
+
+
+def save_checked(out: Path, input_ids: np.ndarray, logits: np.ndarray, in_memory: np.ndarray, load: list,
+                 dtype) -> None:
+    """input_ids.npy and logits.npy (the saved model's) in `out`, once the saved model gives the
+    in-memory one's logits (float32) and every expert receives a token; what it holds printed."""
     if dtype == torch.float32:
         assert np.array_equal(logits, in_memory), f"{out.name}: the saved model's logits differ"
     assert all(min(counts) > 0 for counts in load), f"{out.name}: an expert receives no token: {load}"
     np.save(out / "input_ids.npy", input_ids)
     np.save(out / "logits.npy", logits.astype(np.float32))
     print(f"{out.name}: logits {logits.shape}, largest |logit| {np.abs(logits).max():.3g}"
-          + (f"; tokens per expert by layer {load}" if load else "") + ("" if dtype == torch.float32 else
+          + (f"; tokens per expert by sparse layer {load}" if load else "") + ("" if dtype == torch.float32 else
                                 f"; max |bf16 - f32 model| {np.abs(logits - in_memory).max():.3g}"))
     files = sorted(p.name for p in out.iterdir())
     print(f"  files {files}, {sum(p.stat().st_size for p in out.iterdir()):,} B\n  config.json:\n"
           + (out / "config.json").read_text())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(doc: str = __doc__, specs: dict = FIXTURE_SPECS, make=make_fixture) -> None:
+    """Each of `specs` made into its folder under --out by `make(folder, spec)`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, default=FIXTURES, help=f"the fixtures' parent (default: {FIXTURES})")
     args = parser.parse_args()
     import transformers
     transformers.utils.logging.disable_progress_bar()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
-    for name, spec in FIXTURE_SPECS.items():
-        make_fixture(args.out / name, spec)
+    for name, spec in specs.items():
+        make(args.out / name, spec)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ Tolerance: logits within rtol 1e-5 plus atol 1e-5 of transformers' float32 ones 
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
@@ -20,7 +19,7 @@ import pytest
 from conftest import tiny_config
 from helpers import logits_of
 from helpers import placed as placed_on
-from test_hf_moe import tensors_of
+from test_hf_moe import copy_with, exported_configs, tensors_of
 
 from jaxpar.core.errors import UserError
 from jaxpar.inference import export, sample
@@ -66,25 +65,10 @@ def test_hf_deepseek_gives_transformers_logits(hf_dir, spec):
 
 @pytest.mark.parametrize("hf_dir", [V3, V3_BF16, V3_YARN])
 def test_export_is_what_save_pretrained_writes(hf_dir):
-    cfg, vocab, _, shardings = placed_on("dp=1", 0, hf_dir)
-    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
-    original = tensors_of(hf_dir)
-    dtype = original["model.norm.weight"].dtype
-    exported = hf.hf_state_dict(params, cfg, vocab, dtype=dtype)
-    assert sorted(exported) == sorted(original)
-    for name, array in original.items():  # bf16 -> float32 master weights -> bf16: exact
-        assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
-    config, written = json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
+    config, written = exported_configs(hf_dir)
     for key, value in config.items():
         if key not in ("dtype", "initializer_range", "transformers_version", "num_nextn_predict_layers"):  # MTP: 0
             assert written[key] == value, key
-
-
-def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
-    out = tmp_path / "hf"
-    shutil.copytree(hf_dir, out)
-    (out / "config.json").write_text(json.dumps(json.loads((hf_dir / "config.json").read_text()) | change))
-    return out
 
 
 @pytest.mark.parametrize("change, expected", [

@@ -101,17 +101,22 @@ def tensors_of(hf_dir: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("hf_dir", [MIXTRAL, QWEN3, QWEN3_MIXED, QWEN3_DENSE])
-def test_export_is_what_save_pretrained_writes(hf_dir):
+def exported_configs(hf_dir: Path) -> tuple[dict, dict]:
+    """Load hf_dir and export it: every tensor must be the fixture's, bit for bit, under the same
+    name (bf16 -> float32 master weights -> bf16 is exact); (the fixture's config.json, jaxpar's)."""
     cfg, vocab, _, shardings = placed_on("dp=1", 0, hf_dir)
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
     original = tensors_of(hf_dir)
-    dtype = original["model.norm.weight"].dtype
-    exported = hf.hf_state_dict(params, cfg, vocab, dtype=dtype)
+    exported = hf.hf_state_dict(params, cfg, vocab, dtype=original["model.norm.weight"].dtype)
     assert sorted(exported) == sorted(original)
-    for name, array in original.items():  # bf16 -> float32 master weights -> bf16: exact
+    for name, array in original.items():
         assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
-    config, written = json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
+    return json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
+
+
+@pytest.mark.parametrize("hf_dir", [MIXTRAL, QWEN3, QWEN3_MIXED, QWEN3_DENSE])
+def test_export_is_what_save_pretrained_writes(hf_dir):
+    config, written = exported_configs(hf_dir)
     for key in ("model_type", "architectures", "num_hidden_layers", "hidden_size", "num_key_value_heads",
                 "intermediate_size", "num_local_experts", "num_experts_per_tok", "tie_word_embeddings",
                 "rope_parameters", "moe_intermediate_size", "norm_topk_prob", "head_dim", "decoder_sparse_step",
