@@ -283,9 +283,7 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
         if summed_over:
             y = jax.lax.psum(y, summed_over)
-        # The bias's size, logged, carrying this device's routed counts as its gradient.
-        size = [jax.lax.stop_gradient(jnp.mean(jnp.abs(b))) for b in balance]
-        bias = [counted(balance[0], experts, B) + size[0]] if balance else []
+        bias = [counted(balance[0], experts, B)] if balance else []  # carrying the routed counts
         return (y.astype(dtype).reshape(B, T, C),
                 *sequence_stats(logits, probs, experts, B, seq_len, seq_axes), dropped, *bias)
 

@@ -66,11 +66,12 @@ def router_of(cfg):
 
 
 def counted(balance: jax.Array, experts: jax.Array, B: int) -> jax.Array:
-    """(B,) zeros whose gradient for `balance` (E,) is the assignments of this device's tokens
-    (B * T, k) to each expert: each sequence's counts times the bias, less the same stopped."""
+    """(B,): the bias's mean size (logged as moe_bias), whose gradient for `balance` (E,) is the
+    assignments of this device's tokens (B * T, k) to each expert: each sequence's counts times the
+    bias, less the same stopped, is zero in value."""
     counts = jax.nn.one_hot(experts, balance.shape[0], dtype=jnp.float32).sum(1).reshape(B, -1, balance.shape[0]).sum(1)
     carried = counts @ balance
-    return carried - jax.lax.stop_gradient(carried)
+    return carried - jax.lax.stop_gradient(carried) + jax.lax.stop_gradient(jnp.mean(jnp.abs(balance)))
 
 
 def rebalanced(balance: jax.Array, routed: jax.Array, rate: float) -> jax.Array:
