@@ -98,9 +98,6 @@ class Pipe(MeshAxis):
 
     def check(self, cfg, size, sizes):
         if size > 1:
-            if getattr(cfg.model, "mtp_layers", 0):
-                raise UserError(f"model.mtp_layers={cfg.model.mtp_layers} with pp={size}: the multi-token prediction "
-                                "modules do not run in a pipeline yet; use pp=1 or --model.mtp_layers=0")
             if cfg.train.zero == 3:
                 raise UserError("ZeRO stage 3 with pipeline parallelism is not supported; use --zero 1 or 2 "
                                 "with pp > 1")

@@ -97,7 +97,7 @@ class Transformer:
         """(mean next-token cross-entropy, auxiliary losses), the logits over model.loss_chunks
         pieces of the sequence (jaxpar.nn.loss.sequence_loss)."""
         top, x, losses = self.stream(params, tokens, dropout_key)
-        ahead = self.family.ahead_losses(self, top, x, tokens, targets, self.doc_starts(tokens))
+        ahead = self.family.ahead_losses(self, top, x, targets, self.doc_starts(tokens))
         return self.sequence_loss(self.head(top), x, targets), add_losses(losses, ahead) if ahead else losses
 
     def sequence_loss(self, head: dict, x: jax.Array, targets: jax.Array) -> jax.Array:

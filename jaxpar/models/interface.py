@@ -68,9 +68,15 @@ class Family:
         """What decoding caches of a token in each layer: (heads, a key's width, a value's)."""
         return self.kv_heads, self.head_dim, self.head_dim
 
-    def ahead_losses(self, model, top: dict, x, tokens, targets, doc_starts=None) -> dict:
+    def ahead_params(self) -> tuple[str, ...]:
+        """The top-level params that ahead_losses reads beside the head's (a pipeline's last
+        stage holds them); none by default."""
+        return ()
+
+    def ahead_losses(self, model, top: dict, x, targets, doc_starts=None) -> dict:
         """Auxiliary losses of predictions further ahead than the next token (DeepSeek's
-        multi-token prediction), from the last layer's output x; none by default."""
+        multi-token prediction), from the last layer's output x and the rows' next tokens; none by
+        default."""
         return {}
 
 

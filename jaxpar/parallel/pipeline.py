@@ -93,7 +93,16 @@ class StageOps:
         return y, aux
 
     def loss_of(self, head, y, k):
-        return self.model.sequence_loss(head, y, self.targets[k])
+        """(the training loss of microbatch k's last output y, (its cross-entropy, the losses of
+        predictions further ahead: DeepSeek's multi-token prediction, on this last stage))."""
+        loss = self.model.sequence_loss(self.model.head(head), y, self.targets[k])
+        docs = None if self.doc_starts is None else self.doc_starts[k]
+        ahead = self.model.family.ahead_losses(self.model, head, y, self.targets[k], docs)
+        return loss + sum(self.weights[name] * value for name, value in ahead.items()), (loss, ahead)
+
+    def cotangents(self, aux: dict) -> dict:
+        """Each auxiliary loss's weight, for the losses a chunk gives."""
+        return {name: self.weights[name] for name in aux}
 
     def op_input(self, c, t):
         """(microbatch, chunk, its input, its output gradient) for the op at tick t."""
@@ -107,13 +116,16 @@ class StageOps:
     def forward(self, c, t):
         k, chunk, x, _ = self.op_input(c, t)
         y, aux = self.run_chunk(self.chunk_params(chunk), x, k, chunk)
-        c = {**c, "aux": {name: c["aux"][name].at[k].add(value) for name, value in aux.items()}}
+        c = {**c, "aux": {name: values.at[k].add(aux.get(name, 0.0)) for name, values in c["aux"].items()}}
 
         def loss_here(c):  # the last chunk's output goes into the loss; its gradient starts B
-            if not self.train:
-                return {**c, "losses": c["losses"].at[k].set(self.loss_of(self.head, y, k))}
-            loss, (d_head, dy) = jax.value_and_grad(self.loss_of, argnums=(0, 1))(self.head, y, k)
+            if not self.train:  # evaluation: the cross-entropy alone
+                loss = self.model.sequence_loss(self.model.head(self.head), y, self.targets[k])
+                return {**c, "losses": c["losses"].at[k].set(loss)}
+            (_, (loss, ahead)), (d_head, dy) = jax.value_and_grad(self.loss_of, argnums=(0, 1), has_aux=True)(
+                self.head, y, k)
             return {**c, "losses": c["losses"].at[k].set(loss),
+                    "aux": {name: values.at[k].add(ahead.get(name, 0.0)) for name, values in c["aux"].items()},
                     "head_grads": tree_add(c["head_grads"], d_head),
                     "grads_in": c["grads_in"].at[self.at("grad_slot", t)].set(dy)}
         c = jax.lax.cond(self.is_last & (chunk == self.V - 1), loss_here, lambda c: c, c)
@@ -126,11 +138,11 @@ class StageOps:
         """The input gradient, and unless ZB-H1 splits off W, the weight gradient."""
         k, chunk, x, dy = self.op_input(c, t)
         if self.split_backward:
-            _, vjp = jax.vjp(lambda x: self.run_chunk(self.chunk_params(chunk), x, k, chunk), x)
-            (dx,) = vjp((dy, self.weights))
+            (_, aux), vjp = jax.vjp(lambda x: self.run_chunk(self.chunk_params(chunk), x, k, chunk), x)
+            (dx,) = vjp((dy, self.cotangents(aux)))
         else:
-            _, vjp = jax.vjp(lambda params, x: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk), x)
-            d_params, dx = vjp((dy, self.weights))
+            (_, aux), vjp = jax.vjp(lambda params, x: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk), x)
+            d_params, dx = vjp((dy, self.cotangents(aux)))
             c = self.add_weight_grads(c, chunk, d_params)
         dx0 = c["dx0"].at[k].set(jnp.where(self.is_first & (chunk == 0), dx, c["dx0"][k]))
         return {**c, "dx0": dx0}, jnp.zeros_like(dx), dx
@@ -138,8 +150,8 @@ class StageOps:
     def weight(self, c, t):
         """ZB-H1's W: the weight gradient, rerunning the chunk from its saved input."""
         k, chunk, x, dy = self.op_input(c, t)
-        _, vjp = jax.vjp(lambda params: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk))
-        (d_params,) = vjp((dy, self.weights))
+        (_, aux), vjp = jax.vjp(lambda params: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk))
+        (d_params,) = vjp((dy, self.cotangents(aux)))
         return self.add_weight_grads(c, chunk, d_params), jnp.zeros_like(x), jnp.zeros_like(x)
 
     def tick(self, c, t, to_next, to_previous):
@@ -264,7 +276,7 @@ def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
         top, _, layer_params, layer_axes = split_layers(params, model.axes())
         run = make_executor(model, layer_axes, schedule)
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
-        head = model.head(top)
+        head = model.head(top) | {name: top[name] for name in family.ahead_params()}  # the last stage's
         doc_starts = None if model.eot_id is None else jax.vmap(model.doc_starts)(inputs)
         positions = document_positions(plan, doc_starts, inputs.shape[-1])  # broadcast over microbatches
 
@@ -284,7 +296,7 @@ def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
             chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1), doc_starts)
         layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
         (top_grads,) = embed_vjp(dx0)
-        grads = {**top_grads, **{name: tree_add(top_grads[name], head_grads[name]) for name in family.head_names},
+        grads = {**top_grads, **{name: tree_add(top_grads[name], grad) for name, grad in head_grads.items()},
                  "blocks": layer_grads}
         metrics = {"loss": losses.mean(), **{name: values.mean() for name, values in aux.items()}}
         return metrics, jax.tree.map(lambda g: g / schedule.microbatches, grads)

@@ -128,8 +128,11 @@ class Deepseek(Llama):
         """A token's latent and its rotated key, one of each a layer."""
         return 1, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim
 
-    def ahead_losses(self, model, top: dict, x, tokens, targets, doc_starts=None) -> dict:
-        return mtp_losses(model, top, x, tokens, targets, doc_starts) if self.cfg.mtp_layers else {}
+    def ahead_params(self) -> tuple[str, ...]:
+        return ("wte", "mtp") if self.cfg.mtp_layers else ()
+
+    def ahead_losses(self, model, top: dict, x, targets, doc_starts=None) -> dict:
+        return mtp_losses(model, top, x, targets, doc_starts) if self.cfg.mtp_layers else {}
 
     def declare_blocks(self) -> dict:
         cfg = self.cfg

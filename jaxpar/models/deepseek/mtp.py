@@ -13,6 +13,7 @@ sampling never run them.
 Under a context ring the rows arrive in its zigzag layout, and a token's k-ahead neighbour may be
 on another device: the modules put the main model's output and the rows back in order and run on
 the whole sequence, the ring's devices each computing all of it (the modules are one block each).
+In a pipeline they run on the last stage, beside the head (jaxpar.parallel.pipeline).
 """
 
 import dataclasses
@@ -47,23 +48,23 @@ def module(stacked: dict, k: int) -> dict:
     return jax.tree.map(lambda a: a[k - 1], stacked)
 
 
-def mtp_losses(model, top: dict, x: jax.Array, tokens: jax.Array, targets: jax.Array, doc_starts=None) -> dict:
-    """{"mtp_loss": the modules' mean cross-entropy, and their routers' losses} for the rows
-    (tokens, targets), x the main model's last layer output on them."""
+def mtp_losses(model, top: dict, x: jax.Array, targets: jax.Array, doc_starts=None) -> dict:
+    """{"mtp_loss": the modules' mean cross-entropy, and their routers' losses} for rows whose
+    next tokens are `targets`, x the main model's last layer output on them; `top` holds the
+    embedding, the head and the modules."""
     ring_axis, ring = model.plan.ring()
     if ring > 1:  # in order, each device the whole sequence
         model = model.on(model.plan.unsplit(ring_axis))
-        order = np.argsort(zigzag_permutation(tokens.shape[1], ring))
-        x, tokens, targets = x[:, order], tokens[:, order], targets[:, order]
+        order = np.argsort(zigzag_permutation(targets.shape[1], ring))
+        x, targets = x[:, order], targets[:, order]
         doc_starts = None if doc_starts is None else doc_starts[:, order]
     family, plan, cfg = model.family, model.plan, model.cfg
     axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"], is_leaf=lambda n: isinstance(n, tuple))
-    T, D = tokens.shape[1], cfg.mtp_layers
-    row = jnp.concatenate([tokens, targets[:, -1:]], axis=1)  # tokens 0 .. T of each row
+    T, D = targets.shape[1], cfg.mtp_layers
     h, losses, router = x, [], {}
-    for k in range(1, D + 1):
+    for k in range(1, D + 1):  # position i reads token i + k (targets[i + k - 1]) and predicts i + k + 1
         n, p = T - k, module(top["mtp"], k)  # the positions with a token k + 1 ahead
-        embedded = family.embed(plan, top, row[:, k:k + n])
+        embedded = family.embed(plan, top, targets[:, k - 1:k - 1 + n])
         joined = jnp.concatenate([rms_norm(embedded, p["enorm"], cfg.norm_eps),
                                   rms_norm(h[:, :n], p["hnorm"], cfg.norm_eps)], axis=-1)
         h = project("btc,cd->btd", joined.astype(family.dtype), p["eh_proj"]["kernel"].astype(family.dtype),
@@ -71,7 +72,7 @@ def mtp_losses(model, top: dict, x: jax.Array, tokens: jax.Array, targets: jax.A
         docs = None if doc_starts is None else doc_starts[:, :n]
         h, more, _ = family.block(plan, h, p["block"], axes, None, None, docs)
         head = {**model.head(top), "norm": p["norm"]}
-        losses.append(cross_entropy(model.logits_of(head, h), row[:, k + 1:k + 1 + n]))
+        losses.append(cross_entropy(model.logits_of(head, h), targets[:, k:k + n]))
         router = {name: router.get(name, 0.0) + value for name, value in more.items()}
     return router | {"mtp_loss": sum(losses) / D}
 
