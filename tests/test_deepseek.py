@@ -139,9 +139,11 @@ def test_latent_attention_is_mla_head_by_head():
         assert np.max(np.abs(wrong - want)) > 100 * 1e-5 * np.max(np.abs(want)), change  # 100x the tolerance
 
 
-@pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("dp=2,ep=2", {"model.q_lora_rank": 0}),
-                                            ("cp=2", {}),  # the ring carries MLA's keys and padded values
-                                            ("ep=2,pp=2", {"model.dense_layers": ""})])  # MTP on the last stage
+# dp=2,ep=2,pp=2: 1F1B with every layer sparse (a dense first layer makes the stages differ), MLA
+# without the query bottleneck, the MTP module on the last stage; cp=2: the ring carries MLA's keys
+# and padded values, and the module runs in order.
+@pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("cp=2", {}),
+                                            ("dp=2,ep=2,pp=2", {"model.q_lora_rank": 0, "model.dense_layers": ""})])
 def test_deepseek_trains_as_one_device(spec, overrides):
     reference = train(config=DEEPSEEK, **overrides)
     result = train(spec, config=DEEPSEEK, **overrides)
@@ -164,16 +166,22 @@ def test_the_mtp_loss_is_the_module_computed_over_the_whole_row():
     params = model.init(0)
     rows = jnp.asarray(np.random.default_rng(0).integers(0, 65, (4, cfg.model.block_size + 1)), jnp.int32)
     tokens, targets = rows[:, :-1], rows[:, 1:]
-    mtp_loss = model.loss(params, tokens, targets)[1]["mtp_loss"]
-    top, x, _ = model.stream(params, tokens)
-    p = jax.tree.map(lambda a: a[0], top["mtp"])
-    joined = jnp.concatenate([rms_norm(model.family.embed(model.plan, top, targets), p["enorm"], eps),
-                              rms_norm(x, p["hnorm"], eps)], axis=-1)
-    axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"], is_leaf=lambda n: isinstance(n, tuple))
-    h, _, _ = model.family.block(model.plan, joined @ p["eh_proj"]["kernel"], p["block"], axes)
-    logits = model.logits_of({**model.head(top), "norm": p["norm"]}, h)
-    np.testing.assert_allclose(mtp_loss, jnp.mean(token_losses(logits[:, :-1], targets[:, 1:])), rtol=1e-5)
-    assert abs(jnp.mean(token_losses(logits, targets)) / mtp_loss - 1) > 1e-3  # the control
+    mtp_loss = jax.jit(model.loss)(params, tokens, targets)[1]["mtp_loss"]
+
+    @jax.jit
+    def whole_row(params):  # (the loss against the targets one place further, against the targets)
+        top, x, _ = model.stream(params, tokens)
+        p = jax.tree.map(lambda a: a[0], top["mtp"])
+        joined = jnp.concatenate([rms_norm(model.family.embed(model.plan, top, targets), p["enorm"], eps),
+                                  rms_norm(x, p["hnorm"], eps)], axis=-1)
+        axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"],
+                            is_leaf=lambda n: isinstance(n, tuple))
+        h, _, _ = model.family.block(model.plan, joined @ p["eh_proj"]["kernel"], p["block"], axes)
+        logits = model.logits_of({**model.head(top), "norm": p["norm"]}, h)
+        return jnp.mean(token_losses(logits[:, :-1], targets[:, 1:])), jnp.mean(token_losses(logits, targets))
+    further, next_token = whole_row(params)
+    np.testing.assert_allclose(mtp_loss, further, rtol=1e-5)
+    assert abs(next_token / mtp_loss - 1) > 1e-3  # the control
 
 
 def test_deepseek_keys_are_refused_on_another_family_and_bad_groups_in_one_line():
