@@ -144,6 +144,54 @@ def logits_of(cfg, vocab, mesh, params, ids) -> np.ndarray:
     return np.asarray(logits)[..., :vocab]
 
 
+def cached_logits(cfg, vocab, mesh, params, ids, split: int | None = None) -> np.ndarray:
+    """The decoding forward pass's logits over the real vocabulary, computed on `mesh`: of every
+    position at once through an empty cache, or with `split`, of positions split.. after the
+    first split went into the cache."""
+    from jaxpar.models.decode import empty_cache, forward
+    model = build_model(cfg, vocab)
+    with jax.set_mesh(mesh):
+        decode = jax.jit(lambda p, t, c, pos: forward(model, p, t, c, pos), static_argnums=3)
+        if split is None:
+            logits, _ = decode(params, ids, empty_cache(model, ids.shape[0]), 0)
+        else:
+            _, cache = decode(params, ids[:, :split], empty_cache(model, ids.shape[0]), 0)
+            logits, _ = decode(params, ids[:, split:], cache, split)
+    return np.asarray(logits)[..., :vocab]
+
+
+def tensors_of(hf_dir: Path) -> dict:
+    """Every tensor of an HF directory's safetensors files, by name."""
+    from safetensors import safe_open
+    out = {}
+    for file in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(file, framework="numpy") as f:
+            out |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    return out
+
+
+def exported_configs(hf_dir: Path) -> tuple[dict, dict]:
+    """Load hf_dir and export it: every tensor must be the fixture's, bit for bit, under the same
+    name (bf16 -> float32 master weights -> bf16 is exact); (the fixture's config.json, jaxpar's)."""
+    cfg, vocab, _, shardings = placed("dp=1", 0, hf_dir)
+    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+    original = tensors_of(hf_dir)
+    exported = hf.hf_state_dict(params, cfg, vocab, dtype=original["model.norm.weight"].dtype)
+    assert sorted(exported) == sorted(original)
+    for name, array in original.items():
+        assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
+    return json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
+
+
+def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
+    """A copy of hf_dir in tmp_path whose config.json has `change`."""
+    import shutil
+    out = tmp_path / "hf"
+    shutil.copytree(hf_dir, out)
+    (out / "config.json").write_text(json.dumps(json.loads((hf_dir / "config.json").read_text()) | change))
+    return out
+
+
 def placed(spec: str, zero: int, hf_dir: Path, **overrides):
     """(cfg, vocab_size, mesh, param shardings) for the model in hf_dir on the mesh `spec`."""
     cfg = tiny_config(**mesh_overrides(spec), **{"train.zero": zero}, **overrides)

@@ -16,9 +16,8 @@ import jax
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
-from helpers import logits_of
+from helpers import cached_logits, logits_of, tensors_of
 from helpers import placed as placed_on
-from safetensors import safe_open
 
 from jaxpar.core.errors import UserError
 from jaxpar.data import prepare
@@ -26,7 +25,7 @@ from jaxpar.formats.hf_files import save_weights
 from jaxpar.inference import evaluate, export, sample
 from jaxpar.inference.loading import load_hf
 from jaxpar.models import hf
-from jaxpar.models.decode import empty_cache, forward
+from jaxpar.models.decode import empty_cache
 from jaxpar.models.family import build_model
 from jaxpar.train import main as train_main
 from jaxpar.train import run
@@ -53,15 +52,9 @@ def test_hf_llama_gives_transformers_logits(hf_dir, spec):
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
     if spec == "dp=1":  # the KV-cache forward pass, at every position at once and then token by token
-        model = build_model(cfg, vocab)
-        with jax.set_mesh(mesh):
-            decode = jax.jit(lambda p, t, c, pos: forward(model, p, t, c, pos), static_argnums=3)
-            full, _ = decode(params, ids, empty_cache(model, 2), 0)
-            _, cache = decode(params, ids[:, :9], empty_cache(model, 2), 0)
-            rest, _ = decode(params, ids[:, 9:], cache, 9)
-        np.testing.assert_allclose(np.asarray(full)[..., :vocab], expected, RTOL, ATOL)
-        np.testing.assert_allclose(np.asarray(rest)[..., :vocab], expected[:, 9:], RTOL, ATOL)
-        assert empty_cache(model, 2).k.shape == (2, 2, 2, m.block_size, 16 if hf_dir == LLAMA3 else 8)
+        np.testing.assert_allclose(cached_logits(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
+        np.testing.assert_allclose(cached_logits(cfg, vocab, mesh, params, ids, 9), expected[:, 9:], RTOL, ATOL)
+        assert empty_cache(build_model(cfg, vocab), 2).k.shape == (2, 2, 2, m.block_size, 16 if hf_dir == LLAMA3 else 8)
 
 
 def test_llama3_scaling_matters():
@@ -71,14 +64,6 @@ def test_llama3_scaling_matters():
     cfg.model.rope_type = "default"
     ids, expected = np.load(LLAMA3 / "input_ids.npy"), np.load(LLAMA3 / "logits.npy")
     assert np.abs(logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 100 * ATOL
-
-
-def tensors_of(hf_dir: Path) -> dict:
-    out = {}
-    for file in sorted(hf_dir.glob("*.safetensors")):
-        with safe_open(file, framework="numpy") as f:
-            out |= {name: f.get_tensor(name) for name in f.keys()}
-    return out
 
 
 @pytest.mark.parametrize("hf_dir", [TIED, LLAMA3])

@@ -8,23 +8,19 @@ within rtol 1e-5 plus atol 1e-5 of transformers' float32 ones (of order 1 to 5).
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import logits_of
+from helpers import cached_logits, copy_with, exported_configs, logits_of
 from helpers import placed as placed_on
-from safetensors import safe_open
 
 from jaxpar.core.errors import UserError
 from jaxpar.formats.hf_files import open_weights
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
-from jaxpar.models.decode import empty_cache, forward
-from jaxpar.models.family import build_model
 from jaxpar.models.llama import hf_moe
 from jaxpar.train import run
 
@@ -46,13 +42,8 @@ def test_hf_moe_gives_transformers_logits(hf_dir, spec):
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
-    if spec == "dp=1":  # the KV-cache forward pass, all at once and then in two parts
-        model = build_model(cfg, vocab)
-        with jax.set_mesh(mesh):
-            decode = jax.jit(lambda p, t, c, pos: forward(model, p, t, c, pos), static_argnums=3)
-            _, cache = decode(params, ids[:, :9], empty_cache(model, 2), 0)
-            rest, _ = decode(params, ids[:, 9:], cache, 9)
-        np.testing.assert_allclose(np.asarray(rest)[..., :vocab], expected[:, 9:], RTOL, ATOL)
+    if spec == "dp=1":  # the KV-cache forward pass, the rest after 9 tokens went into the cache
+        np.testing.assert_allclose(cached_logits(cfg, vocab, mesh, params, ids, 9), expected[:, 9:], RTOL, ATOL)
 
 
 def test_the_router_convention_matters():
@@ -93,27 +84,6 @@ def test_a_device_reads_only_its_own_experts():
                     for i in (0, 1) for e in (2, 3) for w in ("w1", "w3")}
 
 
-def tensors_of(hf_dir: Path) -> dict:
-    out = {}
-    for file in sorted(hf_dir.glob("*.safetensors")):
-        with safe_open(file, framework="numpy") as f:
-            out |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
-    return out
-
-
-def exported_configs(hf_dir: Path) -> tuple[dict, dict]:
-    """Load hf_dir and export it: every tensor must be the fixture's, bit for bit, under the same
-    name (bf16 -> float32 master weights -> bf16 is exact); (the fixture's config.json, jaxpar's)."""
-    cfg, vocab, _, shardings = placed_on("dp=1", 0, hf_dir)
-    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
-    original = tensors_of(hf_dir)
-    exported = hf.hf_state_dict(params, cfg, vocab, dtype=original["model.norm.weight"].dtype)
-    assert sorted(exported) == sorted(original)
-    for name, array in original.items():
-        assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
-    return json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
-
-
 @pytest.mark.parametrize("hf_dir", [MIXTRAL, QWEN3, QWEN3_MIXED, QWEN3_DENSE])
 def test_export_is_what_save_pretrained_writes(hf_dir):
     config, written = exported_configs(hf_dir)
@@ -122,13 +92,6 @@ def test_export_is_what_save_pretrained_writes(hf_dir):
                 "rope_parameters", "moe_intermediate_size", "norm_topk_prob", "head_dim", "decoder_sparse_step",
                 "mlp_only_layers"):
         assert written.get(key) == config.get(key) or (key == "head_dim" and config[key] is None), key
-
-
-def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
-    out = tmp_path / "hf"
-    shutil.copytree(hf_dir, out)
-    (out / "config.json").write_text(json.dumps(json.loads((hf_dir / "config.json").read_text()) | change))
-    return out
 
 
 @pytest.mark.parametrize("hf_dir, change, expected", [
