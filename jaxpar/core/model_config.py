@@ -87,6 +87,11 @@ class ModelConfig:
         return (False,) * self.n_layer
 
     @property
+    def routed_layers(self) -> int:
+        """The layers with a router, whose logged router figures are averaged over them."""
+        return sum(self.sparse_layers)
+
+    @property
     def mixed_layers(self) -> bool:
         """Whether some layers have experts and others a dense MLP (each kind then has its own stack)."""
         return any(self.sparse_layers) and not all(self.sparse_layers)

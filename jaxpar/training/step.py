@@ -116,7 +116,7 @@ def make_train_step(cfg: Config, model: Transformer, tx, shardings: TrainState, 
         grad_norm = optax.tree.norm(grads)
         clipped = optimizers.clip(grads, grad_norm, cfg.optimizer)
         updates, opt_state = tx.update(clipped, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, without_balance(updates, roles))
+        params = optax.apply_updates(state.params, updates)  # zero for the biases, their gradients zero
         params = jax.tree.map(lambda p, r, role: rebalanced(p, r, rate) if role == BALANCE else p,
                               params, routed, roles)
         return TrainState(state.step + 1, params, opt_state), {**metrics, "grad_norm": grad_norm}
@@ -127,7 +127,8 @@ def make_train_step(cfg: Config, model: Transformer, tx, shardings: TrainState, 
 
 def without_balance(tree: dict, roles: dict) -> dict:
     """A params-shaped tree with zeros for the balance biases: their gradient slots hold routed
-    counts, and only the balancing update moves them."""
+    counts, and only the balancing update moves them (from a zero gradient every registered
+    optimizer's update is zero, and weight decay's mask leaves them out)."""
     return jax.tree.map(lambda a, role: jnp.zeros_like(a) if role == BALANCE else a, tree, roles)
 
 

@@ -58,6 +58,11 @@ class DeepseekConfig(LlamaConfig):
         return (*ROPE_TYPES, "yarn")
 
     @property
+    def routed_layers(self) -> int:
+        """The sparse layers and the multi-token prediction modules (each one sparse block)."""
+        return sum(self.sparse_layers) + self.mtp_layers
+
+    @property
     def head_size(self) -> int:
         """The query-key head width: the latent part and the rotated part."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim

@@ -142,10 +142,9 @@ class Layer:
         if "router" not in p:
             return self.residual(x, self.swiglu_mlp(h, p["gate_up"], p["mlp_out"]), key), {}
         y, losses = moe.moe_mlp(self.plan, h.reshape(B, T, C), p, cfg, self.dtype, not decoding)
-        sparse = sum(cfg.sparse_layers) + getattr(cfg, "mtp_layers", 0)  # DeepSeek's MTP modules: sparse
-        for logged in ("moe_load", "moe_dropped", "moe_bias"):  # summed over the sparse layers: their mean
+        for logged in ("moe_load", "moe_dropped", "moe_bias"):  # summed over the routed layers: their mean
             if logged in losses:
-                losses[logged] = losses[logged] / sparse
+                losses[logged] = losses[logged] / cfg.routed_layers
         if "shared_gate_up" in p:  # experts every token passes through
             y = y + self.swiglu_mlp(h, p["shared_gate_up"], p["shared_out"]).reshape(B, T, C)
         return self.residual(x, y, key), losses
