@@ -33,6 +33,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_hf_moe_fixtures import INPUT_SEED, main, save_checked
+from make_hf_moe_fixtures import build as build_moe
 
 COMMON = {"vocab_size": 101, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
           "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "num_experts_per_tok": 2, "kv_lora_rank": 16,
@@ -58,14 +59,10 @@ FIXTURE_SPECS = {  # name: (config, torch seed, input shape, saved dtype)
 
 
 def build(config, seed: int):
-    """A random model in float32, every RMSNorm weight moved off its init of 1, each router's
-    correction bias drawn at about the scores' spread (so it changes some choices)."""
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(config).eval()
+    """The MoE fixtures' random model (every RMSNorm weight moved off its init of 1), each
+    router's correction bias then drawn at about the scores' spread (so it changes some choices)."""
+    model = build_moe(DeepseekV3ForCausalLM, config, seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.add_(0.1 * torch.randn_like(param))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.1 * torch.randn_like(buffer))
