@@ -195,8 +195,8 @@ def test_deepseek_keys_are_refused_on_another_family_and_bad_groups_in_one_line(
         tiny_config(DEEPSEEK, **{"model.mtp_layers": -1})
     with pytest.raises(UserError, match="model.v_head_dim=16 is wider than the query-key heads"):
         tiny_config(DEEPSEEK, **{"model.v_head_dim": 16})
-    with pytest.raises(UserError, match="model.attention=cudnn takes heads up to 128 dims in multiples of 8, and "
-                                        "this model's are 12"):  # 8 + 4: MLA's query-key heads
+    with pytest.raises(UserError, match=r"model.attention=cudnn takes heads up to 256 dims \(Hopper and later GPUs\) "
+                                        "in multiples of 8, and this model's are 12"):  # 8 + 4: MLA's query-key heads
         tiny_config(DEEPSEEK, **{"model.attention": "cudnn", "model.dtype": "bfloat16"})
 
 

@@ -19,12 +19,15 @@ def gpu_check():
 
 def test_the_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
     found = gpu_check().main(["--tiny", "--out", str(tmp_path)])
-    assert [r["run"] for r in found["speed"]] == ["tiny, batch 2, one pass", "tiny, batch 4, one pass",
-                                                  "tiny, as shipped", "tiny, one pass of 8 rows"]
-    assert all(r["tokens_per_s_median"] > 0 and r["step_time_ms_median"] > 0 for r in found["speed"])
+    assert found["errors"] == {}
+    runs = found["speed"] + found["preset"]
+    assert [r["run"] for r in runs] == ["tiny, batch 2, one pass", "tiny, batch 4, one pass",
+                                        "tiny, as shipped", "tiny, one pass of 8 rows"]
+    assert all(r["tokens_per_s_median"] > 0 and r["step_time_ms_median"] > 0 for r in runs)
     assert [(r["experts"], r["gemm"]) for r in found["gemm"]] == [
         (e, g) for e in (8, 64) for g in ("dense", "blocks", "ragged_dot")]  # blocks: the CPU plan's
     assert all(r["forward_backward_ms"] > 0 for r in found["gemm"])
+    assert all(r["max_rel_diff_vs_ragged_dot"] < 1e-5 for r in found["gemm"] if r["gemm"] != "dense")
     assert found["kernels"]["steps"] == 2  # a CPU trace has no device streams: no kernels
     assert "ENTRY" in (tmp_path / "tiny_b2.hlo.txt").read_text()
     assert (tmp_path / "gpu_check.md").read_text().startswith("device: cpu")
@@ -46,3 +49,15 @@ def test_its_trace_reader_counts_each_gpu_kernel_once(tmp_path):
     assert module.trace_kernels(tmp_path) == {"gemm_fusion_dot_1": 500, "loop_convert_fusion": 100}
     assert [module.category(k) for k in ("gemm_fusion_dot_1", "loop_convert_fusion", "cudnn_fmha")] == [
         "gemm", "elementwise/fusion", "attention"]
+
+
+def test_the_deepseek_gpu_check_measures_attention_at_latent_heads(tmp_path):
+    """scripts/gpu_deepseek.py's attention section at tiny shapes: xla and tokamax's reference
+    within bf16's error of float32, and cuDNN's row holds its error line on a CPU."""
+    spec = importlib.util.spec_from_file_location("gpu_deepseek", SCRIPT.parent / "gpu_deepseek.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found = module.main(["--tiny", "--sections", "attention", "--out", str(tmp_path)])
+    rows = {r["kernel"]: r for r in found["attention"]}
+    assert rows["xla"]["auto"] and all(rows[k][f"error_{n}"] < 1e-2 for k in ("xla", "tokamax") for n in ("out", "dq", "dk", "dv"))
+    assert "cuDNN" in rows["cudnn"]["error"] and "cudnn" in (tmp_path / "gpu_deepseek.md").read_text()

@@ -12,6 +12,7 @@ import pytest
 from conftest import tiny_config
 from helpers import assert_same_training, fails_with, train
 
+from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import model_config
 from jaxpar.nn.attention import causal_attention
 from jaxpar.nn.kernels import resolve, splash
@@ -109,15 +110,45 @@ def test_splash_trains_as_one_device_on_dp2_tp2():
     ("tpu", {"context": 8}, "xla", "chunks are 64 tokens"),
     ("gpu", {"dtype": "bfloat16", "context": 8}, "cudnn", None),
     ("gpu", {"dtype": "bfloat16", "documents": True}, "tokamax", None),  # the test extra installs it
-    ("gpu", {"family": "llama", "dtype": "bfloat16", "head_dim": 192}, "tokamax", None),  # MLA's: wider than cuDNN takes
-    ("gpu", {"family": "llama", "dtype": "bfloat16", "head_dim": 192, "context": 2}, "xla", "takes heads up to 128 dims"),
+    # latent attention's 192-dim heads: cuDNN's from Hopper on; before, xla (tokamax's kernel measured slower)
+    ("gpu", {"family": "llama", "dtype": "bfloat16", "head_dim": 192, "cudnn_heads": 256}, "cudnn", None),
+    ("gpu", {"family": "llama", "dtype": "bfloat16", "head_dim": 192}, "xla", "takes heads up to 128 dims"),
+    ("gpu", {"family": "llama", "dtype": "bfloat16", "head_dim": 264, "cudnn_heads": 256}, "xla", "up to 256 dims"),
     ("gpu", {"dtype": "bfloat16", "documents": True, "context": 2}, "xla", "no segment ids"),
     ("tpu", {"documents": True}, "splash", None),
 ])
 def test_auto_picks_by_platform(platform, overrides, kernel, note):
     context, documents = overrides.pop("context", 1), overrides.pop("documents", False)
-    got, why = resolve(model_config(**{"block_size": 1024, **overrides}), platform, context, documents)
+    heads = overrides.pop("cudnn_heads", 128)
+    got, why = resolve(model_config(**{"block_size": 1024, **overrides}), platform, context, documents, heads)
     assert got == kernel and (note is None) == (why is None) and (note is None or note in why)
+
+
+def test_tokamaxs_triton_kernels_find_pallas_dot_under_its_old_name():
+    """tokamax 0.0.12's kernels call `pl.dot`, gone from jax.experimental.pallas in jax 0.11 (an
+    AttributeError on an H200 with jax 0.11.2); prepared() puts back the Triton backend's own."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    from jaxpar.nn import tokamax_kernels
+    tokamax_kernels.prepared()
+    assert vars(pl)["dot"] is plgpu.dot
+
+
+def test_cudnns_head_width_is_read_off_the_devices():
+    """256 dims from compute capability 9.0 (jax's own check), 128 before and off GPUs; jax checks
+    the host's device, so a compile-only Hopper on this CPU host gets 128; an explicit cudnn too
+    wide for the mesh's GPUs is refused in one line."""
+    from types import SimpleNamespace
+
+    from jaxpar.nn.kernels import check_mesh, cudnn_head_max
+    gpu = lambda c: SimpleNamespace(compute_capability=c)
+    assert [cudnn_head_max(gpu(c), host=gpu(c)) for c in ("9.0", "10.0", "8.9")] == [256, 256, 128]
+    assert cudnn_head_max(gpu("9.0")) == cudnn_head_max(jax.devices()[0]) == 128  # this host: a CPU
+    wide = model_config(family="llama", dtype="bfloat16", head_dim=192, attention="cudnn")
+    check_mesh(wide, "gpu", 1, cudnn_heads=256)
+    with pytest.raises(UserError, match="takes heads up to 128 dims here"):
+        check_mesh(wide, "gpu", 1, cudnn_heads=128)
 
 
 @pytest.mark.parametrize("args, expected", [

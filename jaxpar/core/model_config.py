@@ -19,9 +19,12 @@ ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn", "tokamax")  # jaxpar.nn.k
 SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
 
 
-def cudnn_takes(head_dim: int) -> bool:
-    """cuDNN's fused attention takes heads of at most 128 dims, in multiples of 8."""
-    return head_dim <= 128 and head_dim % 8 == 0
+CUDNN_HEADS_HOPPER, CUDNN_HEADS_BEFORE = 256, 128  # jax's check: compute capability 9.0 and up, or below
+
+
+def cudnn_takes(head_dim: int, widest: int = CUDNN_HEADS_HOPPER) -> bool:
+    """cuDNN's fused attention takes heads of at most `widest` dims (the GPU's), in multiples of 8."""
+    return head_dim <= widest and head_dim % 8 == 0
 
 FAMILY_CONFIGS: dict[str, type["ModelConfig"]] = {}  # model.family -> its config class
 
@@ -158,8 +161,9 @@ def check_attention(m: ModelConfig) -> None:
         raise UserError(f"model.attention=splash runs tiles of {SPLASH_TILE} tokens, and model.block_size="
                         f"{m.block_size} is not a multiple; choose one, or --model.attention=auto")
     if m.attention == "cudnn" and not cudnn_takes(m.head_size):
-        raise UserError(f"model.attention=cudnn takes heads up to 128 dims in multiples of 8, and this model's are "
-                        f"{m.head_size}; use --model.attention=auto (tokamax's kernel on GPUs)")
+        raise UserError(f"model.attention=cudnn takes heads up to {CUDNN_HEADS_HOPPER} dims (Hopper and later GPUs) in "
+                        f"multiples of 8, and this model's are {m.head_size}; use --model.attention=auto "
+                        "(tokamax's kernel on GPUs)")
     if m.attention == "cudnn" and m.dtype == "float32":
         raise UserError("model.attention=cudnn takes bfloat16 only; set --model.dtype=bfloat16, "
                         "or --model.attention=auto")

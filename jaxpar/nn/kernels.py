@@ -8,7 +8,9 @@ platform. `resolve` decides it once, before tracing, for the execution plan
 `shard_map`, split as the rule table splits q (batch, heads, seq, head_dim) and k, v (batch,
 kv_heads, seq, head_dim); grouped-query attention goes in as it is (splash's MQA form per KV
 head; cuDNN takes fewer KV heads). Neither has dropout of the attention probabilities, so `auto`
-keeps `xla` when model.dropout > 0.
+keeps `xla` when model.dropout > 0. cuDNN takes heads up to 256 dims from Hopper on (compute
+capability 9.0; 128 before), latent attention's 192 among them: the plan reads the width off the
+mesh's devices and the host's (`cudnn_head_max`).
 
 Documents (data.document_mask) go to splash as its SegmentIds. `jax.nn.dot_product_attention` has
 sequence lengths but no segment ids (cuDNN's packed-document offsets are in jax's private API
@@ -25,9 +27,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.axes import CONTEXT
 from jaxpar.core.errors import UserError
-from jaxpar.core.model_config import SPLASH_TILE, cudnn_takes
+from jaxpar.core.model_config import CUDNN_HEADS_BEFORE, CUDNN_HEADS_HOPPER, SPLASH_TILE, cudnn_takes
 from jaxpar.core.platform import GPUS
 from jaxpar.nn import tokamax_kernels
 
@@ -38,32 +39,34 @@ Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv
     ("batch", "seq", "heads", "head_dim")
 
 
-def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False) -> tuple[str, str | None]:
-    """(the kernel that runs, a one-line note when `auto` keeps xla where a fused kernel exists)."""
+def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False,
+            cudnn_heads: int = CUDNN_HEADS_BEFORE) -> tuple[str, str | None]:
+    """(the kernel that runs, a one-line note when `auto` keeps xla where a fused kernel exists);
+    `cudnn_heads`: the widest head cuDNN takes on these GPUs (cudnn_head_max)."""
     if model_cfg.attention != "auto":
         return model_cfg.attention, None
     fused = FUSED_ON.get(platform)
     if fused is None:
         return "xla", None
-    cudnn_cannot = documents or not cudnn_takes(model_cfg.head_size)
-    if fused == "cudnn" and cudnn_cannot and model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available():
-        return "tokamax", None  # tokamax's kernel takes the documents' mask, and wider heads
-    why = why_xla(model_cfg, fused, context, documents)
+    if fused == "cudnn" and documents and model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available():
+        return "tokamax", None  # tokamax's kernel takes the documents' mask
+    why = why_xla(model_cfg, fused, context, documents, cudnn_heads)
     if why and fused == "cudnn":  # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
         why += "; xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on an H200"
     return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
 
 
-def why_xla(model_cfg, fused: str, context: int, documents: bool) -> str | None:
+def why_xla(model_cfg, fused: str, context: int, documents: bool, cudnn_heads: int) -> str | None:
     """Why `auto` cannot run the platform's fused kernel, or None."""
     if model_cfg.dropout > 0:
         return f"{fused} has no attention dropout (model.dropout={model_cfg.dropout})"
     where = "runs no context ring" if context > 1 else "is not installed (pip install -e '.[gpu]')"
     if fused == "cudnn" and documents:
         return f"jax's cuDNN attention has no segment ids for data.document_mask, and tokamax's kernel, which has, {where}"
-    if fused == "cudnn" and not cudnn_takes(model_cfg.head_size):
-        return (f"cuDNN's fused attention takes heads up to 128 dims in multiples of 8 (this model's: "
-                f"{model_cfg.head_size}), and tokamax's kernel, which takes them, {where}")
+    if fused == "cudnn" and not cudnn_takes(model_cfg.head_size, cudnn_heads):
+        return (f"cuDNN's fused attention takes heads up to {cudnn_heads} dims here (256 where the host's GPU is a Hopper), "
+                f"in multiples of 8 (this model's: {model_cfg.head_size}); tokamax's kernel takes them, and took "
+                "1.9x xla's time at 192-dim heads on an H200")
     if fused == "cudnn" and model_cfg.dtype == "float32":
         return "cuDNN's fused attention takes bfloat16 only (model.dtype=float32)"
     if fused == "splash" and model_cfg.block_size % SPLASH_TILE:
@@ -71,9 +74,22 @@ def why_xla(model_cfg, fused: str, context: int, documents: bool) -> str | None:
     return ring_chunks_too_small(model_cfg, context) if fused == "splash" else None
 
 
-def check_mesh(model_cfg, platform: str, context: int = 1) -> None:
+def cudnn_head_max(device, host=None) -> int:
+    """The widest head cuDNN's flash attention takes on `device`: 256 dims from Hopper on (compute
+    capability 9.0), else 128. jax checks the width against the host's own first device (`host`,
+    by default jax.devices()[0]; jax._src.cudnn), so a compile-only H100 planned on a host without
+    a Hopper GPU gets 128 too. Measured: latent attention's 192-dim heads on an H200, cuDNN in
+    0.46x xla's time (docs/benchmarks.md)."""
+    hopper = lambda d: tuple(int(c) for c in str(getattr(d, "compute_capability", "0.0")).split(".")[:2]) >= (9, 0)
+    return CUDNN_HEADS_HOPPER if hopper(device) and hopper(host or jax.devices()[0]) else CUDNN_HEADS_BEFORE
+
+
+def check_mesh(model_cfg, platform: str, context: int = 1, cudnn_heads: int = CUDNN_HEADS_HOPPER) -> None:
     """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix."""
     kernel = model_cfg.attention
+    if kernel == "cudnn" and platform in GPUS and not cudnn_takes(model_cfg.head_size, cudnn_heads):
+        raise UserError(f"model.attention=cudnn takes heads up to {cudnn_heads} dims here (256 where the host's GPU is "
+                        f"a Hopper), and this model's are {model_cfg.head_size}; use --model.attention=auto")
     if kernel in ("auto", "xla"):
         return
     if kernel == "splash" and (why := ring_chunks_too_small(model_cfg, context)):
@@ -97,24 +113,20 @@ def ring_chunks_too_small(model_cfg, context: int) -> str | None:
     return None
 
 
-def resolve_on(model_cfg, mesh, documents: bool = False) -> tuple[str, str | None]:
-    """resolve, on a (concrete or abstract) mesh: its platform and its context ring."""
-    return resolve(model_cfg, platform_of(mesh), mesh.shape.get(CONTEXT, 1), documents)
-
-
-def describe(model_cfg, mesh, documents: bool = False) -> str:
-    """'splash', or 'xla (model.attention=auto runs xla: ...)': for run.json, --dry-run and plans."""
-    kernel, note = resolve_on(model_cfg, mesh, documents)
-    return f"{kernel} ({note})" if note else kernel
-
-
 def platform_of(mesh) -> str:
     """The platform of a mesh's devices (a compile-only TPU's too); the default backend's for a
     mesh that names none. Asked once, before tracing (jaxpar.training.execution)."""
-    if hasattr(mesh, "devices"):
-        return mesh.devices.flat[0].platform
+    device = device_of(mesh)
+    return jax.default_backend() if device is None else device.platform
+
+
+def device_of(mesh):
+    """One of a mesh's devices (a compile-only GPU's too); an abstract mesh's abstract device, or
+    None where it names none."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat[0]
     mesh = getattr(mesh, "abstract_mesh", mesh)
-    return jax.default_backend() if mesh.empty or mesh.abstract_device is None else mesh.abstract_device.platform
+    return None if mesh.empty else mesh.abstract_device
 
 
 def fused_attention(plan, q, k, v, doc_starts=None):

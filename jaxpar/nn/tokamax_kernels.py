@@ -41,6 +41,18 @@ def prepared() -> None:
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
     logging.getLogger("absl").addFilter(NoCacheMiss())
+    restore_pallas_dot()
+
+
+def restore_pallas_dot() -> None:
+    """tokamax 0.0.12's Triton kernels call `pl.dot`, which jax 0.10 deprecated and 0.11 removed
+    from jax.experimental.pallas (an AttributeError there); the same function lives on as the
+    Triton backend's `jax.experimental.pallas.triton.dot`, which tokamax 0.0.17 calls. It is put
+    back under the old name."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    if "dot" not in vars(pl):  # jax >= 0.10 keeps it only as a deprecated alias, or not at all
+        pl.dot = plgpu.dot
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, KEYS, NAMES, check_axes, sizes_of
 from jaxpar.core.config import Config, MeshConfig
 from jaxpar.core.errors import UserError
-from jaxpar.nn.kernels import check_mesh
+from jaxpar.nn.kernels import check_mesh, cudnn_head_max
 
 
 def parse_mesh_spec(spec: str) -> dict[str, str]:
@@ -94,7 +94,7 @@ def build_mesh(cfg: Config, devices=None) -> Mesh:
     """An Auto-typed Mesh over `devices` (default: all), validated against cfg."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(cfg, len(devices))
-    check_mesh(cfg.model, devices[0].platform, sizes[CONTEXT_AXIS.key])
+    check_mesh(cfg.model, devices[0].platform, sizes[CONTEXT_AXIS.key], cudnn_head_max(devices[0]))
     # jax.make_mesh lays devices out by topology and process, the last axis the most local, so
     # the axes go in by locality: a tensor group stays on one host where it can (its all-reduces
     # run in every layer), and a context ring next to it (its K/V blocks move every layer too).

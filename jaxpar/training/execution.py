@@ -30,7 +30,8 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     passes to sum, and no pipeline."""
     platform = platform or kernels.platform_of(mesh)
     m = cfg.model
-    attention, note = kernels.resolve(m, platform, mesh.shape.get(CONTEXT, 1), cfg.data.document_mask)
+    attention, note = kernels.resolve(m, platform, mesh.shape.get(CONTEXT, 1), cfg.data.document_mask,
+                                      kernels.cudnn_head_max(kernels.device_of(mesh)))
     experts = {}
     if m.n_experts:
         gemm, gemm_note = moe.gemm_of(m, platform)
