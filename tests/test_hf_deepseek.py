@@ -36,9 +36,9 @@ RTOL = ATOL = 1e-5
 def test_hf_deepseek_gives_transformers_logits(hf_dir, spec):
     cfg, vocab, mesh, shardings = placed_on(spec, 0, hf_dir)
     m = cfg.model
-    assert (m.family, m.q_lora_rank, m.n_experts, m.dense_layers, m.rope_type) == \
-        {V3: ("deepseek", 16, 8, "0", "default"), V3_BF16: ("deepseek", 0, 4, "0", "default"),
-         V3_YARN: ("deepseek", 16, 4, "0", "yarn")}[hf_dir]
+    assert (m.family, m.q_lora_rank, m.n_experts, m.dense_layers, m.rope_type, m.mtp_layers) == \
+        {V3: ("deepseek", 16, 8, "0", "default", 0), V3_BF16: ("deepseek", 0, 4, "0", "default", 0),
+         V3_YARN: ("deepseek", 16, 4, "0", "yarn", 0)}[hf_dir]  # num_nextn_predict_layers 1, no weights
     params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
     assert np.abs(np.asarray(params["blocks"]["router"]["balance"])).max() > 0.01  # the correction bias read
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
@@ -82,10 +82,11 @@ def test_what_jaxpar_does_not_compute_is_one_line(tmp_path, change, expected):
 
 def test_the_export_of_a_trained_deepseek_samples_its_text(tmp_path, capsys):
     """tiny_deepseek after 2 steps (its balance biases moved, one MTP module): the export holds the
-    module as layer 2 (DeepSeek's place), and sampling it with --hf on ep=2 gives the run's greedy
-    text, as the run's checkpoint does with its latent cache and without a cache."""
-    run(tiny_config("tiny_deepseek", **{"train.steps": 2, "train.eval_every": 0}), tmp_path / "run",
-        jax.devices()[:1], progress=False)
+    module as layer 2 (DeepSeek's place) and reads back as the run's, bit for bit; sampling it with
+    --hf on ep=2 gives the run's greedy text, as the run's checkpoint does with its latent cache
+    and without a cache."""
+    trained = run(tiny_config("tiny_deepseek", **{"train.steps": 2, "train.eval_every": 0}), tmp_path / "run",
+                  jax.devices()[:1], progress=False).params
     export.export(tmp_path / "run", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["architectures"], config["num_nextn_predict_layers"]) == (["DeepseekV3ForCausalLM"], 1)
@@ -93,6 +94,14 @@ def test_the_export_of_a_trained_deepseek_samples_its_text(tmp_path, capsys):
     assert {"model.layers.2.eh_proj.weight", "model.layers.2.mlp.experts.7.down_proj.weight",
             "model.layers.2.shared_head.head.weight"} <= set(names)
     assert np.abs(names["model.layers.1.mlp.gate.e_score_correction_bias"]).max() > 0
+    cfg, vocab, _, shardings = placed_on("dp=1", 0, tmp_path / "hf")
+    assert cfg.model.mtp_layers == 1
+    read = hf.load_hf_params(tmp_path / "hf", cfg, vocab, shardings)
+    jax.tree.map(np.testing.assert_array_equal, read["mtp"], trained["mtp"])
+    # the control: the module's block is not the main model's last layer
+    assert not np.array_equal(read["mtp"]["block"]["attn_out"]["kernel"][0], read["blocks"]["attn_out"]["kernel"][-1])
+    with pytest.raises(UserError, match="says num_nextn_predict_layers=2, and its weights hold 1 modules"):
+        placed_on("dp=1", 0, copy_with(tmp_path / "two", tmp_path / "hf", {"num_nextn_predict_layers": 2}))
     greedy = ["--temperature", "0", "--prompt", "ROMEO:", "--max-new-tokens", "12"]
     texts = []
     for source in (["--ckpt", str(tmp_path / "run")], ["--ckpt", str(tmp_path / "run"), "--no-cache"],

@@ -9,8 +9,10 @@ and a reshape, as Llama's do; the router's e_score_correction_bias is the balanc
 expert's and the shared experts' gate, up and down projections are Mixtral's kind of tensors.
 Multi-token prediction modules are written where DeepSeek's checkpoints keep them, as layers past
 num_hidden_layers (their block's weights, enorm, hnorm, eh_proj, shared_head.norm, and copies of
-the embedding and the head), and config.json's num_nextn_predict_layers counts them; transformers
-builds no module of them, and jaxpar reads none of them back.
+the embedding and the head), and config.json's num_nextn_predict_layers counts them. jaxpar reads
+them back where a checkpoint holds them (DeepSeek's own do; the copies of the embedding and the
+head are not read, since the modules share the main model's); transformers builds and saves none,
+so its checkpoints give mtp_layers 0.
 """
 
 from pathlib import Path
@@ -19,6 +21,7 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
+from jaxpar.formats.hf_files import open_weights, slice_reader
 from jaxpar.formats.hf_mapping import Mapping, Weight, host_arrays
 from jaxpar.models.llama import hf as hf_llama
 
@@ -93,7 +96,7 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
                 f"norm_topk_prob={config.get('norm_topk_prob', True)}"),
                ("dense_layers", ",".join(map(str, range(dense))), f"first_k_dense_replace={dense}"),
                ("moe_every", 1, "first_k_dense_replace"), ("norm_eps", eps, f"rms_norm_eps={eps}"),
-               ("mtp_layers", 0, "jaxpar reads no multi-token prediction module"),
+               ("mtp_layers", *mtp_held(config, path)),
                ("tie_embeddings", tied, f"tie_word_embeddings={str(tied).lower()}"),
                ("max_positions", positions, f"max_position_embeddings={positions}")]
     return fields + rope_fields(config, path, positions), vocab_size, positions
@@ -122,9 +125,33 @@ def rope_fields(config: dict, path: Path, positions: int) -> list[tuple[str, obj
         raise UserError(f"'{path}': yarn rope scaling without {e.args[0]}; pass a complete config.json") from None
 
 
+def mtp_held(config: dict, path: Path) -> tuple[int, str]:
+    """(the multi-token prediction modules to read, where that comes from): num_nextn_predict_layers
+    where the checkpoint holds their weights, 0 where it holds none."""
+    stated, layers = int(config.get("num_nextn_predict_layers") or 0), int(config["num_hidden_layers"])
+    if not stated:
+        return 0, "num_nextn_predict_layers=0"
+    names = open_weights(path.parent)[0]
+    held = sum(f"model.layers.{layers + k}.eh_proj.weight" in names for k in range(stated))
+    if held == 0:
+        return 0, f"num_nextn_predict_layers={stated} with no module's weights (transformers saves none)"
+    if held < stated:
+        raise UserError(f"'{path}' says num_nextn_predict_layers={stated}, and its weights hold {held} "
+                        "modules; pass a complete checkpoint")
+    return stated, f"num_nextn_predict_layers={stated}"
+
+
 def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
-    """{param path: make_array_from_callback's reader} for every declared param, all checked."""
-    return hf_llama.readers(tensors, cfg, vocab_size, declared, path, MAPPING)
+    """{param path: make_array_from_callback's reader} for every declared param, all checked;
+    module k's from layer n_layer + k."""
+    main = {key: param for key, param in declared.items() if key[0] != "mtp"}
+    out = hf_llama.readers(tensors, cfg, vocab_size, main, path, MAPPING)
+    for key, param in declared.items():
+        if key[0] == "mtp":
+            mapping, name = (MAPPING, key[2:]) if key[1] == "block" else (MTP_MAPPING, key[1:])
+            out[key] = slice_reader([mapping.view(tensors, ("blocks", *name), param, param.shape[1:], path, "",
+                                                  cfg.model.n_layer + k) for k in range(cfg.model.mtp_layers)], True)
+    return out
 
 
 def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
