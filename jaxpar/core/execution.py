@@ -42,7 +42,7 @@ class ExecutionPlan:
     platform: str = "cpu"
     sequence_parallel: bool = False
     attention: str = "xla"  # xla, splash or cudnn
-    attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists
+    attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists, or planned a stand-in
     moe_gemm: str = "ragged_dot"  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
     moe_gemm_note: str | None = None  # why `auto` runs a dearer GEMM than the platform has
     moe_dispatch: str = "all_to_all"  # all_to_all or ragged, where experts are split over 'expert'

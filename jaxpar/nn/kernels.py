@@ -40,16 +40,24 @@ Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv
 
 
 def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False,
-            cudnn_heads: int = CUDNN_HEADS_BEFORE) -> tuple[str, str | None]:
-    """(the kernel that runs, a one-line note when `auto` keeps xla where a fused kernel exists);
-    `cudnn_heads`: the widest head cuDNN takes on these GPUs (cudnn_head_max)."""
+            cudnn_heads: int = CUDNN_HEADS_BEFORE, device_heads: int | None = None) -> tuple[str, str | None]:
+    """(the kernel that runs, a one-line note when `auto` keeps xla where a fused kernel exists, or
+    plans a stand-in); `cudnn_heads`: the widest head cuDNN takes here, `device_heads`: on the
+    mesh's GPUs (cudnn_head_max, with and without the host's check)."""
     if model_cfg.attention != "auto":
         return model_cfg.attention, None
     fused = FUSED_ON.get(platform)
     if fused is None:
         return "xla", None
-    if fused == "cudnn" and documents and model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available():
+    flash_ok = model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available()
+    if fused == "cudnn" and documents and flash_ok:
         return "tokamax", None  # tokamax's kernel takes the documents' mask
+    head = model_cfg.head_size
+    if fused == "cudnn" and cudnn_takes(head, device_heads or cudnn_heads) and not cudnn_takes(head, cudnn_heads) \
+            and flash_ok and model_cfg.dtype != "float32":  # a compile-only Hopper planned on another host
+        return "tokamax", (f"model.attention=auto plans tokamax: cuDNN runs {head}-dim heads on these GPUs, but jax "
+                           "checks that against this host's device; tokamax's flash attention stands in for its "
+                           "memory (on an H200 it took 4.2x cuDNN's time)")
     why = why_xla(model_cfg, fused, context, documents, cudnn_heads)
     if why and fused == "cudnn":  # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
         why += "; xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on an H200"

@@ -30,8 +30,9 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     passes to sum, and no pipeline."""
     platform = platform or kernels.platform_of(mesh)
     m = cfg.model
+    device = kernels.device_of(mesh)
     attention, note = kernels.resolve(m, platform, mesh.shape.get(CONTEXT, 1), cfg.data.document_mask,
-                                      kernels.cudnn_head_max(kernels.device_of(mesh)))
+                                      kernels.cudnn_head_max(device), kernels.cudnn_head_max(device, host=device))
     experts = {}
     if m.n_experts:
         gemm, gemm_note = moe.gemm_of(m, platform)
