@@ -8,6 +8,7 @@ family.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -154,34 +155,43 @@ def test_deepseek_trains_as_one_device(spec, overrides):
     assert losses(reference)[-1] < losses(reference)[0]
 
 
-def test_the_mtp_loss_is_the_module_computed_over_the_whole_row():
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_mtp_loss_is_the_module_computed_over_the_whole_row(documents):
     """tiny_deepseek's one multi-token prediction module: `mtp_loss` equals the module computed
     another way, at rtol 1e-5: over all T positions (each position's next token being its
     target), the cross-entropy against the targets one place further, the last position (which
-    has none) dropped. Control: against the next token's targets instead, it differs."""
+    has none) dropped. Control: against the next token's targets instead, it differs. With
+    documents (data.document_mask: token 0 opens one), the module attends within the main
+    positions' documents; the control, the module's block over the whole row, differs."""
     from jaxpar.models.llama.model import rms_norm
     from jaxpar.nn.loss import token_losses
-    cfg = tiny_config(DEEPSEEK)
-    model, eps = build_model(cfg, 65), cfg.model.norm_eps
+    cfg = tiny_config(DEEPSEEK, **{"data.document_mask": documents})
+    model, eps = build_model(cfg, 65, eot_id=0), cfg.model.norm_eps
     params = model.init(0)
-    rows = jnp.asarray(np.random.default_rng(0).integers(0, 65, (4, cfg.model.block_size + 1)), jnp.int32)
+    rows = np.random.default_rng(0).integers(1, 65, (4, cfg.model.block_size + 1))
+    rows[:, [5, 11, 20]] = 0  # documents' openings (with documents)
+    rows = jnp.asarray(rows, jnp.int32)
     tokens, targets = rows[:, :-1], rows[:, 1:]
     mtp_loss = jax.jit(model.loss)(params, tokens, targets)[1]["mtp_loss"]
 
-    @jax.jit
-    def whole_row(params):  # (the loss against the targets one place further, against the targets)
+    @functools.partial(jax.jit, static_argnums=1)
+    def whole_row(params, within_documents: bool = True):  # (the loss against the targets one place further, next)
         top, x, _ = model.stream(params, tokens)
         p = jax.tree.map(lambda a: a[0], top["mtp"])
         joined = jnp.concatenate([rms_norm(model.family.embed(model.plan, top, targets), p["enorm"], eps),
                                   rms_norm(x, p["hnorm"], eps)], axis=-1)
         axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"],
                             is_leaf=lambda n: isinstance(n, tuple))
-        h, _, _ = model.family.block(model.plan, joined @ p["eh_proj"]["kernel"], p["block"], axes)
+        docs = model.doc_starts(tokens) if within_documents else None
+        h, _, _ = model.family.block(model.plan, joined @ p["eh_proj"]["kernel"], p["block"], axes, None, None, docs)
         logits = model.logits_of({**model.head(top), "norm": p["norm"]}, h)
         return jnp.mean(token_losses(logits[:, :-1], targets[:, 1:])), jnp.mean(token_losses(logits, targets))
     further, next_token = whole_row(params)
     np.testing.assert_allclose(mtp_loss, further, rtol=1e-5)
     assert abs(next_token / mtp_loss - 1) > 1e-3  # the control
+    if documents:
+        # the control, across documents, fails the tolerance the module meets (6e-5 relative)
+        assert abs(whole_row(params, False)[0] / mtp_loss - 1) > 1e-5
 
 
 def test_deepseek_keys_are_refused_on_another_family_and_bad_groups_in_one_line():
