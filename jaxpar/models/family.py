@@ -176,30 +176,30 @@ class Transformer:
                 for name, axes in self.axes()["blocks"].items()}
 
     def scan_mixed(self, layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll, doc_starts=None):
-        """The scan over layers of mixed kinds: over groups of `period` layers, the shortest
-        repeat of the kinds (all the layers if they do not repeat), each group's layers in order,
-        each taking its shared params and the next of its own kind's."""
+        """The layers of mixed kinds: those before the kinds start to repeat (DeepSeek's dense first
+        ones) one by one, then a scan over groups of `period` layers, the shortest repeat of the
+        rest; each layer takes its shared params and the next of its own kind's. Scanned, a
+        layer's weights are gathered (ZeRO-3) and its activations kept one layer at a time."""
         n = jax.tree.leaves({k: v for k, v in layer_params.items() if stacks[k] == "layers"})[0].shape[0]
         # A pipeline chunk's first n layers stand for all of its layers: every chunk has its kinds
         # in the same places (jaxpar.core.axes.check_chunk_kinds).
         kinds = set(stacks.values()) - {"layers"}
         kind = [next(s for s in kinds if i in self.cfg.layers_in(s)) for i in range(n)]
-        period = next(p for p in range(1, n + 1) if n % p == 0 and kind == kind[:p] * (n // p))
-        per_group = {s: kind[:period].count(s) for s in kinds} | {"layers": period}
-
-        def grouped(a, stack):  # (layers of the stack, ...) -> (groups, its layers in a group, ...)
-            return a.reshape((n // period, per_group[stack]) + a.shape[1:])
-
-        params = {name: jax.tree.map(lambda a, s=stacks[name]: grouped(a, s), tree)
-                  for name, tree in layer_params.items()}
-        keys, kv = jax.tree.map(lambda a: grouped(a, "layers"), (layer_keys, kv))
+        first, period = repeat_of(kind)
         steps = {s: self.layer_step({k: v for k, v in layer_axes.items() if stacks[k] in ("layers", s)}, cache,
                                     doc_starts) for s in kinds}
+        ahead = {s: kind[:first].count(s) for s in kinds} | {"layers": first}  # each stack's leading layers
+        part = lambda tree, lo, hi=None: jax.tree.map(lambda a: a[lo:hi], tree)
+        lead = {name: part(tree, 0, ahead[stacks[name]]) for name, tree in layer_params.items()}
+        rest = {name: part(tree, ahead[stacks[name]]) for name, tree in layer_params.items()}
+        per_group = {s: kind[first:first + period].count(s) for s in kinds} | {"layers": period}
 
-        def group_step(x, group):
-            p, group_keys, group_kv = group
+        def grouped(a, stack):  # (layers of the stack, ...) -> (groups, its layers in a group, ...)
+            return a.reshape(((n - first) // period, per_group[stack]) + a.shape[1:])
+
+        def run_group(x, p, group_keys, group_kv, group_kinds):
             losses, kv_out, taken = {}, [], dict.fromkeys(kinds, 0)
-            for j, s in enumerate(kind[:period]):
+            for j, s in enumerate(group_kinds):
                 at = {"layers": j, s: taken[s]}  # this layer's index in each stack it takes from
                 layer = {name: jax.tree.map(lambda a, i=at[stacks[name]]: a[i], tree)
                          for name, tree in p.items() if stacks[name] in at}
@@ -209,8 +209,28 @@ class Transformer:
                 losses, kv_out = add_losses(losses, more), kv_out + [layer_kv]
             return x, (losses, None if group_kv is None else jax.tree.map(lambda *a: jnp.stack(a), *kv_out))
 
-        x, (losses, kv) = jax.lax.scan(group_step, x, (params, keys, kv), unroll=unroll)
-        return x, (losses, jax.tree.map(lambda a: a.reshape((n,) + a.shape[2:]), kv))
+        lead_losses, lead_kv = {}, None
+        if first:
+            x, (lead_losses, lead_kv) = run_group(x, lead, *part((layer_keys, kv), 0, first), kind[:first])
+        params = {name: jax.tree.map(lambda a, s=stacks[name]: grouped(a, s), tree) for name, tree in rest.items()}
+        keys, rest_kv = jax.tree.map(lambda a: grouped(a, "layers"), part((layer_keys, kv), first))
+        x, (losses, rest_kv) = jax.lax.scan(
+            lambda x, group: run_group(x, *group, kind[first:first + period]), x, (params, keys, rest_kv), unroll=unroll)
+        losses = add_losses({name: jnp.sum(values) for name, values in losses.items()}, lead_losses)
+        kv = jax.tree.map(lambda a: a.reshape((n - first,) + a.shape[2:]), rest_kv)
+        if lead_kv is not None:
+            kv = jax.tree.map(lambda *a: jnp.concatenate(a), lead_kv, kv)
+        return x, (losses, kv)
+
+
+def repeat_of(kind: list) -> tuple[int, int]:
+    """(first, period) of a list of layer kinds: after the first `first` layers, the kinds repeat
+    every `period` layers, the pair with the fewest layers written out (first + period), e.g.
+    DeepSeek's k dense layers before sparse ones: (k, 1); Llama's moe_every=2: (0, 2)."""
+    n = len(kind)
+    repeats = lambda first, p: (n - first) % p == 0 and kind[first:] == kind[first:first + p] * ((n - first) // p)
+    return min(((first, next(p for p in range(1, n - first + 1) if repeats(first, p))) for first in range(n)),
+               key=lambda pair: pair[0] + pair[1])
 
 
 def build_model(cfg: Config, vocab_size: int, eot_id: int | None = None,
