@@ -201,6 +201,21 @@ def table(found: dict) -> str:
 SECTIONS = ("speed", "preset", "gemm", "kernels", "hlo")
 
 
+def run_sections(measure: dict, table, stem: Path) -> dict:
+    """Each section's figures, by name; a section that fails gives its error's line and the others
+    go on. stem.md and stem.json are rewritten as each section ends."""
+    found = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+             "errors": {}}
+    for name, fn in measure.items():
+        try:  # one section's failure (a kernel this jax lacks, say) keeps the others' figures
+            found[name] = fn()
+        except Exception as error:  # noqa: BLE001
+            found["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        stem.with_suffix(".md").write_text(table(found) + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(found, indent=1, default=str))
+    return found
+
+
 def main(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -214,19 +229,12 @@ def main(argv: list[str]) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     if not jax.config.jax_compilation_cache_dir:  # the profiled run reuses the first run's compile
         jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="gpu_check_cache_"))
-    found = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-             "errors": {}}
     with tempfile.TemporaryDirectory() as work:
         measure = {"speed": lambda: speed_rows(shape), "preset": lambda: preset_rows(shape), "gemm": lambda: gemm_rows(shape),
                    "kernels": lambda: kernel_rows(shape, Path(work)),
                    "hlo": lambda: save_hlo(shape, args.out / f"{shape.config}_b{shape.batches[0]}.hlo.txt")}
-        for name in args.sections.split(","):
-            try:  # one section's failure (a kernel this jax lacks, say) keeps the others' figures
-                found[name] = measure[name]()
-            except Exception as error:  # noqa: BLE001
-                found["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            (args.out / "gpu_check.md").write_text(table(found) + "\n")  # written as each section ends
-            (args.out / "gpu_check.json").write_text(json.dumps(found, indent=1))
+        found = run_sections({name: measure[name] for name in args.sections.split(",")}, table,
+                             args.out / "gpu_check")
     print(table(found))
     return found
 

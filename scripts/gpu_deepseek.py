@@ -18,9 +18,8 @@ It prints one table, and writes it to DIR/gpu_deepseek.md and DIR/gpu_deepseek.j
 """
 
 import argparse
-import json
+import functools
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check beside it, however this is loaded
-from gpu_check import peak_memory_gib, run_once, timed
+from gpu_check import peak_memory_gib, run_once, run_sections, timed
 
 FULL = SimpleNamespace(attention=(2, 16, 4096, 192, 128), moonlight={"model.n_layer": 4, "model.block_size": 4096,
                        "train.batch_size": 4, "train.micro_batch": 4}, moonlight_steps=6, quick_steps=60)
@@ -136,16 +135,9 @@ def main(argv: list[str]) -> dict:
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else FULL
     args.out.mkdir(parents=True, exist_ok=True)
-    found = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-             "errors": {}}
     measure = {"attention": attention_rows, "moonlight": moonlight_rows, "quick_start": quick_start_rows}
-    for name in args.sections.split(","):
-        try:  # one section's failure keeps the others' figures
-            found[name] = measure[name](shape)
-        except Exception as error:  # noqa: BLE001
-            found["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-        (args.out / "gpu_deepseek.md").write_text(table(found) + "\n")
-        (args.out / "gpu_deepseek.json").write_text(json.dumps(found, indent=1, default=str))
+    found = run_sections({name: functools.partial(measure[name], shape) for name in args.sections.split(",")},
+                         table, args.out / "gpu_deepseek")
     print(table(found))
     return found
 

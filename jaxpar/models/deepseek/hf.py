@@ -148,8 +148,8 @@ def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: P
     out = hf_llama.readers(tensors, cfg, vocab_size, main, path, MAPPING)
     for key, param in declared.items():
         if key[0] == "mtp":
-            mapping, name = (MAPPING, key[2:]) if key[1] == "block" else (MTP_MAPPING, key[1:])
-            out[key] = slice_reader([mapping.view(tensors, ("blocks", *name), param, param.shape[1:], path, "",
+            mapping, name = mtp_mapping(key[1:])
+            out[key] = slice_reader([mapping.view(tensors, name, param, param.shape[1:], path, "",
                                                   cfg.model.n_layer + k) for k in range(cfg.model.mtp_layers)], True)
     return out
 
@@ -167,13 +167,18 @@ def mtp_tensors(mtp: dict, declared: dict, cfg: Config, main: dict, dtype) -> di
     out, L = {}, cfg.model.n_layer
     head = main.get("lm_head.weight", main["model.embed_tokens.weight"])
     for key, array in host_arrays(mtp):
-        mapping, name = (MAPPING, key[1:]) if key[0] == "block" else (MTP_MAPPING, key)
+        mapping, name = mtp_mapping(key)
         for k in range(cfg.model.mtp_layers):
-            out |= mapping.hf_tensors(("blocks", *name), declared[("mtp", *key)], array[k], dtype, i=L + k)
+            out |= mapping.hf_tensors(name, declared[("mtp", *key)], array[k], dtype, i=L + k)
     for k in range(cfg.model.mtp_layers):
         out |= {f"model.layers.{L + k}.embed_tokens.weight": main["model.embed_tokens.weight"],
                 f"model.layers.{L + k}.shared_head.head.weight": head}
     return out
+
+
+def mtp_mapping(key: tuple) -> tuple[Mapping, tuple]:
+    """(the table, the key as a layer's) of a param under 'mtp': its block's are a main layer's."""
+    return (MAPPING, ("blocks", *key[1:])) if key[0] == "block" else (MTP_MAPPING, ("blocks", *key))
 
 
 def check_exportable(cfg: Config) -> None:
