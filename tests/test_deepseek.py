@@ -124,9 +124,10 @@ def test_latent_attention_is_mla_head_by_head():
     cfg = tiny_config(DEEPSEEK).model
     model = build_model(tiny_config(DEEPSEEK), 65, None, ExecutionPlan())
     params = model.init(0)
-    # Layer 0's attention, its matrices 10x the init's scale: scores and outputs of order 1
+    # Layer 0's attention (the dense first layer's), its matrices 10x the init's scale: scores and
+    # outputs of order 1
     layer_p = {name: jax.tree.map(lambda a, scale=1.0 if "norm" in name else 10.0: a[0] * scale, w)
-               for name, w in params["blocks"].items() if name.startswith(("attn", "q_", "kv_", "k_", "v_"))}
+               for name, w in params["lead_blocks"].items() if name.startswith(("attn", "q_", "kv_", "k_", "v_"))}
     x = np.asarray(jax.random.normal(jax.random.key(1), (2, 16, cfg.n_embd)), np.float32)
     layer = Layer(ExecutionPlan(), layer_p, jax.tree.map(lambda _: None, layer_p), cfg, jnp.float32)
     got = np.asarray(latent_attention(layer, jnp.asarray(x), (None, None))[0]) - x
@@ -140,11 +141,11 @@ def test_latent_attention_is_mla_head_by_head():
         assert np.max(np.abs(wrong - want)) > 100 * 1e-5 * np.max(np.abs(want)), change  # 100x the tolerance
 
 
-# dp=2,ep=2,pp=2: 1F1B with every layer sparse (a dense first layer makes the stages differ), MLA
-# without the query bottleneck, the MTP module on the last stage; cp=2: the ring carries MLA's keys
-# and padded values, and the module runs in order.
+# dp=2,ep=2,pp=2: 1F1B over the two sparse layers of three, the dense first one ahead of the
+# pipeline, MLA without the query bottleneck, the MTP module on the last stage; cp=2: the ring
+# carries MLA's keys and padded values, and the module runs in order.
 @pytest.mark.parametrize("spec, overrides", [("dp=2,tp=2", {}), ("cp=2", {}),
-                                            ("dp=2,ep=2,pp=2", {"model.q_lora_rank": 0, "model.dense_layers": ""})])
+                                            ("dp=2,ep=2,pp=2", {"model.q_lora_rank": 0, "model.n_layer": 3})])
 def test_deepseek_trains_as_one_device(spec, overrides):
     reference = train(config=DEEPSEEK, **overrides)
     result = train(spec, config=DEEPSEEK, **overrides)

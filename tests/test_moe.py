@@ -199,8 +199,10 @@ def test_a_checkpoint_resumes_on_another_expert_layout(trained, tmp_path):
     (["--config", MOE, "--model.dense_layers=0,2"], ["model.dense_layers=0,2 distinct layer indices from 0 to 1"]),
     (["--config", MOE, "--model.dense_layers=0,x"], ["model.dense_layers takes comma-separated layer indices"]),
     (["--config", MOE, "--model.dense_layers=0,1"], ["leave no layer of 2 with experts"]),
-    (["--config", MOE, "--model.n_layer=4", "--model.dense_layers=0", "--mesh", "dp=4,pp=2"],
+    (["--config", MOE, "--model.n_layer=4", "--model.dense_layers=1", "--mesh", "dp=4,pp=2"],
      ["chunks of 2 layers differ in which layers have experts"]),
+    (["--config", MOE, "--model.n_layer=4", "--model.dense_layers=0", "--mesh", "dp=4,pp=2"],
+     ["pp=2 does not divide the 3 layers after the 1 dense first ones"]),
 ])
 def test_bad_moe_settings_fail_in_one_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, argv, *expected)

@@ -198,7 +198,7 @@ def as_matrices(array: np.ndarray, view: tuple) -> np.ndarray:
 def test_one_muon_step_is_optax_muon_on_each_matrix(spec):
     """Every block matrix's update (each layer's q, k and v, dense gate and up, down stored out
     first, the router, each expert's gate, up and down: a Llama whose layer 0 is dense and layer 1
-    sparse) equals optax.contrib.muon's on that 2-D matrix alone (rtol 1e-5, float32
+    sparse, so each has its own q, k, v and out, jaxpar.models.lead) equals optax.contrib.muon's on that 2-D matrix alone (rtol 1e-5, float32
     Newton-Schulz); the embeddings and norms take AdamW. On a mesh the work is split (the matrices
     of a shape in one batch over its 8 devices, jaxpar.training.muon). The control: k and v as one
     matrix differ."""
@@ -227,7 +227,7 @@ def test_one_muon_step_is_optax_muon_on_each_matrix(spec):
             checked += 1
         else:  # AdamW's first step: -lr g / (|g| + eps)
             np.testing.assert_allclose(got, -lr * g / (np.abs(g) + eps), rtol=1e-5)
-    assert checked == sum(param.role == MATRIX for _, param in in_order(model.declared)) == 8
+    assert checked == sum(param.role == MATRIX for _, param in in_order(model.declared)) == 11
     kv = np.asarray(grads["blocks"]["kv"]["kernel"])
     fused = on_2d(as_matrices(kv, ((1,), (2, 3, 4))))
     assert not np.allclose(as_matrices(np.asarray(updates["blocks"]["kv"]["kernel"]), ((1,), (2, 3, 4))), fused,

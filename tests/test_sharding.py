@@ -52,12 +52,13 @@ def test_the_one_table_splits_as_each_layout_s_own_table_did(spec, old, sequence
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
     new = rule_table(sequence_parallel)
     # The mixture of experts' (ep=1 here), its stacks where dense layers mix with sparse ones, and
-    # MLA's latent and DeepSeek's multi-token prediction modules (replicated).
-    assert set(new) - set(old) == {"experts", "routes", "sparse_layers", "dense_layers", "latent", "mtp_layers"}
+    # MLA's latent, DeepSeek's multi-token prediction modules and dense first layers (replicated).
+    assert set(new) - set(old) == {"experts", "routes", "sparse_layers", "dense_layers", "latent", "mtp_layers",
+                                   "lead_layers"}
     for name in old:
         assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P(old[name])), 1), name
     assert new["sparse_layers"] == new["dense_layers"] == new["layers"]
-    for name in ("experts", "routes", "latent", "mtp_layers"):
+    for name in ("experts", "routes", "latent", "mtp_layers", "lead_layers"):
         assert NamedSharding(mesh, P(new[name])).is_equivalent_to(NamedSharding(mesh, P()), 1), name
 
 

@@ -23,7 +23,8 @@ DATA, TENSOR, PIPE, CONTEXT, EXPERT = "data", "tensor", "pipe", "context", "expe
 
 # Logical axes that no mesh axis splits (the rule table maps them to None).
 UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch", "routes", "latent",  # latent: MLA's
-           "mtp_layers")  # DeepSeek's multi-token prediction modules
+           "mtp_layers",  # DeepSeek's multi-token prediction modules
+           "lead_layers")  # the dense first layers (jaxpar.models.lead): whole on every pipeline stage
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,8 @@ def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> N
 
 def check_chunk_kinds(m, pp: int, virtual: int) -> None:
     """Every stage runs one program on its chunks of layers: where layers with experts and dense
-    ones mix, each chunk must have them in the same places."""
-    chunk, sparse = m.n_layer // (pp * virtual), m.sparse_layers
+    ones mix, each chunk must have them in the same places (the dense first ones run ahead)."""
+    chunk, sparse = pipelined_layers(m) // (pp * virtual), m.sparse_layers[m.lead_layers:]
     if any(sparse[i] != sparse[i % chunk] for i in range(len(sparse))):
         raise UserError(f"pp={pp} x pipeline.virtual={virtual} chunks of {chunk} layers differ in which layers "
                         f"have experts (model.moe_every={m.moe_every}, model.dense_layers='{m.dense_layers}'), "
@@ -248,17 +249,28 @@ def check_chunk_kinds(m, pp: int, virtual: int) -> None:
                         "or another pp")
 
 
+def pipelined_layers(m) -> int:
+    """The layers a pipeline's stages split: all but the dense first ones (jaxpar.models.lead)."""
+    return m.n_layer - m.lead_layers
+
+
+def layers_per_stage(m, stages: int) -> int:
+    """The layers a pipeline stage runs: its share, and the dense first ones ahead of the pipeline."""
+    return m.n_layer if stages == 1 else pipelined_layers(m) // stages + m.lead_layers
+
+
 def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
     """The pipeline's microbatch count M for this config and mesh, after checking it can run; dp:
     the ways the rows split (batch_ways)."""
-    n_layer, rows = cfg.model.n_layer, cfg.train.batch_size // cfg.train.grad_accum
+    n_layer, rows = pipelined_layers(cfg.model), cfg.train.batch_size // cfg.train.grad_accum
+    layers = (f"model.n_layer={n_layer}" if n_layer == cfg.model.n_layer else
+              f"the {n_layer} layers after the {cfg.model.lead_layers} dense first ones (which run ahead)")
     if n_layer % pp:
-        raise UserError(f"pp={pp} does not divide model.n_layer={n_layer}; every stage needs the "
-                        f"same number of layers")
+        raise UserError(f"pp={pp} does not divide {layers}; every stage needs the same number of layers")
     V = cfg.pipeline.virtual if pp > 1 else 1
     if n_layer % (pp * V):
-        raise UserError(f"pp={pp} x pipeline.virtual={V} layer chunks do not divide model.n_layer="
-                        f"{n_layer}; every chunk needs the same number of layers")
+        raise UserError(f"pp={pp} x pipeline.virtual={V} layer chunks do not divide {layers}; every chunk "
+                        f"needs the same number of layers")
     check_chunk_kinds(cfg.model, pp, V)
     M = cfg.pipeline.microbatches
     if M == 0:  # the largest multiple of pp up to 4*pp that splits the batch evenly over dp

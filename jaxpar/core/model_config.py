@@ -99,11 +99,22 @@ class ModelConfig:
         """Whether some layers have experts and others a dense MLP (each kind then has its own stack)."""
         return any(self.sparse_layers) and not all(self.sparse_layers)
 
+    @property
+    def lead_layers(self) -> int:
+        """k where the first k layers are dense and every later one has experts (DeepSeek's
+        first_k_dense_replace), else 0. Those k are stacked apart, on 'lead_layers', and run ahead
+        of the other layers' scan, and of a pipeline (jaxpar.models.lead)."""
+        sparse = self.sparse_layers
+        k = sparse.index(True) if any(sparse) else 0
+        return k if all(sparse[k:]) else 0
+
     def layers_in(self, stack: str) -> tuple[int, ...]:
-        """The layers whose weights a stacked leading axis holds: 'layers' all of them; where the
-        kinds mix, 'sparse_layers' those with experts and 'dense_layers' the others."""
-        if stack == "layers":
-            return tuple(range(self.n_layer))
+        """The layers whose weights a stacked leading axis holds: 'lead_layers' the dense first
+        ones (lead_layers), 'layers' all the others; where the kinds mix otherwise,
+        'sparse_layers' those with experts and 'dense_layers' the others."""
+        if stack in ("lead_layers", "layers"):
+            return tuple(range(self.lead_layers)) if stack == "lead_layers" else tuple(
+                range(self.lead_layers, self.n_layer))
         return tuple(i for i, sparse in enumerate(self.sparse_layers) if sparse == (stack == "sparse_layers"))
 
     def check(self) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.formats.hf_files import Stacked, find_tensor, slice_reader
-from jaxpar.nn.params import FUSED, MATRIX
+from jaxpar.nn.params import FUSED, LEAD, MATRIX
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,9 @@ class Transform:
         return array.T if self.transpose else array
 
 
+BLOCKS = ("blocks", LEAD)  # the stacked layers' params (LEAD: the dense first ones, jaxpar.models.lead)
+
+
 @dataclass(frozen=True)
 class Mapping:
     """A family's table: the params under 'blocks' (names after the `layer` prefix) and the rest.
@@ -77,10 +80,10 @@ class Mapping:
     out_first: bool
 
     def weight(self, key: tuple) -> Weight:
-        return self.blocks[key[1:]] if key[0] == "blocks" else self.top[key]
+        return self.blocks[key[1:]] if key[0] in BLOCKS else self.top[key]
 
     def names(self, key: tuple, prefix: str, i: int | None, e: int | None) -> list[str]:
-        layer = self.layer if key[0] == "blocks" else ""
+        layer = self.layer if key[0] in BLOCKS else ""
         return [(prefix + layer + name).format(i=i, e=e) for name in self.weight(key).names]
 
     def transform(self, key: tuple, param, shape: tuple) -> Transform:
@@ -105,7 +108,7 @@ class Mapping:
     def reader(self, tensors: dict, key: tuple, param, cfg: Config, vocab_size: int, path: Path, prefix: str = ""):
         """make_array_from_callback's reader of the param at `key` (a jaxpar.nn.params.Param),
         its tensors checked; an embedding's padding rows past `vocab_size` read as zeros."""
-        if key[0] == "blocks":
+        if key[0] in BLOCKS:
             return slice_reader([self.view(tensors, key, param, param.shape[1:], path, prefix, i)
                                  for i in cfg.model.layers_in(param.axes[0])], True)  # the layers of its stack
         rows = vocab_size if "vocab" in param.axes else None
@@ -137,7 +140,7 @@ class Mapping:
         out = {}
         for key, array in host_arrays(params):
             param = declared[key]
-            if key[0] == "blocks":
+            if key[0] in BLOCKS:
                 for at, i in enumerate(cfg.model.layers_in(param.axes[0])):
                     out |= self.hf_tensors(key, param, array[at], dtype, prefix, i)
             else:

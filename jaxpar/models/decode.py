@@ -35,11 +35,11 @@ def forward(model: Transformer, params: dict, tokens, cache: KVCache, pos, doc_s
     the sequence computes every sample whole (the plan has them unsplit)."""
     plan = model.plan.unsplit(*splitting("batch", "seq"))
     model = model.on(plan)
-    top, top_axes, layer_params, layer_axes = split_layers(params, model.axes())
+    top, top_axes, _, _ = split_layers(params, model.axes())
     top = weights_for_compute(plan, top, top_axes)
     positions = pos + jnp.arange(tokens.shape[1])
     x = model.family.embed(plan, top, tokens, positions=positions if doc_starts is None else positions - doc_starts)
-    x, _, cache = model.run_layers(layer_params, layer_axes, x, cache=cache._replace(pos=pos), doc_starts=doc_starts)
+    x, _, cache = model.run_all(params, x, cache=cache._replace(pos=pos), doc_starts=doc_starts)
     return model.family.logits(plan, top, x, model.vocab_size), cache
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.model_config import family_config
-from jaxpar.models import deepseek, gpt2, llama
+from jaxpar.models import deepseek, gpt2, lead, llama
 from jaxpar.models.interface import Family, Registered
 from jaxpar.nn import params as declared_params
 from jaxpar.nn.layers import GATHERED, KVCache, document_positions, document_starts, weights_for_compute
@@ -32,12 +32,18 @@ def family_of(cfg: ModelConfig) -> Family:
 
 
 def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
-    """(top params, top axes, stacked layer params, per-layer axes without the 'layers' axis)."""
+    """(top params, top axes, stacked layer params, per-layer axes without the 'layers' axis);
+    the dense first layers (jaxpar.models.lead) are in neither: Transformer.run_lead runs them."""
     top, top_axes = dict(params), dict(axes)
+    top.pop(lead.LEAD, None)
+    top_axes.pop(lead.LEAD, None)
     layer_params, stacked_axes = top.pop("blocks"), top_axes.pop("blocks")
-    layer_axes = jax.tree.map(lambda names: names[1:], stacked_axes,
-                              is_leaf=lambda n: isinstance(n, tuple))
-    return top, top_axes, layer_params, layer_axes
+    return top, top_axes, layer_params, per_layer(stacked_axes)
+
+
+def per_layer(stacked_axes: dict) -> dict:
+    """A stack's axes without its stacked one."""
+    return jax.tree.map(lambda names: names[1:], stacked_axes, is_leaf=lambda n: isinstance(n, tuple))
 
 
 def add_losses(total: dict, more: dict) -> dict:
@@ -66,11 +72,17 @@ class Transformer:
         return family_of(self.cfg)
 
     @cached_property
-    def declared(self) -> dict:
+    def declared_by_family(self) -> dict:
         return self.family.declare(self.vocab_size)
 
+    @cached_property
+    def declared(self) -> dict:
+        """The family's params, the dense first layers stacked apart (jaxpar.models.lead)."""
+        return lead.split_declared(self.declared_by_family, self.cfg.lead_layers)
+
     def init(self, seed: int) -> dict:
-        return declared_params.initial_params(self.declared, seed)
+        drawn = declared_params.initial_params(self.declared_by_family, seed)
+        return lead.split_params(drawn, self.declared_by_family, self.cfg.lead_layers)
 
     def shapes(self) -> dict:
         return declared_params.shapes_of(self.declared)
@@ -115,7 +127,7 @@ class Transformer:
 
     def stream(self, params: dict, tokens: jax.Array, dropout_key=None) -> tuple[dict, jax.Array, dict]:
         """(the top-level weights for compute, the last layer's output stream, auxiliary losses)."""
-        top, top_axes, layer_params, layer_axes = split_layers(params, self.axes())
+        top, top_axes, _, _ = split_layers(params, self.axes())
         top = weights_for_compute(self.plan, top, top_axes)
         keys = layer_keys = None
         if dropout_key is not None:
@@ -124,8 +136,36 @@ class Transformer:
         doc_starts = self.doc_starts(tokens)
         x = self.family.embed(self.plan, top, tokens, None if keys is None else keys[0],
                               document_positions(self.plan, doc_starts, tokens.shape[1]))
-        x, losses, _ = self.run_layers(layer_params, layer_axes, x, layer_keys, doc_starts=doc_starts)
+        x, losses, _ = self.run_all(params, x, layer_keys, doc_starts=doc_starts)
         return top, x, losses
+
+    def run_all(self, params: dict, x: jax.Array, layer_keys=None, cache=None, doc_starts=None):
+        """x through every layer, the dense first ones (run_lead), then the stacked rest:
+        (x, auxiliary losses, the new cache); layer_keys and cache: every layer's."""
+        _, _, layer_params, layer_axes = split_layers(params, self.axes())
+        k = self.cfg.lead_layers
+        if not k:
+            return self.run_layers(layer_params, layer_axes, x, layer_keys, cache, doc_starts)
+        part = lambda tree, lo, hi=None: jax.tree.map(lambda a: a[lo:hi], tree)
+        lead_cache, cache = (None, None) if cache is None else (
+            cache._replace(k=cache.k[:k], v=cache.v[:k]), cache._replace(k=cache.k[k:], v=cache.v[k:]))
+        x, lead_losses, lead_cache = self.run_lead(params, x, part(layer_keys, 0, k), lead_cache, doc_starts)
+        x, losses, cache = self.run_layers(layer_params, layer_axes, x, part(layer_keys, k), cache, doc_starts)
+        if lead_cache is not None:
+            cache = cache._replace(k=jnp.concatenate([lead_cache.k, cache.k]),
+                                   v=jnp.concatenate([lead_cache.v, cache.v]))
+        return x, add_losses(losses, lead_losses), cache
+
+    def run_lead(self, params: dict, x: jax.Array, layer_keys=None, cache=None, doc_starts=None):
+        """x through the dense first layers (params[lead.LEAD]) one by one: (x, their auxiliary
+        losses, their cache); nothing where the model has none."""
+        if lead.LEAD not in params:
+            return x, {}, cache
+        step = self.layer_step(per_layer(self.axes()[lead.LEAD]), cache, doc_starts)
+        kv = None if cache is None else (cache.k, cache.v)
+        x, (losses, kv) = jax.lax.scan(step, x, (params[lead.LEAD], layer_keys, kv), unroll=True)
+        return x, {name: jnp.sum(values) for name, values in losses.items()}, None if cache is None else KVCache(
+            *kv, cache.pos)
 
     def doc_starts(self, tokens: jax.Array) -> jax.Array | None:
         """Each token's document start (jaxpar.nn.layers), or None without documents."""
@@ -176,8 +216,7 @@ class Transformer:
                 for name, axes in self.axes()["blocks"].items()}
 
     def scan_mixed(self, layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll, doc_starts=None):
-        """The layers of mixed kinds: those before the kinds start to repeat (DeepSeek's dense first
-        ones) one by one, then a scan over groups of `period` layers, the shortest repeat of the
+        """The layers of mixed kinds: those before the kinds start to repeat one by one, then a scan over groups of `period` layers, the shortest repeat of the
         rest; each layer takes its shared params and the next of its own kind's. Scanned, a
         layer's weights are gathered (ZeRO-3) and its activations kept one layer at a time."""
         n = jax.tree.leaves({k: v for k, v in layer_params.items() if stacks[k] == "layers"})[0].shape[0]
@@ -190,7 +229,7 @@ class Transformer:
                                     doc_starts) for s in kinds}
         ahead = {s: kind[:first].count(s) for s in kinds} | {"layers": first}  # each stack's leading layers
         part = lambda tree, lo, hi=None: jax.tree.map(lambda a: a[lo:hi], tree)
-        lead = {name: part(tree, 0, ahead[stacks[name]]) for name, tree in layer_params.items()}
+        leading = {name: part(tree, 0, ahead[stacks[name]]) for name, tree in layer_params.items()}
         rest = {name: part(tree, ahead[stacks[name]]) for name, tree in layer_params.items()}
         per_group = {s: kind[first:first + period].count(s) for s in kinds} | {"layers": period}
 
@@ -211,7 +250,7 @@ class Transformer:
 
         lead_losses, lead_kv = {}, None
         if first:
-            x, (lead_losses, lead_kv) = run_group(x, lead, *part((layer_keys, kv), 0, first), kind[:first])
+            x, (lead_losses, lead_kv) = run_group(x, leading, *part((layer_keys, kv), 0, first), kind[:first])
         params = {name: jax.tree.map(lambda a, s=stacks[name]: grouped(a, s), tree) for name, tree in rest.items()}
         keys, rest_kv = jax.tree.map(lambda a: grouped(a, "layers"), part((layer_keys, kv), first))
         x, (losses, rest_kv) = jax.lax.scan(

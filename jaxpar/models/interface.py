@@ -6,7 +6,9 @@ parameters and computes with them:
     declare(vocab_size)                 every param's shape, logical axes, role and initialiser
                                         (jaxpar.nn.params); the stacked layers under "blocks",
                                         each leading with 'layers' (or, where layers of two kinds
-                                        mix, with its kind's stack: 'sparse_layers', 'dense_layers')
+                                        mix, with its kind's stack: 'sparse_layers', 'dense_layers';
+                                        dense first layers are then stacked apart for it,
+                                        jaxpar.models.lead)
     shape_fields                        the model config fields `declare` reads
     head_names                          the top-level params the loss needs after the last block
     embed(top, tokens, key, positions)  (batch, seq) tokens -> the float32 residual stream

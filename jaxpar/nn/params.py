@@ -17,6 +17,7 @@ import jax.numpy as jnp
 MATRIX, EMBEDDING, NORM, BIAS, BALANCE = "matrix", "embedding", "norm", "bias", "balance"
 FUSED = ("qkv", "gate_up")  # the axis of a fused kernel's parts (q, k, v or gate, up)
 ROLES = (MATRIX, EMBEDDING, NORM, BIAS, BALANCE)
+LEAD = "lead_blocks"  # the params of the dense first layers, stacked apart (jaxpar.models.lead)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from jaxpar.core.sharding import split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.nn.layers import STREAM, document_positions
+from jaxpar.nn.params import LEAD
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule
 
@@ -265,8 +266,9 @@ def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
     """f(params, inputs, targets, round_key) -> (metrics, grads) for one round of M microbatches:
     the metrics are the mean cross-entropy `loss` and each auxiliary loss, means over the round.
 
-    inputs/targets are (M, rows, seq). The embedding runs before the pipeline and the head's loss
-    on the last stage; the embedding's backward is a vjp of the first stage's input gradients.
+    inputs/targets are (M, rows, seq). The embedding and the dense first layers (jaxpar.models.lead)
+    run before the pipeline and the head's loss on the last stage; their backward is a vjp of the
+    first stage's input gradients.
     round_key is (step key, round index) when dropout is on, else None. forward_only: loss only.
     """
     schedule = schedule_for(cfg, model.plan.mesh, forward_only)
@@ -276,28 +278,39 @@ def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
         top, _, layer_params, layer_axes = split_layers(params, model.axes())
         run = make_executor(model, layer_axes, schedule)
         embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
+        k = cfg.model.lead_layers
+        lead_keys, layer_keys = (None, None) if layer_keys is None else (layer_keys[:, :k], layer_keys[:, k:])
         head = model.head(top) | {name: top[name] for name in family.ahead_params()}  # the last stage's
         doc_starts = None if model.eot_id is None else jax.vmap(model.doc_starts)(inputs)
         positions = document_positions(plan, doc_starts, inputs.shape[-1])  # broadcast over microbatches
+        lead = {LEAD: params[LEAD]} if LEAD in params else {}
 
-        def embed_all(top):
+        def embed_all(top, lead):
+            """Every microbatch embedded and through the dense first layers: (x0, their losses (M,))."""
             keys = () if embed_keys is None else (embed_keys,)
 
             def embed(tokens, at, *key):
                 return family.embed(plan, top, tokens, key[0] if key else None, at)
-            return jax.vmap(embed, in_axes=(0, None if positions is None else 0) + (0,) * len(keys))(
+            x0 = jax.vmap(embed, in_axes=(0, None if positions is None else 0) + (0,) * len(keys))(
                 inputs, positions, *keys)
+            if not lead:
+                return x0, {}
+            first = lambda mb: model.run_lead(lead, mb[0], mb[1], doc_starts=mb[2])[:2]
+            return jax.lax.map(first, (x0, lead_keys, doc_starts))
 
         if forward_only:
-            return run(layer_params, head, embed_all(top), targets, layer_keys, doc_starts).mean()
-        x0, embed_vjp = jax.vjp(embed_all, top)
+            return run(layer_params, head, embed_all(top, lead)[0], targets, layer_keys, doc_starts).mean()
+        (x0, lead_aux), embed_vjp = jax.vjp(embed_all, top, lead)
         pp, V = schedule.pp, schedule.virtual
         losses, aux, layer_grads, head_grads, dx0 = run(
             chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1), doc_starts)
         layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
-        (top_grads,) = embed_vjp(dx0)
+        weights = family.loss_weights()
+        top_grads, lead_grads = embed_vjp((dx0, {name: jnp.full_like(values, weights[name])
+                                                 for name, values in lead_aux.items()}))
         grads = {**top_grads, **{name: tree_add(top_grads[name], grad) for name, grad in head_grads.items()},
-                 "blocks": layer_grads}
+                 **lead_grads, "blocks": layer_grads}
+        aux = {name: values + lead_aux.get(name, 0.0) for name, values in aux.items()}
         metrics = {"loss": losses.mean(), **{name: values.mean() for name, values in aux.items()}}
         return metrics, jax.tree.map(lambda g: g / schedule.microbatches, grads)
 

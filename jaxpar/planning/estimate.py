@@ -19,7 +19,7 @@ shares of a chip each divides, and the collectives each adds; no axis is named h
 
 import math
 
-from jaxpar.core.axes import AXES, batch_ways
+from jaxpar.core.axes import AXES, batch_ways, layers_per_stage
 from jaxpar.core.axis_costs import StepShape
 from jaxpar.core.config import Config
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
@@ -106,7 +106,7 @@ def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_
     state = 4 * share * ((1 / shards if zero >= 3 else 1) + (1 / shards if zero >= 2 else 1)
                          + copies * (1 / shards if zero >= 1 else 1))
     saved = activation_bytes(cfg, vocab, rows_per_pass, ways(sizes, "width"),
-                             layers=cfg.model.n_layer // ways(sizes, "layers"), cp=ways(sizes, "sequence"))
+                             layers=layers_per_stage(cfg.model, ways(sizes, "layers")), cp=ways(sizes, "sequence"))
     return state + saved * in_flight
 
 
@@ -118,6 +118,6 @@ def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, row
     stages = ways(sizes, "layers")
     activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4) / ways(sizes, "sequence")
     step = StepShape(zero=layout["zero"], passes=passes, batch_ways=batch_ways(sizes), width=ways(sizes, "width"),
-                     stages=stages, layers=m.n_layer // stages,
+                     stages=stages, layers=layers_per_stage(m, stages),
                      weight_bytes=4 * weights_per_chip(n_params, expert_params, sizes), activation_bytes=activation)
     return [op for axis in AXES for op in axis.costs.collectives(sizes[axis.key], cfg, step)]

@@ -8,7 +8,7 @@ import math
 
 import jax
 
-from jaxpar.core.axes import CONTEXT, PIPE, TENSOR
+from jaxpar.core.axes import CONTEXT, PIPE, TENSOR, pipelined_layers
 from jaxpar.core.config import Config
 from jaxpar.core.sharding import split_ways
 from jaxpar.data.loader import document_eot, load_dataset, model_vocab
@@ -60,9 +60,15 @@ def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> di
     held = schedule.input_slots + schedule.grad_slots
     split = tp if cfg.model.sequence_parallel else 1  # the buffers hold the stream's layout
     one = rows_per_pass * cfg.model.block_size * cfg.model.n_embd * 4 // split
-    chunk = cfg.model.n_layer // (pp * schedule.virtual)
-    return {f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)": held * one,
+    chunk = pipelined_layers(cfg.model) // (pp * schedule.virtual)
+    rows = {f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)": held * one,
             f"activations ({chunk}-layer chunk)": activation_bytes(cfg, vocab, rows_per_pass, tp, layers=chunk)}
+    k, M = cfg.model.lead_layers, schedule.microbatches
+    if k:  # ahead of the pipeline, kept for their backward until the round's last
+        lead = activation_bytes(cfg, vocab, M * rows_per_pass, tp, layers=k) - activation_bytes(
+            cfg, vocab, M * rows_per_pass, tp, layers=0)
+        rows[f"activations ({k} dense first layer{'s' if k > 1 else ''} x {M} microbatches)"] = lead
+    return rows
 
 
 def execution_rows(execution) -> list[str]:

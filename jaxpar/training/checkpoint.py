@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.training.checksums import item_checksums, mismatches
 from jaxpar.training.saved_trees import first_difference
@@ -29,8 +30,9 @@ from jaxpar.training.saved_trees import first_difference
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
 DAMAGED = "damaged"  # the suffix of a checkpoint set aside: <step>.damaged
 # Bumped whenever a param's shape or axis order changes, so that an older checkpoint is named as
-# such rather than reported as damaged. 2: mlp_out's kernel is (layers, embed, mlp).
-PARAM_LAYOUT = 2
+# such rather than reported as damaged. 2: mlp_out's kernel is (layers, embed, mlp). 3: dense first
+# layers stacked apart, under lead_blocks (jaxpar.models.lead); a model without them reads layout 2.
+PARAM_LAYOUT = 3
 ARRAY_ITEMS = ("params", "opt_state")
 
 
@@ -52,6 +54,8 @@ def make_meta(cfg, tokenizer, step: int) -> dict:
 
 def check_layout(meta: dict, where: Path) -> None:
     layout = meta.get("param_layout", 1)  # checkpoints from before the field have layout 1
+    if layout == 2 and not Config.from_dict(meta["config"]).model.lead_layers:
+        return  # layout 3 changed only models with dense first layers
     if layout != PARAM_LAYOUT:
         age = "an older" if layout < PARAM_LAYOUT else "a newer"
         raise UserError(f"the checkpoint '{where}' was written by {age} jaxpar (param layout "

@@ -72,4 +72,11 @@ def pipeline_plan(cfg: Config, mesh) -> dict:
     return {"schedule": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual,
             "microbatches": schedule.microbatches, "ticks": schedule.ticks,
             "bubble_fraction": schedule.bubble_fraction,
-            "gradients_reduced": STAGES_REDUCE if local else SHARDINGS_REDUCE}
+            "gradients_reduced": STAGES_REDUCE if local else SHARDINGS_REDUCE} | ahead_of_stages(cfg.model)
+
+
+def ahead_of_stages(m) -> dict:
+    """The dense first layers (jaxpar.models.lead) run ahead of the stages, beside the embedding:
+    every stage runs them on every microbatch, so they cost each stage their whole time."""
+    k = m.lead_layers
+    return {"ahead_of_stages": f"the {k} dense first layer{'s' if k > 1 else ''}, on every stage"} if k else {}
