@@ -17,7 +17,10 @@ MOE = "tiny_moe"
 
 
 def test_a_capacity_factor_drops_the_same_on_every_layout():
-    """Capacity 1.0 drops assignments (counted) and trains as one device on ep=2."""
+    """Capacity 1.0 drops assignments (counted) and trains as one device on ep=2, whose dispatch
+    then sends only the kept ones, in buffers of half the dropless room (2 rows x 2 experts x
+    capacity 16 against 128 assignments): a row that did not fit would be lost, and the losses
+    would differ."""
     capped = {"model.moe_capacity_factor": 1.0}
     one, split = train(config=MOE, **capped), train("dp=2,ep=2", config=MOE, **capped)
     dropped = [one.aux[s]["moe_dropped"] for s in sorted(one.aux)]

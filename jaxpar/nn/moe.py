@@ -8,7 +8,12 @@ k assignments by expert and sends each device the rows for its experts:
 
 - `all_to_all` (every platform): one buffer per destination with room for all of this device's
   assignments, so nothing can drop; ep times the bytes that are really sent;
-- `ragged_all_to_all` (TPU and GPU): exactly the rows each destination needs.
+- `ragged_all_to_all` (TPU and GPU): exactly the rows each destination needs, into a receive
+  buffer with room for every source's.
+
+With a capacity factor, the dropped assignments are not sent, and no device can send another more
+than B x E_l x capacity rows (B sequences, E_l experts a device): the buffers have that room (the
+`room`), about capacity_factor / ep of a dropless buffer's, not one row per assignment.
 
 The receiving device runs its experts as one grouped GEMM over its rows sorted by expert (the
 plan's: `jax.lax.ragged_dot`, the Megablox kernels, tokamax's Triton kernel on GPUs
@@ -160,33 +165,34 @@ def by_expert(experts: jax.Array, ep: int, E_l: int):
     return jnp.argsort(experts, stable=True), jnp.bincount(experts, length=ep * E_l).reshape(ep, E_l)
 
 
-def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, local: Experts, ep: int) -> jax.Array:
-    """rows (A, C) of this device's assignments, each for global expert experts[a] -> (A, C):
-    sent to their experts' devices in fixed buffers of A rows each (nothing drops), computed
-    there, sent back."""
+def dispatch_all_to_all(rows: jax.Array, experts: jax.Array, local: Experts, ep: int, room: int) -> jax.Array:
+    """rows (A, C) of this device's assignments, each for global expert experts[a] (ep * E_l: a
+    dropped one, not sent) -> (A, C): sent to their experts' devices in fixed buffers of `room`
+    rows each (at least the most any destination gets), computed there, sent back."""
     A, C = rows.shape
     E_l = local.gate_up.shape[0]
     order, counts = by_expert(experts, ep, E_l)
     per_device = counts.sum(1)
     start = jnp.cumsum(per_device) - per_device
-    slot = jnp.arange(A)
-    taken = jnp.clip(start[:, None] + slot[None], 0, A - 1)  # (ep, A): sorted row for each slot
+    slot = jnp.arange(room)
+    taken = jnp.clip(start[:, None] + slot[None], 0, A - 1)  # (ep, room): sorted row for each slot
     valid = slot[None] < per_device[:, None]
     send = jnp.where(valid[..., None], rows[order][taken], 0)
     received, received_counts = exchange(send, EXPERT), exchange(counts, EXPERT)
     # The rows from each source arrive sorted by this device's experts, then padding.
     ends = jnp.cumsum(received_counts, axis=1)
-    local_of = jax.vmap(lambda e: jnp.searchsorted(e, slot, side="right"))(ends)  # (ep, A), E_l: padding
-    y = run_local_experts(received.reshape(ep * A, C), local_of.reshape(-1), local)
-    back = exchange(y.reshape(ep, A, C), EXPERT)
-    destination = experts[order] // E_l  # of each sorted row, whose place in its buffer is slot - start
-    y_sorted = back[destination, slot - start[destination]]
-    return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    local_of = jax.vmap(lambda e: jnp.searchsorted(e, slot, side="right"))(ends)  # (ep, room), E_l: padding
+    y = run_local_experts(received.reshape(ep * room, C), local_of.reshape(-1), local)
+    back = exchange(y.reshape(ep, room, C), EXPERT)
+    destination = experts[order] // E_l  # of each sorted row, whose place in its buffer is its rank - start
+    sent = destination < ep
+    y_sorted = back[jnp.where(sent, destination, 0), jnp.where(sent, jnp.arange(A) - start[destination % ep], 0)]
+    return jnp.zeros_like(y_sorted).at[order].set(jnp.where(sent[:, None], y_sorted, 0))
 
 
-def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int) -> jax.Array:
+def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int, room: int) -> jax.Array:
     """dispatch_all_to_all with `ragged_all_to_all`: each destination gets exactly its rows, into a
-    buffer with room for every source's (TPU and GPU; XLA:CPU has no ragged-all-to-all)."""
+    buffer with `room` for every source's (TPU and GPU; XLA:CPU has no ragged-all-to-all)."""
     A, C = rows.shape
     E_l = local.gate_up.shape[0]
     order, counts = by_expert(experts, ep, E_l)
@@ -199,9 +205,9 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int
     sizes = jax.lax.all_gather(send_sizes, EXPERT)  # (source, destination)
     # Each destination keeps its sources in order: mine land after those of the sources before me.
     land_at = (jnp.cumsum(sizes, axis=0) - sizes)[me].astype(jnp.int32)
-    received = jax.lax.ragged_all_to_all(rows[order], jnp.zeros((ep * A, C), rows.dtype), send_starts,
+    received = jax.lax.ragged_all_to_all(rows[order], jnp.zeros((ep * room, C), rows.dtype), send_starts,
                                          send_sizes, land_at, recv_sizes, axis_name=EXPERT)
-    slot = jnp.arange(ep * A)
+    slot = jnp.arange(ep * room)
     source = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_sizes), slot, side="right"), 0, ep - 1)
     ends = jnp.cumsum(received_counts, axis=1)[source]  # (ep * A, E_l)
     local_of = jnp.sum((slot - recv_starts[source])[:, None] >= ends, axis=1)
@@ -214,12 +220,13 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int
     return jnp.zeros_like(back).at[order].set(back)
 
 
-def experts_of_device(rows, experts, local: Experts, ep: int, mode: str):
-    """Each assignment's expert output (A, C) float32, by `mode` (see `moe_mlp`)."""
+def experts_of_device(rows, experts, local: Experts, ep: int, mode: str, room: int):
+    """Each assignment's expert output (A, C) float32 (0 where it is dropped: expert ep * E_l), by
+    `mode` (see `moe_mlp`); `room`: the most rows a device sends another."""
     if mode == "all_to_all":
-        return dispatch_all_to_all(rows, experts, local, ep)
+        return dispatch_all_to_all(rows, experts, local, ep, room)
     if mode == "ragged":
-        return dispatch_ragged(rows, experts, local, ep)
+        return dispatch_ragged(rows, experts, local, ep, room)
     E_l = local.gate_up.shape[0]
     first = jax.lax.axis_index(EXPERT) * E_l if mode == "replicated" else 0
     mine = (experts >= first) & (experts < first + E_l)
@@ -274,12 +281,14 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
         B, T, C = h.shape
         x = h.reshape(B * T, C)
         logits, probs, weights, experts = routing(x, router, *balance or (None,))
-        dropped = jnp.zeros((B,), jnp.float32)
-        if factor:  # a dropped assignment's weight is 0: the token keeps the others
+        dropped, sent, room = jnp.zeros((B,), jnp.float32), experts, B * T * k
+        if factor:  # a dropped assignment's weight is 0, and it is not sent: the token keeps the others
             keep = within_capacity(experts, B, capacity(cfg, seq_len))
             weights, dropped = weights * keep, 1 - keep.reshape(B, -1).mean(1)
+            sent = jnp.where(keep, experts, cfg.n_experts)
+            room = min(room, B * gate_up.shape[0] * capacity(cfg, seq_len))  # a destination's most
         local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret)
-        y = experts_of_device(jnp.repeat(x, k, axis=0), experts.reshape(-1), local, ep, mode)
+        y = experts_of_device(jnp.repeat(x, k, axis=0), sent.reshape(-1), local, ep, mode, room)
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
         if summed_over:
             y = jax.lax.psum(y, summed_over)
