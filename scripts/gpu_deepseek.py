@@ -10,8 +10,9 @@ It prints one table, and writes it to DIR/gpu_deepseek.md and DIR/gpu_deepseek.j
    cuDNN asked for the same heads: forward + backward time, and each output's and gradient's
    error relative to a float32 reference.
 2. `moonlight-16b-a3b` cut to 4 layers (the dense one and 3 of 64 routed experts, top-6, beside 2
-   shared), block 4096, 4 rows in one pass (--moonlight-rows): a step with the plan's grouped GEMM (`auto`) and with
-   XLA's `ragged_dot`: median step, tokens/s, MFU, peak memory.
+   shared), block 4096, 4 rows in one pass (--moonlight-rows): a step with the plan's grouped
+   GEMM (`auto`) and with XLA's `ragged_dot` (--moonlight-gemms): median step, tokens/s, MFU, peak
+   memory.
 3. The quick start (`shakespeare_deepseek_cpu`, float32) for a few steps with the plan's kernels
    and with `ragged_dot` and xla attention: tokens/s and the largest difference between the two
    runs' losses.
@@ -30,14 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check beside it,
 from gpu_check import peak_memory_gib, run_once, run_sections, timed
 
 FULL = SimpleNamespace(attention=(2, 16, 4096, 192, 128), moonlight={"model.n_layer": 4, "model.block_size": 4096,
-                       "train.batch_size": 4, "train.micro_batch": 4}, moonlight_steps=6, quick_steps=60,
-                      moonlight_gemms=("auto", "ragged_dot"))
+                       "train.batch_size": 4, "train.micro_batch": 4}, moonlight_steps=6, quick_steps=60)
 TINY = SimpleNamespace(attention=(1, 2, 128, 48, 32), moonlight={"model.n_layer": 2, "model.block_size": 64,
                        "model.n_embd": 64, "model.n_head": 2, "model.kv_lora_rank": 32, "model.qk_nope_head_dim": 16,
                        "model.qk_rope_head_dim": 8, "model.v_head_dim": 16, "model.mlp_dim": 128,
                        "model.moe_mlp_dim": 32, "model.vocab_size": 512, "model.dtype": "float32",
-                       "train.batch_size": 2, "train.micro_batch": 2}, moonlight_steps=3, quick_steps=3,
-                      moonlight_gemms=("auto", "ragged_dot"))
+                       "train.batch_size": 2, "train.micro_batch": 2}, moonlight_steps=3, quick_steps=3)
 
 
 def relative_error(a, b) -> float:
@@ -80,9 +79,9 @@ def attention_rows(shape) -> list[dict]:
     return rows
 
 
-def moonlight_rows(shape) -> list[dict]:
+def moonlight_rows(shape, gemms: tuple) -> list[dict]:
     rows = []
-    for gemm in shape.moonlight_gemms:
+    for gemm in gemms:
         run = (f"moonlight-16b-a3b, {shape.moonlight['model.n_layer']} layers, "
                f"{shape.moonlight['train.batch_size']} rows in a pass, moe_gemm={gemm}")
         try:  # XLA's ragged_dot may not fit: its backward is a dense product over all 64 experts
@@ -136,17 +135,16 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, on a CPU")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     parser.add_argument("--moonlight-rows", type=int, help="Moonlight's rows in one pass (default: 4, tiny: 2)")
-    parser.add_argument("--moonlight-gemms", help="Moonlight's grouped GEMMs, in order (default: auto,ragged_dot); "
-                        "one a process gives each its own peak memory")
+    parser.add_argument("--moonlight-gemms", default="auto,ragged_dot",
+                        help="Moonlight's grouped GEMMs, in order; one a process gives each its own peak memory")
     args = parser.parse_args(argv)
     shape = TINY if args.tiny else FULL
     if args.moonlight_rows:
         rows = {"train.batch_size": args.moonlight_rows, "train.micro_batch": args.moonlight_rows}
         shape = SimpleNamespace(**{**vars(shape), "moonlight": {**shape.moonlight, **rows}})
-    if args.moonlight_gemms:
-        shape = SimpleNamespace(**{**vars(shape), "moonlight_gemms": tuple(args.moonlight_gemms.split(","))})
     args.out.mkdir(parents=True, exist_ok=True)
-    measure = {"attention": attention_rows, "moonlight": moonlight_rows, "quick_start": quick_start_rows}
+    measure = {"attention": attention_rows, "quick_start": quick_start_rows,
+               "moonlight": functools.partial(moonlight_rows, gemms=tuple(args.moonlight_gemms.split(",")))}
     found = run_sections({name: functools.partial(measure[name], shape) for name in args.sections.split(",")},
                          table, args.out / "gpu_deepseek")
     print(table(found))

@@ -157,9 +157,10 @@ def test_deepseek_trains_as_one_device(spec, overrides):
 
 
 def test_layers_of_mixed_kinds_scan_after_their_irregular_first_ones():
-    """repeat_of: DeepSeek's dense first layers run one by one, then the sparse ones in a scan of one
-    layer a step (so ZeRO-3 gathers one layer at a time); a repeating pattern scans from the
-    start, rather than one group of all the layers written out."""
+    """repeat_of: layers before the kinds repeat run one by one, then the rest in a scan of one
+    repeat a step (so ZeRO-3 gathers one layer at a time where it repeats every layer); a
+    repeating pattern scans from the start, rather than one group of all the layers written out.
+    (DeepSeek's dense first layers are stacked apart instead, jaxpar.models.lead.)"""
     from jaxpar.models.family import repeat_of
     d, s = "dense_layers", "sparse_layers"
     assert repeat_of([d, s, s, s]) == (1, 1) and repeat_of([d, d, d] + [s] * 58) == (3, 1)

@@ -112,9 +112,10 @@ class ModelConfig:
         """The layers whose weights a stacked leading axis holds: 'lead_layers' the dense first
         ones (lead_layers), 'layers' all the others; where the kinds mix otherwise,
         'sparse_layers' those with experts and 'dense_layers' the others."""
-        if stack in ("lead_layers", "layers"):
-            return tuple(range(self.lead_layers)) if stack == "lead_layers" else tuple(
-                range(self.lead_layers, self.n_layer))
+        if stack == "lead_layers":
+            return tuple(range(self.lead_layers))
+        if stack == "layers":
+            return tuple(range(self.lead_layers, self.n_layer))
         return tuple(i for i, sparse in enumerate(self.sparse_layers) if sparse == (stack == "sparse_layers"))
 
     def check(self) -> None:

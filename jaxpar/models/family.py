@@ -38,12 +38,7 @@ def split_layers(params: dict, axes: dict) -> tuple[dict, dict, dict, dict]:
     top.pop(lead.LEAD, None)
     top_axes.pop(lead.LEAD, None)
     layer_params, stacked_axes = top.pop("blocks"), top_axes.pop("blocks")
-    return top, top_axes, layer_params, per_layer(stacked_axes)
-
-
-def per_layer(stacked_axes: dict) -> dict:
-    """A stack's axes without its stacked one."""
-    return jax.tree.map(lambda names: names[1:], stacked_axes, is_leaf=lambda n: isinstance(n, tuple))
+    return top, top_axes, layer_params, declared_params.per_layer(stacked_axes)
 
 
 def add_losses(total: dict, more: dict) -> dict:
@@ -161,7 +156,7 @@ class Transformer:
         losses, their cache); nothing where the model has none."""
         if lead.LEAD not in params:
             return x, {}, cache
-        step = self.layer_step(per_layer(self.axes()[lead.LEAD]), cache, doc_starts)
+        step = self.layer_step(declared_params.per_layer(self.axes()[lead.LEAD]), cache, doc_starts)
         kv = None if cache is None else (cache.k, cache.v)
         x, (losses, kv) = jax.lax.scan(step, x, (params[lead.LEAD], layer_keys, kv), unroll=True)
         return x, {name: jnp.sum(values) for name, values in losses.items()}, None if cache is None else KVCache(
@@ -216,9 +211,11 @@ class Transformer:
                 for name, axes in self.axes()["blocks"].items()}
 
     def scan_mixed(self, layer_params, layer_axes, stacks, x, layer_keys, kv, cache, unroll, doc_starts=None):
-        """The layers of mixed kinds: those before the kinds start to repeat one by one, then a scan over groups of `period` layers, the shortest repeat of the
-        rest; each layer takes its shared params and the next of its own kind's. Scanned, a
-        layer's weights are gathered (ZeRO-3) and its activations kept one layer at a time."""
+        """The layers of mixed kinds: those before the kinds start to repeat one by one, then a
+        scan over groups of `period` layers, the shortest repeat of the rest; each layer takes its
+        shared params and the next of its own kind's. Scanned, a layer's weights are gathered
+        (ZeRO-3) and its activations kept one layer at a time. (Dense first layers followed by
+        sparse ones only are stacked apart instead: jaxpar.models.lead.)"""
         n = jax.tree.leaves({k: v for k, v in layer_params.items() if stacks[k] == "layers"})[0].shape[0]
         # A pipeline chunk's first n layers stand for all of its layers: every chunk has its kinds
         # in the same places (jaxpar.core.axes.check_chunk_kinds).
@@ -265,7 +262,7 @@ class Transformer:
 def repeat_of(kind: list) -> tuple[int, int]:
     """(first, period) of a list of layer kinds: after the first `first` layers, the kinds repeat
     every `period` layers, the pair with the fewest layers written out (first + period), e.g.
-    DeepSeek's k dense layers before sparse ones: (k, 1); Llama's moe_every=2: (0, 2)."""
+    dense, dense, sparse, dense, sparse: (1, 2); Llama's moe_every=2: (0, 2)."""
     n = len(kind)
     repeats = lambda first, p: (n - first) % p == 0 and kind[first:] == kind[first:first + p] * ((n - first) // p)
     return min(((first, next(p for p in range(1, n - first + 1) if repeats(first, p))) for first in range(n)),

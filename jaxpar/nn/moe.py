@@ -209,7 +209,7 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int
                                          send_sizes, land_at, recv_sizes, axis_name=EXPERT)
     slot = jnp.arange(ep * room)
     source = jnp.clip(jnp.searchsorted(jnp.cumsum(recv_sizes), slot, side="right"), 0, ep - 1)
-    ends = jnp.cumsum(received_counts, axis=1)[source]  # (ep * A, E_l)
+    ends = jnp.cumsum(received_counts, axis=1)[source]  # (ep * room, E_l)
     local_of = jnp.sum((slot - recv_starts[source])[:, None] >= ends, axis=1)
     local_of = jnp.where(slot < recv_sizes.sum(), local_of, E_l)
     y = run_local_experts(received, local_of, local).astype(rows.dtype)

@@ -122,6 +122,11 @@ def axes_of(declared: dict) -> dict:
     return tree_of(declared, lambda p: p.axes)
 
 
+def per_layer(stacked_axes: dict) -> dict:
+    """A stack's axes without its stacked one: each layer's (axes_of's tree, or part of it)."""
+    return jax.tree.map(lambda names: names[1:], stacked_axes, is_leaf=lambda n: isinstance(n, tuple))
+
+
 def roles_of(declared: dict) -> dict:
     return tree_of(declared, lambda p: p.role)
 

@@ -26,7 +26,7 @@ from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.llama.model import rms_norm
 from jaxpar.nn.loss import cross_entropy
 from jaxpar.nn.matmul import project
-from jaxpar.nn.params import dense, norm, tree_of
+from jaxpar.nn.params import dense, norm, per_layer, tree_of
 
 STACK = "mtp_layers"  # the modules' stacked axis (replicated: every device holds every module)
 
@@ -59,7 +59,7 @@ def mtp_losses(model, top: dict, x: jax.Array, targets: jax.Array, doc_starts=No
         x, targets = x[:, order], targets[:, order]
         doc_starts = None if doc_starts is None else doc_starts[:, order]
     family, plan, cfg = model.family, model.plan, model.cfg
-    axes = jax.tree.map(lambda names: names[1:], model.axes()["mtp"]["block"], is_leaf=lambda n: isinstance(n, tuple))
+    axes = per_layer(model.axes()["mtp"]["block"])
     T, D = targets.shape[1], cfg.mtp_layers
     h, losses, router = x, [], {}
     for k in range(1, D + 1):  # position i reads token i + k (targets[i + k - 1]) and predicts i + k + 1
