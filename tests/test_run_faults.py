@@ -23,7 +23,7 @@ from jaxpar.train import main as train_main
 from jaxpar.train import run
 from jaxpar.training import trainer
 from jaxpar.training.checkpoint import Checkpoints
-from jaxpar.training.run_lock import LOCK_NAME, RunLock
+from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.training.stopping import StopRequest
 
 ONE = jax.devices()[:1]
@@ -161,7 +161,7 @@ def test_a_locked_out_is_refused_in_one_line_and_the_holder_trains_undisturbed(t
             train_main([*args, "--steps", "30", "--seed", "7", "--out", str(out)])
         assert exit_.value.code == 2
         err = capsys.readouterr().err.strip()
-        assert err.count("\n") == 0 and f"--out '{out}' is in use by another run (pid {holder.pid} on " in err, err
+        assert err.count("\n") == 0 and f"--out '{out}' is in use by another jaxpar command (pid {holder.pid} on " in err, err
         assert holder.wait(timeout=300) == 0, holder.stderr.read().decode()
     finally:
         holder.kill()
