@@ -5,10 +5,14 @@ test_equivalence.py). No assertion is about speed: only that the ratios are comp
 """
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import exits_with_one_line
 
+from jaxpar.core.out_lock import RunLock
 from jaxpar.planning import bench
 
 LOSS_RTOL = 1e-5
@@ -109,3 +113,60 @@ def test_failure_line_skips_native_stack_frames():
     assert bench.failure(-6, stderr) == (
         "killed by SIGABRT: F1122 rendezvous.cc:161] Termination timeout for all reduce")
     assert bench.failure(2, "jaxpar.train: error: bad\n") == "exit 2: jaxpar.train: error: bad"
+
+
+def fake_child(calls: list):
+    """subprocess.run for jaxpar.train as bench starts it, without training: like train, it keeps
+    (nothing to do) the run.json of a finished run it would resume, unless given --fresh."""
+    def run(argv, **kwargs):
+        calls.append(argv)
+        out = argv[argv.index("--out") + 1]
+        run_json = Path(out) / "run.json"
+        if "--fresh" not in argv and run_json.exists():
+            return subprocess.CompletedProcess(argv, 0, "nothing to do", "")
+        remat = next((a.split("=", 1)[1] for a in argv if a.startswith("--model.remat=")), "none")
+        summary = {"tokens_per_s_median": 1e3, "step_time_ms_median": 5.0, "mfu_median": 0.1,
+                   "final_loss": 4.0, "final_val_loss": None}
+        run_json.parent.mkdir(parents=True, exist_ok=True)
+        run_json.write_text(json.dumps({
+            "config": {"model": {"remat": remat}}, "devices": {"platform": "cpu"}, "zero_stage": 0,
+            "summary": summary, "compile_s": 1.0, "pipeline": {}, "bytes_per_device": {"params": 1, "opt_state": 2},
+            "compiled": {"peak_memory_bytes": 3, "collectives": {}}}))
+        return subprocess.CompletedProcess(argv, 0, "done", "")
+    return run
+
+
+def bench_dp1(out, *extra):
+    bench.main(["--config", "tiny", "--layouts", "dp=1", "--steps", "1", "--out", str(out), *extra])
+
+
+def test_a_bench_again_with_other_settings_measures_again(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(bench.subprocess, "run", fake_child(calls))
+    bench_dp1(tmp_path)
+    bench_dp1(tmp_path, "--model.remat=full")
+    assert len(calls) == 2
+    assert json.loads((tmp_path / "dp1" / "run.json").read_text())["config"]["model"]["remat"] == "full"
+    err = capsys.readouterr().err
+    assert f"measuring again: the earlier run in {tmp_path / 'dp1'} was measured with other settings " \
+           "(model.remat none -> full)" in err, err
+
+
+def test_a_bench_again_with_the_same_settings_says_it_reuses_the_row(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(bench.subprocess, "run", fake_child(calls))
+    bench_dp1(tmp_path)
+    first = json.loads((tmp_path / "bench.json").read_text())
+    capsys.readouterr()
+    bench_dp1(tmp_path)
+    assert len(calls) == 1 and json.loads((tmp_path / "bench.json").read_text()) == first
+    err = capsys.readouterr().err
+    assert f"reused {tmp_path / 'dp1'}: measured earlier with these same settings" in err, err
+
+
+def test_a_second_bench_into_a_locked_out_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench.subprocess, "run", fake_child([]))
+    with RunLock(tmp_path):  # another bench is writing here
+        exits_with_one_line(capsys, "jaxpar.bench", lambda: bench_dp1(tmp_path),
+                            f"--out '{tmp_path}' is in use by another jaxpar command")
+    assert list(tmp_path.iterdir()) == []

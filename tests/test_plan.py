@@ -10,8 +10,10 @@ import sys
 import jax
 import pytest
 from conftest import tiny_config
+from helpers import exits_with_one_line
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.out_lock import RunLock
 from jaxpar.models import flops
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import resolve_mesh_shape
@@ -283,3 +285,29 @@ def test_micro_batch_auto_takes_the_most_rows_whose_step_fits():
     assert micro_batch.resolve(tiny_config(), 65, mesh, None)[0].train.micro_batch == 0  # tiny's own
     with pytest.raises(UserError, match="train.micro_batch expects int, got 'most'"):
         tiny_config(**{"train.micro_batch": "most"})
+
+
+def plan_cpu8(out, layouts: str):
+    main(["--config", "tiny", "--target", "cpu:8", "--layouts", layouts, "--zero", "0", "--remat", "none",
+          "--out", str(out)])
+
+
+def test_layouts_that_name_no_layout_are_refused(capsys, tmp_path):
+    exits_with_one_line(capsys, "jaxpar.plan", lambda: plan_cpu8(tmp_path / "plan", ";;"),
+                        "--layouts ';;' names no layout")
+    assert not (tmp_path / "plan").exists()
+
+
+def test_when_every_layout_is_skipped_it_says_none_compiled_and_why(capsys, tmp_path):
+    plan_cpu8(tmp_path / "plan", "dp=3")  # 3 of 8 devices: skipped, as train would refuse it
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("none of the 2 layouts compiled: 2 skipped as the trainer would refuse them; "
+                           "dp=3,tp=1,pp=1 z0 mb=1: "), last
+    assert "uses 3 devices but 8 are available" in last and last.endswith("; see plan.md for each")
+
+
+def test_a_second_plan_into_a_locked_out_is_refused(capsys, tmp_path):
+    with RunLock(tmp_path):  # another plan is writing here
+        exits_with_one_line(capsys, "jaxpar.plan", lambda: plan_cpu8(tmp_path, "dp=3"),
+                            f"--out '{tmp_path}' is in use by another jaxpar command")
+    assert list(tmp_path.iterdir()) == []

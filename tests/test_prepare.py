@@ -12,6 +12,7 @@ from helpers import exits_with_one_line
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.data import prepare as prep
 from jaxpar.data.prepare import main
 from jaxpar.data.token_files import read_prepared
@@ -134,6 +135,26 @@ def test_a_non_empty_out_dir_needs_force(capsys, tmp_path, docs):
     run(out, docs / "doc1.txt", "--tokenizer", "bytes", "--force")
     assert (out / "train.bin").read_bytes() != before
     read_prepared(out)
+
+
+def test_a_second_prepare_into_a_locked_out_is_refused_and_changes_nothing(capsys, tmp_path, docs):
+    out = tmp_path / "out"
+    run(out, docs / "doc0.txt", "--tokenizer", "bytes")
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    with RunLock(out):  # another prepare is writing here
+        fails_with(capsys, out, [docs / "doc1.txt", "--tokenizer", "char", "--force"],
+                   f"--out '{out}' is in use by another jaxpar command (pid {os.getpid()}")
+        assert {path.name: path.read_bytes() for path in out.iterdir() if path.name != LOCK_NAME} == before
+    assert read_prepared(out)[0]["tokenizer"] == "bytes"
+
+
+def test_a_lock_file_left_by_a_killed_prepare_is_not_content(tmp_path, docs):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text('{"host": "gone", "pid": 999999, "started": "then"}')
+    meta = run(out, docs / "doc0.txt", "--tokenizer", "bytes")  # no --force needed
+    assert read_prepared(out)[0] == meta
+    assert sorted(os.listdir(out)) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
 
 
 def test_force_removes_a_stale_tokenizer_json(tmp_path, docs, monkeypatch):

@@ -21,7 +21,9 @@ both splits; with --val-split documents (records' default) every 1/val_fraction-
 goes to val whole. Either way the split is a pure function of the inputs and their order.
 
 Everything is written under temporary names and renamed at the end, meta.json last: a run that
-stops early leaves no train.bin, val.bin or meta.json that could pass for complete.
+stops early leaves no train.bin, val.bin or meta.json that could pass for complete. DIR is
+locked meanwhile (jaxpar.core.out_lock's jaxpar.lock, gone at the end): a second prepare into it
+is refused in one line, so meta.json always describes the run that wrote the token files.
 `read_prepared(DIR)` checks the files and memory-maps them for training.
 """
 
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.data import corpus
 from jaxpar.data.records import RecordOptions, RecordPiece, input_size, is_records
 from jaxpar.data.split_writer import PARTIAL, SPLITS, SplitWriter, token_dtype
@@ -91,8 +94,8 @@ def pool_size(workers: int | None, input_bytes: int) -> int:
 
 
 def check_out_dir(out: Path, force: bool) -> None:
-    check_output_dir(out)
-    if out.is_dir() and any(out.iterdir()) and not force:
+    """Under out's lock, whose file is the one not counted."""
+    if any(path.name != LOCK_NAME for path in out.iterdir()) and not force:
         raise UserError(f"--out '{out}' is not empty; pass --force to write "
                         f"{', '.join(OUTPUTS)} over what is there, or pass another directory")
 
@@ -157,31 +160,28 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
     input_bytes = sum(input_size(path) for path in paths)
     if not input_bytes:
         raise UserError(f"the inputs are empty ({', '.join(map(str, paths))}); pass text files")
-    check_out_dir(out, force)
-    started = time.perf_counter()
-    tok = load_tokenizer(tokenizer, paths, vocab_size, workers=pool_size(workers, input_bytes),
-                         progress=progress, sample_bytes=bpe_sample_bytes, options=options)
-    tokenizer_seconds = time.perf_counter() - started
-    workers = pool_size(workers or (corpus.default_workers() if tok.parallel else 1),
-                        input_bytes)
-    hf_json, dtype = tokenizer_json(tok), token_dtype(tok.vocab_size)
-    made = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    writer = SplitWriter(out, dtype, tok.eot_id, val_fraction)
-    try:
-        seconds, skipped = tokenize(writer, tok, paths, workers, progress, options, val_split)
-        writer.close()
-        check_splits(writer, val_fraction)
-        meta = make_meta(tok, writer, val_fraction, input_bytes, val_split_of(paths, val_split), options, skipped)
-        commit(out, meta, hf_json)
-    except BaseException:
-        writer.close()
-        for name in OUTPUTS:
-            (out / f"{name}{PARTIAL}").unlink(missing_ok=True)
-        for directory in made:
-            if not any(directory.iterdir()):
-                directory.rmdir()
-        raise
+    check_output_dir(out)
+    with RunLock(out):  # one writer per --out: two would write the same files in turns
+        check_out_dir(out, force)
+        started = time.perf_counter()
+        tok = load_tokenizer(tokenizer, paths, vocab_size, workers=pool_size(workers, input_bytes),
+                             progress=progress, sample_bytes=bpe_sample_bytes, options=options)
+        tokenizer_seconds = time.perf_counter() - started
+        workers = pool_size(workers or (corpus.default_workers() if tok.parallel else 1), input_bytes)
+        hf_json, dtype = tokenizer_json(tok), token_dtype(tok.vocab_size)
+        writer = SplitWriter(out, dtype, tok.eot_id, val_fraction)
+        try:
+            seconds, skipped = tokenize(writer, tok, paths, workers, progress, options, val_split)
+            writer.close()
+            check_splits(writer, val_fraction)
+            meta = make_meta(tok, writer, val_fraction, input_bytes, val_split_of(paths, val_split), options,
+                             skipped)
+            commit(out, meta, hf_json)
+        except BaseException:  # the lock then removes the folders it made, if they are empty again
+            writer.close()
+            for name in OUTPUTS:
+                (out / f"{name}{PARTIAL}").unlink(missing_ok=True)
+            raise
     tokens = sum(writer.tokens.values())
     return {**meta, "timing": {"tokenizer_s": tokenizer_seconds, "tokenize_s": seconds,
                                "tokens_per_s": tokens / seconds, "workers": workers}}

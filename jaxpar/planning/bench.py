@@ -3,6 +3,10 @@ and compare throughput, memory, collectives and final loss. Writes bench.json, b
 
 Speedup is tokens/s over the 1-device baseline's; efficiency is speedup / (devices / baseline's
 devices), i.e. tokens/s per device over the baseline's, in both strong and weak (--weak) mode.
+
+Each layout's folder keeps the settings its row was measured under (bench_layout.json): a later
+bench into the same --out reuses that row, saying so, only when the layout's resolved config and
+--weak are the same and it did not fail; otherwise it trains the layout again from scratch.
 """
 
 import json
@@ -19,8 +23,10 @@ from pathlib import Path
 from jaxpar.core.axes import KEYS
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config
 from jaxpar.core.errors import UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.out_lock import RunLock
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
+from jaxpar.planning.bench_record import RECORD, earlier_row, settings
 from jaxpar.training.loss_plots import mesh_label, plot_bench
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
@@ -111,10 +117,11 @@ def failure(returncode: int, stderr: str) -> str:
 
 
 def train_layout(layout: Layout, config: str | None, out_dir: Path) -> dict:
-    """Run jaxpar.train for one layout in a fresh process; its run.json as a bench row."""
+    """Run jaxpar.train for one layout in a fresh process, from scratch (--fresh: a checkpoint
+    left in its folder would otherwise be resumed, or taken as done); its run.json as a bench row."""
     run_dir = out_dir / layout.slug
     argv = [sys.executable, "-m", "jaxpar.train", *(["--config", config] if config else []),
-            "--mesh", layout.spec, "--out", str(run_dir),
+            "--mesh", layout.spec, "--out", str(run_dir), "--fresh",
             *(f"--{key}={value}" for key, value in layout.overrides.items())]
     proc = subprocess.run(argv, capture_output=True, text=True, env=child_env())
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +148,27 @@ def train_layout(layout: Layout, config: str | None, out_dir: Path) -> dict:
         "final_loss": summary["final_loss"],
         "final_val_loss": summary["final_val_loss"],
     }
+
+
+def measure(layout: Layout, config: str | None, weak: bool, out_dir: Path) -> dict:
+    """The layout's row: reused, saying so, from an earlier run with the same settings; else
+    measured again, replacing that run."""
+    run_dir = out_dir / layout.slug
+    row, why_not = earlier_row(layout.cfg, weak, run_dir)
+    if row is not None:
+        print(f"    reused {run_dir}: measured earlier with these same settings (delete it to "
+              "measure again)", file=sys.stderr)
+        return row
+    if why_not:
+        print(f"    measuring again: the earlier run in {run_dir} {why_not}", file=sys.stderr)
+    (run_dir / RECORD).unlink(missing_ok=True)  # gone until this run's row replaces it
+    start = time.perf_counter()
+    row = train_layout(layout, config, out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RECORD).write_text(json.dumps({"settings": settings(layout.cfg, weak), "row": row}, indent=1))
+    status = f"failed ({row['error']})" if row["error"] else "done"
+    print(f"    {status} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return row
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -235,7 +263,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--steps", type=int, help=f"steps per layout (default: {DEFAULT_STEPS})")
     parser.add_argument("--weak", action="store_true",
                         help="weak scaling: global batch = train.batch_size x devices")
-    parser.add_argument("--out", help="output directory (default: out/bench_<config name>)")
+    parser.add_argument("--out", help="output directory (default: out/bench_<config name>); a layout "
+                        "measured there before under the same settings is reused, saying so")
     args, rest = parser.parse_known_args(argv)
     overrides = parse_overrides(rest)
     if args.steps is not None or "train.steps" not in overrides:
@@ -252,17 +281,15 @@ def main(argv: list[str] | None = None) -> None:
         layouts = plan_layouts(args.layouts, args.config, overrides, args.weak)
         from jaxpar.data.loader import load_dataset  # a bad data file fails here, not in every layout
         load_dataset(layouts[0].cfg.data, layouts[0].cfg.model.block_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, layout in enumerate(layouts, 1):
-        print(f"[{i}/{len(layouts)}] {layout.spec}: {layout.cfg.train.steps} steps on "
-              f"{layout.devices} device(s), batch {layout.cfg.train.batch_size}", file=sys.stderr)
-        start = time.perf_counter()
-        rows.append(train_layout(layout, args.config, out_dir))
-        status = f"failed ({rows[-1]['error']})" if rows[-1]["error"] else "done"
-        print(f"    {status} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    add_scaling(rows)
-    print(write_outputs(rows, out_dir, args.weak))
+        with RunLock(out_dir):  # one bench per --out: two would train into the same layout folders
+            rows = []
+            for i, layout in enumerate(layouts, 1):
+                print(f"[{i}/{len(layouts)}] {layout.spec}: {layout.cfg.train.steps} steps on "
+                      f"{layout.devices} device(s), batch {layout.cfg.train.batch_size}", file=sys.stderr)
+                rows.append(measure(layout, args.config, args.weak, out_dir))
+            add_scaling(rows)
+            markdown = write_outputs(rows, out_dir, args.weak)
+    print(markdown)
     print(f"wrote {out_dir}/bench.json, bench.md" + (", bench.png" if (out_dir / "bench.png").exists()
                                                       else ""))
     failed = [row["layout"] for row in rows if row["error"]]

@@ -19,6 +19,7 @@ from pathlib import Path
 from jaxpar.core.axes import AXES, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
 from jaxpar.core.config import MICRO_BATCH_AUTO, REMAT_KINDS, Config, load_config, valid_keys, validate
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.out_lock import RunLock
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import parse_target
 from jaxpar.planning.layouts import int_list, parse_layouts
@@ -228,7 +229,13 @@ def parse_args(argv: list[str]):
             fixed[axis.key] = int_list(getattr(args, axis.key), f"--{axis.key}")
             if not fixed[axis.key] or min(fixed[axis.key]) < 1:
                 raise UserError(f"--{axis.key} takes positive sizes, got {getattr(args, axis.key)!r}")
-    parse_layouts(args.layouts, target.chips, fixed)  # a bad --layouts fails before any work
+    if not parse_layouts(args.layouts, target.chips, fixed):  # a bad --layouts fails before any work
+        if args.layouts != "auto":
+            raise UserError(f"--layouts {args.layouts!r} names no layout; pass meshes separated by "
+                            '";", e.g. "dp=2,tp=2;dp=4", or auto')
+        flags = " ".join(f"--{key} {getattr(args, key)}" for key in fixed)
+        raise UserError(f"--layouts auto with {flags} leaves no layout of {target.chips} devices; pass "
+                        f"sizes whose product divides {target.chips}")
     out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
     check_output_dir(out)
     args.zero, args.remat, args.out, args.fixed = zeros, remats, out, fixed
@@ -236,7 +243,12 @@ def parse_args(argv: list[str]):
 
 
 def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
-    import jax
+    with RunLock(args.out):  # one writer per --out
+        return plan_into(cfg, target, args, overrides)
+
+
+def plan_into(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
+    """plan's work, with args.out locked."""
     from tqdm import tqdm
 
     from jaxpar.data.loader import document_eot, load_dataset, model_vocab

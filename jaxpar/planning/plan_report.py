@@ -10,6 +10,7 @@ from jaxpar.planning import roofline
 GiB = 2**30
 MODEL_TEXT = roofline.__doc__.split("\n", 2)[2].strip()  # the docstring past its title line
 LISTED = 20  # layouts past the compile cap shown in plan.md (all are in plan.json)
+NOT_COMPILED = {"error": "failed to compile", "skipped": "skipped as the trainer would refuse them"}
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
          "collective-permute": "CP", "all-to-all": "A2A"}
 
@@ -171,7 +172,22 @@ def write_report(out: Path, target, chip, cfg, candidates: list, command, top: i
         counts["fit" if c.fits else "do not fit" if c.status == "compiled" else c.status] += 1
     print(f"\n{len(candidates)} layouts: " + ", ".join(f"{n} {k}" for k, n in counts.items())
           + f"; wrote {out}/plan.md, plan.json and plan.png")
-    if best:
-        print(f"best: {command(best[0])}")
-    else:
-        print("no compiled layout fits: see plan.md for what each needs")
+    print(f"best: {command(best[0])}" if best else no_best(candidates))
+
+
+def no_best(candidates: list) -> str:
+    """Why no layout is ranked: none that compiled fits, or none compiled at all, and why not."""
+    if any(c.status in ("compiled", "out of memory") for c in candidates):
+        return "no compiled layout fits: see plan.md for what each needs"
+    counts = defaultdict(int)
+    for c in candidates:
+        counts[c.status] += 1
+    reasons: dict = {}  # each reason's first layout
+    for c in candidates:
+        reasons.setdefault(c.reason, c)
+    first = next(iter(reasons.values()))
+    more = f" (and {len(reasons) - 1} other reason{'s' * (len(reasons) > 2)})" if len(reasons) > 1 else ""
+    n = len(candidates)
+    return (f"none of the {n} layout{'s' * (n != 1)} compiled: "
+            + ", ".join(f"{k} {NOT_COMPILED.get(status, status)}" for status, k in counts.items())
+            + f"; {layout_cell(first)}: {first.reason}{more}; see plan.md for each")
