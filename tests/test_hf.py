@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer
+from jaxpar.formats.hf_files import write_manifest
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache, forward
@@ -243,7 +244,7 @@ def test_export_writes_what_transformers_loads(trained, tmp_path, capsys):
     export.main(["--ckpt", str(trained), "--out", str(out)])
     assert f"step 3 of {trained} -> {out}" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json", "jaxpar_export.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     with safe_open(out / "model.safetensors", framework="numpy") as f:
         assert f.metadata() == {"format": "pt"} and sorted(f.keys()) == sorted(fixture_tensors())
     model = sample.load(trained)
@@ -275,18 +276,20 @@ def test_tokenizer_config_names_the_end_of_text_token_where_there_is_one():
         export.tokenizer_files(CharTokenizer("ab"), 32)["tokenizer_config.json"])
 
 
-def test_export_replaces_a_non_empty_out_only_with_force(trained, tmp_path, capsys):
+def test_export_replaces_an_earlier_export_only_with_force(trained, tmp_path, capsys):
+    """An earlier export: its manifest, and the one file it lists (the rest: tests/test_export_faults.py)."""
     out = tmp_path / "hf"
     out.mkdir()
-    (out / "notes.txt").write_text("mine")
+    (out / "config.json").write_text("{}")
+    write_manifest(out, ["config.json"])
     with pytest.raises(SystemExit) as exit_info:
         export.main(["--ckpt", str(trained), "--out", str(out)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err == (f"jaxpar.export: error: --out '{out}' exists and is not empty; pass --force to "
+    assert err == (f"jaxpar.export: error: --out '{out}' holds an earlier export; pass --force to "
                    "replace it, or another directory\n")
     export.main(["--ckpt", str(trained), "--out", str(out), "--force"])
-    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "config.json").read_text()) and (out / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left behind
 
 

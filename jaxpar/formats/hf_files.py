@@ -1,11 +1,14 @@
 """Reading a Hugging Face model directory: config.json, and the weights in model.safetensors or in
 the shards that model.safetensors.index.json names, every tensor memory-mapped so that a device
 reads only its own slice. Writing: one file, or shards with an index above a size, as
-save_pretrained does. Every problem is a UserError of one line.
+save_pretrained does, with the mode of any other new file; and jaxpar.export's manifest, which lists
+the files that it wrote into a folder (the only ones it may later replace). Every problem is a
+UserError of one line.
 """
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,7 @@ from jaxpar.nn.layers import padded_vocab
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default max_shard_size, "5GB"
+MANIFEST_FILE, WRITER = "jaxpar_export.json", "jaxpar.export"
 
 # The type of every config.json field that the Hugging Face formats' readers use (GPT-2's, Llama's and
 # its relatives', the mixtures of experts'), checked before any is read. A float field takes
@@ -178,7 +182,6 @@ def slice_reader(views: list, stacked: bool, rows: int | None = None):
 def save_weights(tensors: dict[str, np.ndarray], out: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """model.safetensors, or above max_shard_bytes, shards model-0000i-of-0000n.safetensors and
     their index, as save_pretrained writes them; returns the file names."""
-    from safetensors.numpy import save_file
     shards, size = [{}], 0
     for name, array in tensors.items():
         if shards[-1] and size + array.nbytes > max_shard_bytes:
@@ -187,12 +190,42 @@ def save_weights(tensors: dict[str, np.ndarray], out: Path, max_shard_bytes: int
         shards[-1][name] = array
         size += array.nbytes
     if len(shards) == 1:
-        save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+        save_tensors(tensors, out / WEIGHTS_FILE)
         return [WEIGHTS_FILE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        save_file(shard, out / name, metadata={"format": "pt"})
+        save_tensors(shard, out / name)
     index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
              "weight_map": {tensor: name for name, shard in zip(names, shards) for tensor in shard}}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return names + [INDEX_FILE]
+
+
+def save_tensors(tensors: dict[str, np.ndarray], path: Path) -> None:
+    """One safetensors file, of the mode a new file gets (0644 under umask 022): safetensors writes
+    a temporary file of mode 0600 and renames it, which would keep it from the files beside it."""
+    from safetensors.numpy import save_file
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0o022)  # the only way to read it; set back at once
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def write_manifest(folder: Path, files: list[str]) -> None:
+    """Record in `folder` that jaxpar.export wrote `files` there."""
+    manifest = {"written_by": WRITER, "files": sorted(files)}
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def written_files(folder: Path) -> set[str]:
+    """The files of `folder` that jaxpar.export wrote, as its manifest lists them (the manifest
+    too); none where there is no readable manifest. Only plain names: never a path elsewhere."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    if manifest.get("written_by") != WRITER or not is_a(list[str], files):
+        return set()
+    plain = {name for name in files if os.path.basename(name) == name and name not in ("", ".", "..")}
+    return plain | {MANIFEST_FILE}

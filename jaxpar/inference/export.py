@@ -1,13 +1,21 @@
-"""`python -m jaxpar.export --ckpt RUN_DIR --out HF_DIR [--dtype bfloat16]`: a checkpoint as a
-Hugging Face GPT2LMHeadModel or LlamaForCausalLM, by its model.family.
+"""`python -m jaxpar.export --ckpt RUN_DIR --out HF_DIR [--dtype bfloat16] [--force]`: a checkpoint
+as a Hugging Face GPT2LMHeadModel or LlamaForCausalLM, by its model.family.
 
 HF_DIR gets config.json, model.safetensors (shards and their index above 5 GB, as save_pretrained
 writes them), and (for every tokenizer but tiktoken's) tokenizer.json
 and tokenizer_config.json, so that transformers' AutoModelForCausalLM.from_pretrained(HF_DIR) and
-AutoTokenizer.from_pretrained(HF_DIR) both load it. Everything is written to a temporary folder
-beside HF_DIR and renamed into place, so HF_DIR is never half-written.
+AutoTokenizer.from_pretrained(HF_DIR) both load it; and jaxpar_export.json, which lists the files
+the export wrote.
+
+jaxpar deletes only what it wrote. HF_DIR must be new, empty, or (with --force) an earlier export,
+whose listed files are all it holds; a run, a folder holding one anywhere below, the run --ckpt
+reads (or a folder inside it or holding it) and a folder holding any other file are refused in one
+line, before the checkpoint is read. One export per HF_DIR: it holds the lock of the hidden folder
+`.HF_DIR.jaxpar-export` beside HF_DIR, where it stages the files and renames them into place, so
+HF_DIR is never half-written and the lock file is never in it.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,24 +23,79 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.out_lock import LOCK_NAME, RunLock
+
+RUN_BELOW_LIMIT = 10_000  # folders searched for a run below --out before naming a foreign file instead
 
 
-def check_out_dir(out: Path, force: bool) -> None:
+def check_out_dir(out: Path, ckpt, force: bool) -> None:
+    """A UserError unless export may write `out`: new, empty, or (with `force`) an earlier export
+    that holds nothing else, apart from the run `ckpt`."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out '{out}' is a file, not a directory; pass a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"--out '{out}' exists and is not empty; pass --force to replace it, or "
-                        "another directory")
     check_output_dir(out)
+    check_apart(out, ckpt)
+    from jaxpar.formats.hf_files import written_files
+    names = {child.name for child in out.iterdir()} if out.is_dir() else set()
+    if not names:
+        return
+    marks = run_files()
+    if mark := next((name for name in sorted(names) if name in marks), None):
+        raise UserError(f"--out '{out}' holds a training run (its {mark}); jaxpar.export replaces only an "
+                        "export it wrote: pass another --out")
+    foreign = sorted(names - written_files(out))
+    for name in foreign:
+        if run := run_below(out / name, marks):
+            raise UserError(f"--out '{out}' holds the training run '{run}' below it; jaxpar.export "
+                            "replaces only an export it wrote: pass another --out")
+    if foreign:
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise UserError(f"--out '{out}' holds '{foreign[0]}'{more}, which jaxpar.export did not write; move "
+                        f"{'them' if more else 'it'} out, or pass an empty or new --out")
+    if not force:
+        raise UserError(f"--out '{out}' holds an earlier export; pass --force to replace it, or "
+                        "another directory")
+
+
+def check_apart(out: Path, ckpt) -> None:
+    """--out is neither the run that --ckpt reads, nor inside it, nor a folder holding it."""
+    from jaxpar.training.checkpoint import find_checkpoints
+    find_checkpoints(ckpt)  # a run without checkpoints is the first problem to name
+    where, source = out.resolve(), Path(ckpt).resolve()
+    if where == source:
+        raise UserError(f"--out '{out}' is the run that --ckpt reads; pass another --out, apart from the run")
+    if where.is_relative_to(source) or source.is_relative_to(where):
+        how = "is inside" if where.is_relative_to(source) else "holds"
+        raise UserError(f"--out '{out}' {how} '{ckpt}', which --ckpt reads; pass another --out, apart "
+                        "from the run")
+
+
+def run_files() -> set[str]:
+    """The names that mark a folder as a jaxpar run's --out."""
+    from jaxpar.training.checkpoint import CHECKPOINTS
+    from jaxpar.training.run_ends import OUTPUTS
+    return {CHECKPOINTS, LOCK_NAME, *OUTPUTS}
+
+
+def run_below(folder: Path, marks: set[str]) -> Path | None:
+    """The first run in `folder` or below it, if any (the search is bounded: None past the limit)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return None
+    for count, (path, folders, files) in enumerate(os.walk(folder)):
+        if count >= RUN_BELOW_LIMIT:
+            return None
+        if marks.intersection(folders) or marks.intersection(files):
+            return Path(path)
+    return None
 
 
 def tokenizer_files(tokenizer, block_size: int) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json for AutoTokenizer; none for tiktoken, which has no
     tokenizer.json here (its GPT-2 encoding is Hugging Face's 'gpt2' tokenizer)."""
-    from jaxpar.data.tokenizer import tokenizer_json
+    from jaxpar.data.tokenizer import meta_files, tokenizer_json
     text = tokenizer_json(tokenizer)
     if text is None:
-        return {}
+        return meta_files(tokenizer)  # its name, checked against the data it meets
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
               "clean_up_tokenization_spaces": False}
     if tokenizer.eot_id is not None:
@@ -47,44 +110,95 @@ DTYPES = ("float32", "bfloat16")
 def export(ckpt, out, force: bool = False, dtype: str = "float32",
            max_shard_bytes: int | None = None) -> tuple[int, list[str]]:
     """Write the newest checkpoint of the run `ckpt` to `out` as a Hugging Face model, its tensors
-    in `dtype`; returns (the checkpoint's step, the files written)."""
+    in `dtype`; returns (the checkpoint's step, the model's files written: those its manifest lists)."""
     import ml_dtypes
     import numpy as np
 
-    from jaxpar.formats.hf_files import MAX_SHARD_BYTES, save_weights
+    from jaxpar.formats.hf_files import MAX_SHARD_BYTES, save_weights, write_manifest
     from jaxpar.inference import sample
     from jaxpar.models.hf import hf_config, hf_state_dict
     out = Path(out)
-    check_out_dir(out, force)
-    model = sample.load(ckpt, "dp=1")  # on one device: the params whole, as the file holds them
-    vocab, block = model.vocab_size, model.cfg.model.block_size
-    array_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-    tensors = hf_state_dict(model.params, model.cfg, vocab, array_dtype)  # refuses before anything is written
-    texts = {"config.json": json.dumps(hf_config(model.cfg, vocab, model.tokenizer.eot_id, dtype),
-                                       indent=2) + "\n"}
-    texts |= tokenizer_files(model.tokenizer, block)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.export-{os.getpid()}"
-    try:
-        staging.mkdir()
-        weights = save_weights(tensors, staging, max_shard_bytes or MAX_SHARD_BYTES)
-        for name, text in texts.items():
-            (staging / name).write_text(text, encoding="utf-8")
-        replace_dir(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return model.step, sorted([*weights, *texts])
+    check_out_dir(out, ckpt, force)  # before the lock, whose folder beside --out a refusal need not make
+    with locked(out) as folder:
+        staging, replaced, where = folder / "staging", folder / "replaced", Path(os.path.abspath(out))
+        recover(where, staging, replaced)
+        check_out_dir(out, ckpt, force)  # again: now no other export can change --out
+        model = sample.load(ckpt, "dp=1")  # on one device: the params whole, as the file holds them
+        vocab, block = model.vocab_size, model.cfg.model.block_size
+        array_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+        tensors = hf_state_dict(model.params, model.cfg, vocab, array_dtype)  # refuses before anything is written
+        texts = {"config.json": json.dumps(hf_config(model.cfg, vocab, model.tokenizer.eot_id, dtype),
+                                           indent=2) + "\n"}
+        texts |= tokenizer_files(model.tokenizer, block)
+        try:
+            staging.mkdir()
+            files = save_weights(tensors, staging, max_shard_bytes or MAX_SHARD_BYTES) + list(texts)
+            for name, text in texts.items():
+                (staging / name).write_text(text, encoding="utf-8")
+            write_manifest(staging, files)
+            replace_dir(staging, where, replaced)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # only export writes there, under the lock
+    return model.step, sorted(files)
 
 
-def replace_dir(new: Path, out: Path) -> None:
-    """Put the folder `new` at `out`, which may hold an older one (then removed)."""
-    if not out.exists():
-        new.rename(out)
+@contextlib.contextmanager
+def locked(out: Path):
+    """Hold the one lock of exports to `out`, on the hidden folder beside it (yielded, made if
+    missing and removed after): the lock file is never in the export, and it stays held while
+    the staged export is renamed into place."""
+    where = Path(os.path.abspath(out))  # "." and ".." have no name of their own
+    folder = where.parent / f".{where.name}.jaxpar-export"
+    with contextlib.ExitStack() as held:
+        held.callback(remove_if_empty, folder)  # a killed export's folder, which the lock did not make
+        try:
+            held.enter_context(RunLock(folder))
+        except UserError as error:  # its message names the hidden folder: name --out instead
+            raise UserError(str(error).replace(f"'{folder}'", f"'{out}'")) from None
+        yield folder
+
+
+def remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+def recover(out: Path, staging: Path, replaced: Path) -> None:
+    """Undo what a killed export left beside `out`: its staged files go; an earlier export it had
+    moved aside goes back to `out` when nothing took its place, or else is removed."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if not replaced.exists():
         return
-    old = out.parent / f".{out.name}.replaced-{os.getpid()}"
-    out.rename(old)
+    if not out.exists():
+        replaced.rename(out)
+    elif not discard_export(replaced):
+        raise UserError(f"'{replaced}' holds files that were in --out '{out}' when an earlier export "
+                        "replaced it; move them out of it, then export again")
+
+
+def replace_dir(new: Path, out: Path, replaced: Path) -> None:
+    """Put the folder `new` at `out`, where there may be an empty folder or an earlier export:
+    that is moved to `replaced`, and of it only the files its manifest lists are removed."""
+    if out.exists():
+        out.rename(replaced)
     new.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    if replaced.exists() and not discard_export(replaced):
+        print(f"jaxpar.export: note: files that jaxpar.export did not write appeared in --out '{out}' "
+              f"while it exported; they were kept, in '{replaced}'", file=sys.stderr)
+
+
+def discard_export(folder: Path) -> bool:
+    """Remove the files that jaxpar.export wrote in `folder` (its manifest last), and the folder if
+    that empties it; whether it did."""
+    from jaxpar.formats.hf_files import MANIFEST_FILE, written_files
+    for name in sorted(written_files(folder) - {MANIFEST_FILE}) + [MANIFEST_FILE]:
+        if (folder / name).is_file():
+            (folder / name).unlink()
+    try:
+        folder.rmdir()
+        return True
+    except OSError:
+        return False
 
 
 def build_parser() -> ArgumentParser:
@@ -93,7 +207,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--ckpt", required=True,
                         help="a training run's --out directory, or its checkpoints folder")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
-    parser.add_argument("--force", action="store_true", help="replace --out if it is not empty")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier export in --out: only the files it lists in its "
+                             "jaxpar_export.json; a folder holding anything else is refused")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="the tensors' dtype in the files (the master weights are float32)")
     return parser

@@ -1,0 +1,147 @@
+"""jaxpar.export deletes only what it wrote: --force replaces an earlier export (the files its
+jaxpar_export.json lists) and refuses, in one line and before the checkpoint is read, the run it
+reads, a folder holding it or inside it, another run and any folder above one, and a folder holding
+a file it did not write; every run file survives each refusal byte for byte. One export per --out
+(a second is refused while the first holds the lock), and its files have the usual mode.
+
+One training run of the tiny config (3 steps) and one export of it serve every test.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import tiny_config
+from helpers import exits_with_one_line
+from helpers import placed as helpers_placed
+
+from jaxpar.formats.hf_files import MANIFEST_FILE
+from jaxpar.inference import export, sample
+from jaxpar.models import hf
+from jaxpar.train import run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A run directory, alone in its parent, with a checkpoint of the tiny model after 3 steps
+    (the config of tests/test_hf.py's run, whose compiled steps the cache may hold)."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    run(tiny_config(**{"train.steps": 3, "train.eval_every": 0, "model.gelu": "tanh"}), out,
+        jax.devices()[:1], progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory) -> Path:
+    """An export of `trained`, written under umask 022."""
+    out = tmp_path_factory.mktemp("export") / "hf"
+    umask = os.umask(0o022)
+    try:
+        export.export(trained, out)
+    finally:
+        os.umask(umask)
+    return out
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path below `folder` and each file's bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Reading the checkpoint fails the test: a refusal comes before it."""
+    def load(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the refusal")
+    monkeypatch.setattr(sample, "load", load)
+
+
+def refused(capsys, argv: list[str], *expected: str) -> str:
+    return exits_with_one_line(capsys, "jaxpar.export", lambda: export.main(argv), *expected)
+
+
+@pytest.mark.parametrize("ckpt, out, expected", [
+    ("run", "run", "is the run that --ckpt reads"),
+    ("run", ".", "holds '{run}', which --ckpt reads"),
+    ("run", "run/checkpoints", "is inside '{run}', which --ckpt reads"),
+    ("run/checkpoints", "run", "holds '{run}/checkpoints', which --ckpt reads"),
+], ids=["run", "parent", "checkpoints", "run-of-checkpoints"])
+def test_force_refuses_the_run_it_reads(trained, capsys, no_load, ckpt, out, expected):
+    """Into the run, its parent, its checkpoints folder (that --ckpt may name too)."""
+    parent = trained.parent
+    before = snapshot(parent)
+    where = {"run": trained, ".": parent, "run/checkpoints": trained / "checkpoints"}
+    refused(capsys, ["--ckpt", str(where[ckpt]), "--out", str(where[out]), "--force"],
+            expected.format(run=trained), "pass another --out, apart from the run")
+    assert snapshot(parent) == before
+
+
+@pytest.mark.parametrize("out, expected", [
+    ("other/run", "holds a training run (its checkpoints)"),
+    ("other", "holds the training run '{tmp}/other/run' below it"),
+    (".", "holds the training run '{tmp}/other/run' below it"),
+], ids=["run", "parent", "grandparent"])
+def test_force_refuses_another_run_and_every_folder_above_it(trained, tmp_path, capsys, no_load, out, expected):
+    shutil.copytree(trained, tmp_path / "other" / "run")
+    before = snapshot(tmp_path)
+    refused(capsys, ["--ckpt", str(trained), "--out", str(tmp_path / out), "--force"],
+            expected.format(tmp=tmp_path), "replaces only an export it wrote")
+    assert snapshot(tmp_path) == before
+
+
+def test_force_refuses_an_export_that_holds_a_file_it_did_not_write(exported, trained, tmp_path, capsys,
+                                                                    no_load):
+    out = tmp_path / "hf"
+    shutil.copytree(exported, out)
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    refused(capsys, ["--ckpt", str(trained), "--out", str(out), "--force"],
+            f"--out '{out}' holds 'notes.txt', which jaxpar.export did not write; move it out")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_replaced_export_lists_its_files_and_loads(exported, trained, tmp_path, capsys):
+    out = tmp_path / "hf"
+    shutil.copytree(exported, out)
+    export.main(["--ckpt", str(trained), "--out", str(out), "--force", "--dtype", "bfloat16"])
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert sorted(p.name for p in out.iterdir()) == sorted([*manifest["files"], MANIFEST_FILE])
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # neither the lock's folder nor the old export
+    cfg, vocab, _, shardings = helpers_placed("dp=1", 0, out)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = jax.tree.map(np.array, hf.load_hf_params(out, cfg, vocab, shardings))
+    params = jax.tree.map(lambda a: np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32),
+                          sample.load(trained).params)
+    params["wte"][vocab:] = 0  # padding rows are not exported
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_exported_files_have_the_usual_mode(exported):
+    """0644 under umask 022, as the files beside them: not safetensors' temporary file's 0600."""
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in exported.iterdir()}
+    assert modes == dict.fromkeys(modes, "0o644") and oct(exported.stat().st_mode & 0o777) == "0o755"
+
+
+def test_a_second_export_while_one_holds_the_lock_is_refused(trained, tmp_path, capsys, monkeypatch):
+    """The second starts while the first reads the checkpoint; then the first stops (an error):
+    neither leaves anything behind."""
+    out = tmp_path / "hf"
+
+    class Stop(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        monkeypatch.setattr(sample, "load", lambda *a, **k: pytest.fail("the second export read the checkpoint"))
+        refused(capsys, ["--ckpt", str(trained), "--out", str(out)],
+                f"--out '{out}' is in use by another jaxpar command (pid {os.getpid()} on")
+        raise Stop
+
+    monkeypatch.setattr(sample, "load", load)
+    with pytest.raises(Stop):
+        export.main(["--ckpt", str(trained), "--out", str(out)])
+    assert list(tmp_path.iterdir()) == []
