@@ -4,6 +4,8 @@ Usable as a library too: `run(cfg, out_dir, devices)` returns the losses and the
 """
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -78,13 +80,28 @@ def train_command(argv: list[str], stop) -> None:
             from jaxpar.planning.placement import dry_run
             print(dry_run(cfg))
             return
-        with exit_if_a_peer_fails("jaxpar.train"):
+        with exit_if_a_peer_fails("jaxpar.train"), exit_at_once_if_stuck("jaxpar.train"):
             result = run(cfg, out_dir, fresh=args.fresh, profile=args.profile, stop=stop)
         if not is_main_process():
             return
         if result.info["summary"] is not None:
             plot_after_training(out_dir)
     print(outcome(cfg, out_dir, result.info))
+
+
+@contextlib.contextmanager
+def exit_at_once_if_stuck(prog: str):
+    """A save that failed in orbax's background threads leaves others waiting minutes for it: its
+    one line, then exit 2 without waiting for them (the run's lock is released by then)."""
+    from jaxpar.training.save_faults import SaveFailed
+    try:
+        yield
+    except SaveFailed as e:
+        if not e.stuck:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
 
 
 def outcome(cfg, out_dir: Path, info: dict) -> str:

@@ -45,7 +45,7 @@ def test_bad_values_on_the_command_line(capsys, tmp_path, argv, expected):
     ("tiny", {"model.test_activation_l2": "inf"}, "model.test_activation_l2 must be a finite number, got inf"),
     ("tiny_moe", {"model.router_aux_coef": "nan"}, "model.router_aux_coef must be a finite number, got nan"),
     ("tiny_llama", {"model.rope_type": "default", "model.rope_factor": "-1"},
-     "llama3 rope scaling needs model.rope_factor > 0"),
+     "model.rope_factor must be > 0 for llama3 rope scaling, got -1.0"),
 ])
 def test_values_out_of_range_are_refused(config, overrides, expected):
     with pytest.raises(UserError) as error:

@@ -55,7 +55,7 @@ def test_bad_config_value(capsys, tmp_path, argv, expected):
 @pytest.mark.parametrize("argv, expected", [
     (["--model.n_kv_head=3"], ["model.n_kv_head=3 must divide model.n_head=4"]),
     (["--mesh", "dp=2,tp=4"], ["tp=4 does not divide model.n_kv_head=2", "dp", "--zero 3"]),
-    (["--model.n_embd=36", "--model.n_head=4", "--model.mlp_dim=64"], ["the head dim (model.head_dim, or n_embd/n_head) = 9 is odd"]),
+    (["--model.n_embd=36", "--model.n_head=4", "--model.mlp_dim=64"], ["each head's width, model.n_embd / model.n_head = 36/4 = 9, is odd"]),
     (["--model.family=mamba"], ["model.family must be one of gpt2, llama, deepseek, got 'mamba'"]),
     (["--model.gelu=tanh"], ["model.gelu is a gpt2-only setting", "model.family=llama"]),
     (["--model.bias=false"], ["model.bias is a gpt2-only setting"]),

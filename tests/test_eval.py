@@ -140,8 +140,8 @@ def test_data_with_another_tokenizer_is_one_line(saved, char_data, capsys, other
     before = sorted(p for p in saved.run.parent.rglob("*"))
     vocab = len(set(saved.text.read_text()))
     fails_with(capsys, ["--ckpt", str(saved.run), "--data", str(data)],
-               f"the data '{data}' uses another tokenizer (char, {vocab} tokens) than the model "
-               "(bytes, 257); pass data prepared with the model's tokenizer")
+               f"the tokenizer of the checkpoint in '{saved.run / 'checkpoints'}' (bytes, 257 ids) is not "
+               f"the data's (char, {vocab} ids); pass --data prepared with the model's tokenizer")
     assert sorted(p for p in saved.run.parent.rglob("*")) == before
 
 
@@ -164,7 +164,7 @@ def test_an_export_evaluates_on_the_data_it_was_trained_on(saved, char_data, tmp
     main(["--hf", str(tmp_path / "hf"), "--data", str(saved.data), "--block-size", str(BLOCK)])
     from_hf = json.loads(capsys.readouterr().out)
     np.testing.assert_allclose(from_hf["loss"], from_ckpt["loss"], rtol=RTOL)
-    fails_with(capsys, ["--hf", str(tmp_path / "hf"), "--data", str(char_data)], "uses another tokenizer (char")
+    fails_with(capsys, ["--hf", str(tmp_path / "hf"), "--data", str(char_data)], "is not the data's (char")
 
 
 def test_tokenizers_compare_by_what_they_map():

@@ -301,8 +301,8 @@ def test_resuming_on_data_with_another_tokenizer_is_one_line(prepared, tmp_path,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("jaxpar.train: error: "), err
-    assert "another tokenizer (char, 65 tokens)" in err, err
-    assert f"this data's (bpe, {BPE_VOCAB} tokens)" in err, err
+    assert "(char, 65 ids) is not the data's" in err, err
+    assert f"the data's (bpe, {BPE_VOCAB} ids)" in err, err
     assert files_in(out) == before
 
 

@@ -1,10 +1,12 @@
 """A user's work is never lost: a checkpoint that does not fit is refused without touching it, a
 damaged one is found by its checksums (and kept aside, never deleted), --out is locked for one
-run, and SIGTERM/SIGINT at any moment of a run end in exit 0 with nothing lost.
+run, SIGTERM/SIGINT at any moment of a run end in exit 0 with nothing lost, and a read-only or
+full checkpoints folder is one line, the checkpoints before it intact (real mounts: root only).
 
 Tolerances: resumes on one device are bit-identical (exact equality of every loss).
 """
 
+import contextlib
 import json
 import shutil
 import signal
@@ -18,12 +20,12 @@ import pytest
 from conftest import fresh_process_env, tiny_config
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.inference.loading import load
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 from jaxpar.training import trainer
 from jaxpar.training.checkpoint import Checkpoints
-from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.training.stopping import StopRequest
 
 ONE = jax.devices()[:1]
@@ -285,3 +287,79 @@ def test_weights_with_a_nan_are_not_evaluated_sampled_or_exported(tmp_path):
     with pytest.raises(UserError, match=r"^the weights in '.*checkpoints/1' hold NaN or infinite values "
                                         r"\(params\['blocks'\]\['attn_out'\]\['bias'\] and \d+ more\)"):
         load(tmp_path)
+
+
+@contextlib.contextmanager
+def mounted(*args: str, target):
+    """`mount ARGS target` for the block (root only; the test is skipped where mount is refused)."""
+    made = subprocess.run(["mount", *args, str(target)], capture_output=True, check=False)
+    if made.returncode:
+        pytest.skip(f"mount {' '.join(args)} refused here: {made.stderr.decode().strip()}")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=True)
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    with mounted("--bind", str(folder), target=folder):
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        yield folder
+
+
+def test_a_read_only_checkpoints_folder_is_one_line_before_the_compile_and_mid_run(saved, tmp_path, monkeypatch):
+    """Read-only from the start: refused before the compile, nothing written. Turned read-only
+    after the run has started: the save of step 6 is refused in one line that names checkpoint 4,
+    which is intact and resumes exactly once the folder is writable."""
+    out = tmp_path / "run"
+    shutil.copytree(saved[0], out)
+    before = files(out)
+    with read_only(out / "checkpoints"), monkeypatch.context() as patch:
+        patch.setattr(trainer, "compile_run", lambda *a: pytest.fail("compiled before refusing"))
+        with pytest.raises(UserError, match=r"^cannot save checkpoints in '.*/checkpoints' \(Read-only file "
+                                            r"system\); free space on that disk, make the folder writable"):
+            train(6, out)
+    assert files(out) == before
+    with contextlib.ExitStack() as held:
+        real = Checkpoints.save
+        monkeypatch.setattr(Checkpoints, "save", lambda self, *a: (held.enter_context(read_only(self.directory)),
+                                                                    real(self, *a)))
+        with pytest.raises(UserError) as error:
+            train(6, out)
+    assert str(error.value) == (f"cannot save checkpoint 6 in '{out}/checkpoints' (Read-only file system); the "
+                                f"last good checkpoint is {out}/checkpoints/4; free space on that disk or make the "
+                                "folder writable, then run the same command to resume")
+    assert {p: b for p, b in files(out).items() if "checkpoints" in p.parts} == {
+        p: b for p, b in before.items() if "checkpoints" in p.parts}
+    monkeypatch.undo()
+    assert train(6, out).losses == {s: saved[2].losses[s] for s in (4, 5)}
+
+
+def test_a_full_disk_is_one_line_before_the_compile_and_when_it_fills_during_a_save(saved, tmp_path):
+    """A tmpfs with less room than one checkpoint: refused before the compile. The same disk with
+    the room check skipped, so that orbax's own write fails in its background threads: one line,
+    exit 2 within a minute (not orbax's 300 s wait for its signals), its temporary folder gone,
+    and checkpoint 4 resumes exactly on a larger disk."""
+    used = sum(p.stat().st_size for p in saved[0].rglob("*") if p.is_file())
+    with mounted("-t", "tmpfs", "-o", f"size={used // 1024 + 200}k", "tmpfs", target=tmp_path):
+        out = tmp_path / "run"
+        shutil.copytree(saved[0], out)
+        with pytest.raises(UserError, match=r"^cannot save checkpoints in .* \(No space left on device: "
+                                            r"0\.\d MiB free of the 0\.\d MiB a checkpoint needs\)"):
+            train(6, out)
+        skip_room_check = ("import sys; from jaxpar.training import checkpoint; "
+                           "checkpoint.check_room = lambda *a: None; from jaxpar.train import main; main(sys.argv[1:])")
+        argv = ["--config", "tiny", "--train.eval_every=0", "--train.decay_steps=100", "--ckpt.every=2"]
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", skip_room_check, *argv, "--steps", "8", "--out", str(out)],
+                              check=False, capture_output=True, text=True, env=fresh_process_env(), timeout=120)
+        assert proc.returncode == 2 and time.monotonic() - start < 60, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in proc.stderr and last == (
+            f"jaxpar.train: error: cannot save checkpoint 6 in '{out}/checkpoints' (No space left on device); the "
+            f"last good checkpoint is {out}/checkpoints/4; free space on that disk or make the folder writable, "
+            "then run the same command to resume"), proc.stderr
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4"]
+        subprocess.run(["mount", "-o", "remount,size=64m", str(tmp_path)], check=True)
+        assert train(6, out).losses == {s: saved[2].losses[s] for s in (4, 5)}

@@ -4,12 +4,11 @@ The dataclass defaults are nanoGPT's shakespeare_char CPU recipe, so no config f
 """
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxpar.core.axes import AXES, check_virtual
-from jaxpar.core.config_files import CONFIG_DIR, read_toml, resolve_config_path  # noqa: F401
+from jaxpar.core.config_files import CONFIG_DIR, coerce, read_toml, resolve_config_path  # noqa: F401
 from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import (  # noqa: F401
@@ -33,6 +32,9 @@ from jaxpar.core.optimizer_config import (
 
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
 MICRO_BATCH_AUTO = "auto"  # train.micro_batch: the device decides (jaxpar.training.micro_batch)
+# numpy's generators (the data order) refuse a negative seed, and JAX's keys without x64 keep the
+# low 32 bits (seed 2**32 would init as seed 0, and past 2**63 they overflow).
+SEED_MAX = 2**32 - 1
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule: see jaxpar.parallel.orders
 
 
@@ -157,33 +159,6 @@ def keys_help(cfg: Config) -> str:
     return f"{', '.join(valid_keys(cfg))}; older names still accepted: {', '.join(ALIASES)}"
 
 
-def _coerce(key: str, typ: type, value):
-    """Convert a TOML value or a command-line string to the field's type, or raise UserError."""
-    if key == "train.micro_batch" and value == MICRO_BATCH_AUTO:  # resolved on the mesh, before tracing
-        return value
-    try:
-        if typ is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-                return value.lower() in ("true", "1", "yes")
-            raise ValueError
-        if typ is int:
-            if isinstance(value, bool) or isinstance(value, float):
-                raise ValueError
-            return int(value)
-        if typ is float:
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value)
-            if not math.isfinite(number):  # nan passes every `< 0` check, and inf is no setting
-                raise UserError(f"{key} must be a finite number, got {number}")
-            return number
-        return str(value)
-    except ValueError:
-        raise UserError(f"{key} expects {typ.__name__}, got {value!r}") from None
-
-
 def set_value(cfg: Config, key: str, value) -> None:
     """Set `section.field` (or an older name of one) from a string or TOML value; unknown keys
     list the valid ones."""
@@ -203,11 +178,16 @@ def _set(cfg: Config, key: str, value, spelled: str) -> None:
         raise (section == "model" and not_this_family(cfg.model.family, name)
                or UserError(f"unknown config key '{key}'; valid keys: {keys_help(cfg)}"))
     if key == "model.family":  # the model's keys are its family's
-        cfg.model = with_family(cfg.model, _coerce(spelled, str, value))
+        cfg.model = with_family(cfg.model, coerce(spelled, str, value))
         return
     if key == "data.mix" and isinstance(value, dict):  # a [data.mix] table
         value = mix_text(value)
-    setattr(sub, name, _coerce(spelled, types[name], value))
+    if key == "model.dense_layers" and isinstance(value, list):  # a TOML list of layer indices
+        value = ",".join(map(str, value))
+    if key == "train.micro_batch" and value == MICRO_BATCH_AUTO:  # resolved on the mesh, before tracing
+        setattr(sub, name, value)
+        return
+    setattr(sub, name, coerce(spelled, types[name], value))
 
 
 def read_config_file(file: Path) -> dict[str, dict]:
@@ -276,6 +256,9 @@ def validate(cfg: Config) -> None:
         raise UserError(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")
     check_virtual(cfg.pipeline.schedule, cfg.pipeline.virtual)
+    if not 0 <= t.seed <= SEED_MAX:
+        raise UserError(f"train.seed (--seed) must be from 0 to {SEED_MAX}, got {t.seed}: numpy's generators take "
+                        "no negative seed, and JAX's keys keep 32 bits; choose one in that range")
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
     sizes = [getattr(cfg.mesh, axis.key) for axis in AXES]

@@ -15,6 +15,8 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxpar.core.errors import UserError
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -66,7 +68,49 @@ def parse_mix(text: str) -> tuple[Source, ...]:
         raise UserError(f"data.mix names source '{repeated[0]}' twice; give each source its own name")
     if text.strip() and not sources:
         raise UserError(f"data.mix is empty; write {FORM}")
+    if not math.isfinite(sum(s.weight for s in sources)):  # each share is weight / sum
+        raise UserError(f"data.mix's weights (up to {max(s.weight for s in sources):g}) add up past the largest float; "
+                        "divide them all by one factor: only their ratios count")
     return tuple(sources)
+
+
+def block_counts(weights, block: int) -> np.ndarray:
+    """Rows per block of each source: weight x block / the sum, rounded by largest remainders."""
+    weights = np.asarray(weights, np.float64)
+    exact = weights / weights.sum() * block
+    counts = np.floor(exact).astype(np.int64)
+    short = block - counts.sum()
+    # Largest remainder first; ties go to the earlier source (stable sort).
+    counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
+    return counts
+
+
+def check_shares(sources: tuple[Source, ...], block: int) -> None:
+    """Every source gets a row of each block: one that gets none is never trained on."""
+    weights = [s.weight for s in sources]
+    counts = block_counts(weights, block)
+    if len(sources) < 2 or counts.min() > 0:
+        return
+    i = int(counts.argmin())
+    if len(sources) > block:
+        raise UserError(f"data.mix_block={block} rows a block cannot hold a row of each of data.mix's {len(sources)} "
+                        f"sources, so source '{sources[i].name}' is never sampled; raise data.mix_block (default 1000)")
+    raise UserError(f"data.mix source '{sources[i].name}' has weight {weights[i]:g}, too small for one row in each "
+                    f"block of data.mix_block={block}, so it would never be sampled; give it at least "
+                    f"{least_weight(weights, i, block):g}, or leave it out")
+
+
+def least_weight(weights: list[float], i: int, block: int) -> float:
+    """The smallest weight, in 3 significant digits, that gives source i a row of each block
+    (the others' weights kept)."""
+    gets_row = lambda w: block_counts(weights[:i] + [w] + weights[i + 1:], block)[i] > 0
+    low, high = weights[i], (sum(weights) - weights[i]) / (block - 1) * 1.01  # at high its exact share is >= 1 row
+    for _ in range(64):  # the rounding by largest remainders gives a row to a little less
+        middle = math.sqrt(low) * math.sqrt(high)  # no overflow of the product
+        low, high = (low, middle) if gets_row(middle) else (middle, high)
+    step = 10.0 ** (math.floor(math.log10(high)) - 2)
+    least = math.ceil(high / step) * step
+    return least if gets_row(least) else least + step
 
 
 def mix_text(table: dict) -> str:
@@ -91,4 +135,4 @@ def validate_data(d: DataConfig) -> None:
                         "several with data.mix")
     if d.mix_block < 1:
         raise UserError(f"data.mix_block must be positive, got {d.mix_block}")
-    parse_mix(d.mix)
+    check_shares(parse_mix(d.mix), d.mix_block)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpar.core.data_config import Source, parse_mix
+from jaxpar.core.data_config import Source, block_counts, parse_mix
 from jaxpar.core.errors import UserError
 
 MIX_STREAM = 2  # the row-to-source permutations' own stream, apart from the offsets' (seed, split, step)
@@ -29,13 +29,7 @@ class Mixture:
 
     def counts(self) -> np.ndarray:
         """Rows per block of each source: weight x block, rounded by largest remainders."""
-        weights = np.array([s.weight for s in self.sources], np.float64)
-        exact = weights / weights.sum() * self.block
-        counts = np.floor(exact).astype(np.int64)
-        short = self.block - counts.sum()
-        # Largest remainder first; ties go to the earlier source (stable sort).
-        counts[np.argsort(-(exact - counts), kind="stable")[:short]] += 1
-        return counts
+        return block_counts([s.weight for s in self.sources], self.block)
 
     def block_order(self, seed: int, split_id: int, block: int) -> np.ndarray:
         """The source of each row of one block."""

@@ -5,7 +5,8 @@ Each has `encode(text) -> int32 ids`, `decode(ids) -> str`, `vocab_size`, `eot_i
 end-of-text token between documents; None for char), `spec` (what --tokenizer said) and
 `to_meta()` (a self-contained JSON-able dict). `tokenizer_json(tok)` is a Hugging Face
 tokenizer.json that encodes as `tok` does, for every kind but tiktoken; `same_mapping(a, b)`
-compares two tokenizers by what they map.
+compares two tokenizers by what they map, and `check_same_tokenizer` is the one check that a
+model's tokenizer is its data's.
 
 The kinds, by --tokenizer spec:
   char            the sorted set of the inputs' characters; no end-of-text token
@@ -19,6 +20,7 @@ The literal text "<|endoftext|>" encodes as the end-of-text token in every kind 
 """
 
 import functools
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -94,8 +96,6 @@ class CharTokenizer:
 
     def to_meta(self) -> dict:
         return {"kind": "char", "chars": self.chars}
-
-
 
 
 class ByteTokenizer:
@@ -211,11 +211,40 @@ def same_mapping(a: Tokenizer, b: Tokenizer) -> bool:
         return True
     json_a, json_b = tokenizer_json(a), tokenizer_json(b)
     if json_a is None or json_b is None:
-        return False
-    import json
-
+        kinds = {type(a): a, type(b): b}
+        return (kinds.keys() == {TiktokenTokenizer, HFTokenizer}
+                and vocab.tiktoken_matches_json(kinds[TiktokenTokenizer].encoding, kinds[HFTokenizer].tokenizer))
     from tokenizers import Tokenizer
     return json.loads(Tokenizer.from_str(json_a).to_str()) == json.loads(Tokenizer.from_str(json_b).to_str())
+
+
+def described(tok: Tokenizer) -> str:
+    """'bytes, 257 ids': a tokenizer.json that maps as bytes or char does (an export's) is named so."""
+    name = tok.spec
+    if isinstance(tok, HFTokenizer):
+        ids = tok.tokenizer.get_vocab(with_added_tokens=True)
+        chars = "".join(sorted(ids, key=ids.get))
+        if same_mapping(tok, ByteTokenizer()):
+            name = "bytes"
+        elif len(chars) == len(ids) == tok.vocab_size and same_mapping(tok, CharTokenizer(chars)):
+            name = "char"
+    return f"{name}, {tok.vocab_size} ids"
+
+
+def check_same_tokenizer(model: Tokenizer | None, data: Tokenizer, source: str, fix: str) -> None:
+    """Every way in (--init-from, resume, eval) checks this, before the vocabulary's size: another
+    tokenizer's ids would train silently. None (an HF directory without one) passes unchecked."""
+    if model is not None and not same_mapping(model, data):
+        raise UserError(f"the tokenizer of {source} ({described(model)}) is not the data's "
+                        f"({described(data)}); {fix}")
+
+
+META_FILE = "jaxpar_tokenizer.json"  # an export's to_meta(), where no tokenizer.json says it (tiktoken)
+
+
+def meta_files(tok: Tokenizer) -> dict[str, str]:
+    """{META_FILE: its to_meta()} for a tokenizer without a tokenizer.json; {} for the others."""
+    return {} if tokenizer_json(tok) is not None else {META_FILE: json.dumps(tok.to_meta()) + "\n"}
 
 
 def load_tokenizer(spec: str, inputs: list[Path] | None = None, vocab_size: int | None = None,

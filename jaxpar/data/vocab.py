@@ -91,3 +91,16 @@ def byte_tokenizer_json(eot_id: int) -> str:
     tokenizer.add_special_tokens([AddedToken(EOT, special=True)])
     assert tokenizer.token_to_id(EOT) == eot_id
     return tokenizer.to_str()
+
+
+def tiktoken_matches_json(encoding, tokenizer) -> bool:
+    """Whether a tiktoken encoding and a byte-level Hugging Face tokenizer hold the same tokens
+    under the same ids (tiktoken's GPT-2 and HF's gpt2 tokenizer.json do): each token's bytes, in
+    GPT-2's printable alphabet, and each special token."""
+    if type(tokenizer.pre_tokenizer).__name__ != "ByteLevel":
+        return False
+    alphabet, special = bytes_to_unicode(), encoding.special_tokens_set
+    ids = {name: encoding.encode(name, allowed_special=special)[0] for name in special}
+    ids |= {"".join(alphabet[b] for b in encoding.decode_single_token_bytes(i)): i
+            for i in range(encoding.n_vocab) if i not in ids.values()}
+    return tokenizer.get_vocab(with_added_tokens=True) == ids

@@ -9,6 +9,7 @@ The loss is the mean next-token cross-entropy over all scored tokens; the perple
 
 import json
 import math
+import os
 import sys
 
 import jax
@@ -19,7 +20,7 @@ from jaxpar.core.config import DataConfig
 from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.data.loader import load_dataset
-from jaxpar.data.tokenizer import same_mapping
+from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.models.family import build_model
 from jaxpar.nn.loss import cross_entropy
@@ -76,15 +77,12 @@ def data_for(model: Model, path: str | None) -> dict:
     given = {"path": path, "mix": ""} if path is not None else {}
     cfg = DataConfig(**{**vars(model.cfg.data), **given})
     dataset = load_dataset(cfg, model.cfg.model.block_size)
-    if model.tokenizer is None:  # an HF directory without tokenizer.json: the data's ids must fit
-        if dataset.tokenizer.vocab_size > model.vocab_size:
-            raise UserError(f"the data '{cfg.path}' has {dataset.tokenizer.vocab_size} tokens, more than "
-                            f"the model's {model.vocab_size}; pass data prepared with the model's tokenizer")
-    elif not same_mapping(dataset.tokenizer, model.tokenizer):
-        raise UserError(f"the data '{cfg.path or 'built-in'}' uses another tokenizer "
-                        f"({dataset.tokenizer.spec}, {dataset.tokenizer.vocab_size} tokens) than "
-                        f"the model ({model.tokenizer.spec}, {model.tokenizer.vocab_size}); pass "
-                        "data prepared with the model's tokenizer")
+    # An HF directory without tokenizer.json: the data's ids must fit.
+    if model.tokenizer is None and dataset.tokenizer.vocab_size > model.vocab_size:
+        raise UserError(f"the data '{cfg.path}' has {dataset.tokenizer.vocab_size} tokens, more than "
+                        f"the model's {model.vocab_size}; pass data prepared with the model's tokenizer")
+    check_same_tokenizer(model.tokenizer, dataset.tokenizer, model.source,
+                         "pass --data prepared with the model's tokenizer")
     if dataset.mixture is None:
         return {"": dataset.val}
     return {name: part.val for name, part in zip(dataset.mixture.names, dataset.parts)}
@@ -157,6 +155,17 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        run_command(argv)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's code for it, as jaxpar.prepare
+        print("jaxpar.eval: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Not sys.exit: the interpreter's teardown while XLA still compiles can segfault (exit 139).
+        os._exit(130)
+
+
+def run_command(argv: list[str] | None) -> None:
+    """The command itself: the model loaded, each source or task evaluated, a JSON line each."""
     with exit_on_user_error("jaxpar.eval"):
         args = parse_args(sys.argv[1:] if argv is None else argv)
         model = load_source(args, "jaxpar.eval")

@@ -1,13 +1,12 @@
 """Where an inference command's model comes from: a training run's newest checkpoint (`load`), or a
 Hugging Face directory used as it is, without training a step (`load_hf`), placed on any mesh.
 
-For an HF directory the tokenizer is its tokenizer.json; without one, `tokenizer` is None and the
-command says what it needs.
+For an HF directory the tokenizer is its tokenizer.json (or the tiktoken encoding a jaxpar export
+names); without one, `tokenizer` is None and the command says what it needs.
 """
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import jax
 from jax.sharding import Mesh
@@ -16,9 +15,8 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import shardings_for
-from jaxpar.data.tokenizer import load_tokenizer
 from jaxpar.models.family import abstract_model
-from jaxpar.models.hf import apply_hf_config, load_hf_params
+from jaxpar.models.hf import apply_hf_config, hf_tokenizer, load_hf_params
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
 from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints
 from jaxpar.training.execution import plan_execution
@@ -34,6 +32,7 @@ class Model:
     mesh: Mesh
     step: int  # the training step the checkpoint holds
     execution: ExecutionPlan  # the decisions this config gets on this mesh (its attention kernel, ...)
+    source: str = ""  # where it came from, as messages name it
     decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
 
     @property
@@ -63,7 +62,7 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
     check_finite(found.items["params"], ckpt.directory / str(found.step))
     cfg, mesh = built["cfg"], built["mesh"]
     return Model(cfg, built["tokenizer"], built["vocab"], found.items["params"], mesh, found.step,
-                 plan_execution(cfg, mesh, for_training=False))
+                 plan_execution(cfg, mesh, for_training=False), f"the checkpoint in '{ckpt.directory}'")
 
 
 _all_finite = jax.jit(lambda leaves: [jax.numpy.isfinite(x).all() for x in leaves])
@@ -113,9 +112,8 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     _, shapes, axes = abstract_model(cfg, vocab)
     params = load_hf_params(hf_dir, cfg, vocab, shardings_for(axes, shapes, mesh_obj))
     check_finite(params, hf_dir)
-    tokenizer_file = Path(hf_dir) / "tokenizer.json"
-    tokenizer = load_tokenizer(str(tokenizer_file)) if tokenizer_file.is_file() else None
-    return Model(cfg, tokenizer, vocab, params, mesh_obj, 0, plan_execution(cfg, mesh_obj, for_training=False))
+    return Model(cfg, hf_tokenizer(hf_dir), vocab, params, mesh_obj, 0,
+                 plan_execution(cfg, mesh_obj, for_training=False), f"--hf '{hf_dir}'")
 
 
 def add_model_source(parser: ArgumentParser) -> None:

@@ -5,6 +5,7 @@ Usable as a library: `model = load(dir, "tp=2")` (jaxpar.inference.loading), the
 """
 
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -242,6 +243,17 @@ def check_numbers(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        run_command(argv)
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's code for it, as jaxpar.prepare
+        print("jaxpar.sample: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Not sys.exit: the interpreter's teardown while XLA still compiles can segfault (exit 139).
+        os._exit(130)
+
+
+def run_command(argv: list[str] | None) -> None:
+    """The command itself: the model loaded, the text generated and printed."""
     with exit_on_user_error("jaxpar.sample"):
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         check_numbers(args)

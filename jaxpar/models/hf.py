@@ -8,10 +8,12 @@ one is picked by config.json's model_type on the way in and by the model's famil
 In: `apply_hf_config` sets the model's shape from config.json and refuses what jaxpar does not
 compute; `load_hf_params` then puts every weight straight into its sharding on any mesh and ZeRO
 stage, each device reading only its own slice of the memory-mapped files (float32, bfloat16 or
-float16 ones, into float32 master weights).
+float16 ones, into float32 master weights); `hf_tokenizer` is the directory's tokenizer, which the
+data it meets is checked against.
 Out: `hf_state_dict` and `hf_config` are what save_pretrained writes.
 """
 
+import json
 from pathlib import Path
 
 import jax
@@ -20,7 +22,8 @@ import numpy as np
 from jaxpar.core.axes import TENSOR_AXIS, sizes_of
 from jaxpar.core.config import Config, set_value, validate, with_family
 from jaxpar.core.errors import UserError
-from jaxpar.formats.hf_files import CONFIG_FILE, open_weights, read_hf_config
+from jaxpar.data.tokenizer import META_FILE, from_meta, load_tokenizer
+from jaxpar.formats.hf_files import CONFIG_FILE, EXPECTED, is_a, open_weights, read_hf_config
 from jaxpar.models.family import FAMILIES, build_model
 from jaxpar.nn.params import in_order
 
@@ -45,7 +48,21 @@ def hf_model_fields(hf_dir) -> tuple[list[tuple[str, object, str]], int, int]:
     """([(model field, value, where config.json says so)], vocab_size, max positions)."""
     config = read_hf_config(hf_dir)
     path = Path(hf_dir) / CONFIG_FILE
-    return format_of(config, path).model_fields(config, path)
+    adapter = format_of(config, path)
+    check_format_fields(config, adapter, path)
+    return adapter.model_fields(config, path)
+
+
+def check_format_fields(config: dict, adapter, path: Path) -> None:
+    """The fields only this format reads (its FIELD_TYPES; hf_files checks every format's), each of
+    its type; a null only where the format's MAY_BE_NULL takes it as unset, so that no field is
+    read as int(None)."""
+    nullable = getattr(adapter, "MAY_BE_NULL", set())
+    for key, kind in getattr(adapter, "FIELD_TYPES", {}).items():
+        value = config.get(key)
+        if key in config and not (value is None and key in nullable) and not is_a(kind, value):
+            raise UserError(f"'{path}': {key} must be {EXPECTED[kind]}, got {json.dumps(value)}; "
+                            "correct that field, or save the model again with save_pretrained")
 
 
 def model_overrides_from_hf(hf_dir) -> tuple[dict, int]:
@@ -115,6 +132,16 @@ def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) 
     return jax.tree_util.tree_map_with_path(
         lambda p, s, where: jax.make_array_from_callback(s.shape, where, readers[tuple(k.key for k in p)]),
         shapes, param_shardings)
+
+
+def hf_tokenizer(hf_dir):
+    """hf_dir's tokenizer: its tokenizer.json, else the one a jaxpar export named in META_FILE
+    (tiktoken's); None without either."""
+    directory = Path(hf_dir)
+    if (directory / "tokenizer.json").is_file():
+        return load_tokenizer(str(directory / "tokenizer.json"))
+    meta = directory / META_FILE
+    return from_meta(json.loads(meta.read_text(encoding="utf-8"))) if meta.is_file() else None
 
 
 def hf_state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ from jax.sharding import AxisType, Mesh
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, KEYS, NAMES, check_axes, sizes_of
 from jaxpar.core.config import Config, MeshConfig
 from jaxpar.core.errors import UserError
+from jaxpar.core.platform import MAX_HOST_DEVICES
 from jaxpar.nn.kernels import check_mesh, cudnn_head_max
 
 
@@ -49,8 +50,9 @@ def requested_devices(mesh: MeshConfig) -> int | None:
     return None if -1 in sizes else math.prod(sizes)
 
 
-def force_host_devices(mesh: MeshConfig, per_process: int | None = None) -> None:
-    """On a CPU-only machine, give JAX as many host devices as the mesh needs.
+def force_host_devices(mesh: MeshConfig, per_process: int | None = None, asked: str = "") -> None:
+    """On a CPU-only machine, give JAX as many host devices as the mesh needs, up to
+    MAX_HOST_DEVICES; `asked` names what asks for them in the error past that (default: the mesh).
 
     Must run before JAX initialises its backends. A device count the user set (XLA_FLAGS,
     JAX_NUM_CPU_DEVICES, or jax.config) wins. On a GPU or TPU host the CPU count is irrelevant: the mesh uses the
@@ -59,6 +61,12 @@ def force_host_devices(mesh: MeshConfig, per_process: int | None = None) -> None
     needed = per_process or requested_devices(mesh)
     user_set = ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
                 or "JAX_NUM_CPU_DEVICES" in os.environ or jax.config.jax_num_cpu_devices > 0)
+    if needed and needed > MAX_HOST_DEVICES and not user_set:
+        spec = ",".join(f"{key}={size}" for key, size in sizes_of(mesh).items() if size != 1)
+        spread = "" if asked else ", or spread the mesh over processes (dist.num_processes)"
+        raise UserError(f"{asked or f'the mesh {spec}'} asks for {needed} devices in this process, and jaxpar starts "
+                        f"at most {MAX_HOST_DEVICES} CPU host devices (XLA:CPU runs a thread for each; 8192 took 100 s "
+                        f"to start on 2 cores); ask for at most {MAX_HOST_DEVICES}{spread}")
     if needed and needed > 1 and not user_set:
         try:
             jax.config.update("jax_num_cpu_devices", needed)

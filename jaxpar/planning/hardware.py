@@ -192,7 +192,7 @@ def gpu_devices(target: Target) -> list:
 
 def cpu_devices(target: Target) -> list:
     """N host devices; call before anything starts JAX's backends (as `jaxpar.train` does)."""
-    force_host_devices(MeshConfig(), per_process=target.chips)  # as jaxpar.train forces them
+    force_host_devices(MeshConfig(), per_process=target.chips, asked=f"--target {target.name}")  # as jaxpar.train does
     devices = jax.devices("cpu")
     if len(devices) < target.chips:
         raise UserError(f"--target {target.name}: this process has {len(devices)} CPU devices; "

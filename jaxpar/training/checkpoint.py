@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.training.checksums import item_checksums, mismatches
+from jaxpar.training.save_faults import SaveFailed, check_room, quiet_orbax_errors, reason, room_message, save_failed
 from jaxpar.training.saved_trees import first_difference
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
@@ -44,6 +45,11 @@ def find_checkpoints(path) -> Path:
             return candidate
     raise UserError(f"no checkpoints in '{path}'; pass a training run's --out directory "
                     f"or its {CHECKPOINTS} folder")
+
+
+def checkpoint_bytes(params, opt_state) -> int:
+    """A checkpoint's size on disk, at least: its arrays' bytes, and 64 KiB of metadata."""
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree.leaves((params, opt_state))) + 2**16
 
 
 def make_meta(cfg, tokenizer, step: int) -> dict:
@@ -96,7 +102,7 @@ class Checkpoints:
 
     def __init__(self, directory, keep: int | None = None):
         self.directory, self.keep = Path(directory), keep
-        self._writer = None
+        self._writer, self._saving = None, None  # the step of the save in flight
 
     @contextlib.contextmanager
     def _reader(self):
@@ -121,6 +127,7 @@ class Checkpoints:
             options = ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=False,
                                                    enable_async_checkpointing=True)
             self._writer = ocp.CheckpointManager(self.directory.absolute(), options=options)
+            quiet_orbax_errors()  # a failed save is said once, as a SaveFailed
         return self._writer
 
     def steps(self) -> list[int]:
@@ -133,17 +140,45 @@ class Checkpoints:
         """Start an async save and return. It waits for the previous save first, and copies the
         arrays to host memory before returning, so the train step may donate them afterwards.
 
-        The arrays' checksums go into meta, in the same atomic commit as the arrays.
+        The arrays' checksums go into meta, in the same atomic commit as the arrays. A save that
+        cannot be made (jaxpar.training.save_faults) raises SaveFailed, the newest complete
+        checkpoint kept.
         """
+        self.wait()
+        try:
+            check_room(self.directory, checkpoint_bytes(params, opt_state))
+        except OSError as e:
+            raise save_failed(self.directory, step, room_message(e)) from None
         meta = {**meta, "checksums": item_checksums({"params": params, "opt_state": opt_state})}
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.writer.save(step, args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta)))
+        self._saving = step
+        try:
+            self.writer.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+                meta=ocp.args.JsonSave(meta)))
+        except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many kinds)
+            raise self._failed(e) from None
+
+    def check_room(self, params, opt_state) -> None:
+        """Before the compile: a UserError unless a checkpoint of these arrays can be saved here."""
+        try:
+            check_room(self.directory, checkpoint_bytes(params, opt_state))
+        except OSError as e:
+            raise UserError(f"cannot save checkpoints in '{self.directory}' ({room_message(e)}); free space "
+                            "on that disk, make the folder writable, or pass another --out") from None
+
+    def _failed(self, error: Exception) -> SaveFailed:
+        """The save in flight failed: its writer is dropped (its threads may wait on, stuck)."""
+        self._writer, step, self._saving = None, self._saving, None
+        return save_failed(self.directory, step, reason(error), stuck=True)
 
     def wait(self) -> None:
         if self._writer is not None:
-            self._writer.wait_until_finished()
+            try:
+                self._writer.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 (a save failed in orbax's threads, of any kind)
+                raise self._failed(e) from None
+        self._saving = None
 
     def close(self) -> None:
         if self._writer is not None:

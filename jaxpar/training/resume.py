@@ -17,7 +17,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import DEFAULT_FAMILY, model_config
 from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.data.loader import model_vocab
-from jaxpar.data.tokenizer import from_meta, same_mapping
+from jaxpar.data.tokenizer import check_same_tokenizer, from_meta
 from jaxpar.models.family import build_model, family_of
 from jaxpar.training.checkpoint import Checkpoints, Restored, abstract_tree, generic_mismatch
 from jaxpar.training.optimizers import make_optimizer
@@ -46,11 +46,8 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
     """A checkpoint resumes this run only with the same model, tokenizer, seed and optimizer."""
     saved = meta["config"]
     saved_tokenizer, vocab = saved_vocab(meta)
-    if not same_mapping(saved_tokenizer, tokenizer):
-        raise UserError(f"the checkpoint in '{directory}' was trained with another tokenizer "
-                        f"({saved_tokenizer.spec}, {saved_tokenizer.vocab_size} tokens) than this "
-                        f"data's ({tokenizer.spec}, {tokenizer.vocab_size} tokens); use the same "
-                        f"data, {ELSEWHERE}")
+    check_same_tokenizer(saved_tokenizer, tokenizer, f"the checkpoint in '{directory}'",
+                         f"resume on the data it was trained on, {ELSEWHERE}")
     family = saved["model"].get("family", "gpt2")  # checkpoints from before the field: GPT-2
     if family != cfg.model.family:
         raise UserError(f"the checkpoint in '{directory}' holds a model.family={family} model, and this "

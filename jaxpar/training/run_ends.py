@@ -2,6 +2,7 @@
 before its first step (nothing new left behind), or stopped by a non-finite step (one line that
 names the newest checkpoint that verifies)."""
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from jaxpar.parallel.distributed import is_main_process
 from jaxpar.training.metrics import Diverged, MetricsWriters, strict_json
 from jaxpar.training.resume import restore_train_state
 from jaxpar.training.run_state import RunResult, Setup
+from jaxpar.training.save_faults import newest_step, reason
 
 OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "wandb", "wandb_id")  # what open_outputs may make
 
@@ -61,6 +63,18 @@ def stop_diverged(p: Setup, info: dict, out_dir: Path | None, diverged: Diverged
     if out_dir is not None and is_main_process():
         (out_dir / "run.json").write_text(json.dumps(info, indent=2))
     return UserError(diverged.explain(last_verified(p), p.cfg.optimizer.grad_clip))
+
+
+def write_failed(p: Setup, out_dir: Path | None, error: OSError) -> Exception:
+    """A metrics or TensorBoard write that failed for want of room or permission, as one line that
+    names the checkpoint that resumes; other OSErrors pass unchanged."""
+    if error.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM):
+        return error
+    last = newest_step(p.ckpt.directory) if p.ckpt is not None else None
+    kept = f"the last good checkpoint is {p.ckpt.directory / str(last)}" if last is not None else "no checkpoint was saved"
+    where = f" '{error.filename}'" if error.filename else f" in '{out_dir}'"
+    return UserError(f"cannot write{where} ({reason(error)}); {kept}; free space on that disk or make the "
+                     "folder writable, then run the same command to resume")
 
 
 def stopped_early(p: Setup, signal_name: str) -> RunResult:

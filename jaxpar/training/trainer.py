@@ -22,6 +22,7 @@ from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, document_eot, load_dataset, model_vocab
 from jaxpar.data.mixture import mix_change
+from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.models import flops
 from jaxpar.models.family import Transformer, build_model
 from jaxpar.parallel import hlo, pipeline, zero
@@ -35,7 +36,7 @@ from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepL
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
 from jaxpar.training.resume import restore_train_state
-from jaxpar.training.run_ends import open_outputs, remove_outputs, stop_diverged, stopped_early
+from jaxpar.training.run_ends import open_outputs, remove_outputs, stop_diverged, stopped_early, write_failed
 from jaxpar.training.run_evals import make_evaluate
 from jaxpar.training.run_lock import locked
 from jaxpar.training.run_state import Compiled, RunResult, Setup
@@ -72,6 +73,19 @@ def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainSta
     params = load_hf_params(cfg.train.init_from, cfg, model.vocab_size, shardings.params)
     opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
     return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
+
+
+def check_init_tokenizer(cfg: Config, tokenizer) -> None:
+    """train.init_from's tokenizer, where its directory names one, must be the data's."""
+    if not cfg.train.init_from:
+        return
+    from jaxpar.models.hf import hf_tokenizer
+    saved = hf_tokenizer(cfg.train.init_from)
+    spec = saved.spec if saved is not None and saved.kind == "tiktoken" else cfg.train.init_from
+    check_same_tokenizer(saved, tokenizer, f"--init-from '{cfg.train.init_from}'",
+                         f"train on data prepared with it (python -m jaxpar.prepare TEXT --out DIR "
+                         f"--tokenizer {spec}, then --data.path=DIR), or --init-from a model of the "
+                         "data's tokenizer")
 
 
 def compile_run(p: Setup, peak: tuple[float, str]) -> Compiled:
@@ -225,6 +239,7 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
+    check_init_tokenizer(cfg, dataset.tokenizer)  # before model_vocab, whose message would mislead
     document_eot(cfg, dataset.tokenizer)  # data.document_mask without an end-of-text token fails here
     mesh = build_mesh(cfg, devices)
     cfg, note = micro_batch.resolve(cfg, model_vocab(cfg, dataset.tokenizer), mesh, document_eot(cfg, dataset.tokenizer))
@@ -239,6 +254,8 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
             result.info = {"resumed_from": p.start, "checkpoints": str(p.ckpt.directory),
                            "summary": None}
             return result
+        if p.ckpt is not None:
+            p.ckpt.check_room(p.state.params, p.state.opt_state)  # a full or read-only disk, before the compile
         stopping = stop.now()
         c = None if stopping else compile_run(p, peak)
         stopping = stopping or stop.now()
@@ -253,6 +270,8 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
             state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at, stop)
         except Diverged as diverged:
             raise stop_diverged(p, c.info, out_dir, diverged) from None
+        except OSError as e:
+            raise write_failed(p, out_dir, e) from None
         finally:
             if writers:
                 writers.close()

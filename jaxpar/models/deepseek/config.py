@@ -9,7 +9,7 @@ first k of model.dense_layers); the router's balance bias is e_score_correction_
 from dataclasses import dataclass
 
 from jaxpar.core.errors import UserError
-from jaxpar.models.llama.config import ROPE_TYPES, LlamaConfig, check_llama
+from jaxpar.models.llama.config import ROPE_TYPES, LlamaConfig, at_least, check_llama
 
 
 @dataclass
@@ -72,8 +72,9 @@ class DeepseekConfig(LlamaConfig):
         return self.n_head
 
     def check(self) -> None:
+        check_mla(self)  # before Llama's checks: MLA's heads are its own keys, not n_embd / n_head's
         check_llama(self)
-        check_mla(self)
+        check_yarn(self)
         check_router(self)
         if self.mtp_layers < 0 or self.mtp_weight < 0 or self.mtp_layers >= self.block_size:
             raise UserError(f"model.mtp_layers={self.mtp_layers} and model.mtp_weight={self.mtp_weight} must be "
@@ -82,19 +83,29 @@ class DeepseekConfig(LlamaConfig):
 
 
 def check_mla(m: DeepseekConfig) -> None:
-    if min(m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) < 1 or m.q_lora_rank < 0:
-        raise UserError("model.kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim must be >= 1, "
-                        f"and q_lora_rank >= 0; got {m.kv_lora_rank}, {m.qk_nope_head_dim}, "
-                        f"{m.qk_rope_head_dim}, {m.v_head_dim}, {m.q_lora_rank}")
-    if m.v_head_dim > m.head_size:  # the values go through the kernel padded to the query-key width
-        raise UserError(f"model.v_head_dim={m.v_head_dim} is wider than the query-key heads (qk_nope_head_dim + "
-                        f"qk_rope_head_dim = {m.head_size}); choose at most {m.head_size}")
-    if m.qk_rope_head_dim % 2:
-        raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} is odd, and rotary positions rotate "
-                        "pairs of dims; choose an even one")
+    """MLA's widths. The unrotated query-key dims and the values are concatenated and projected
+    as they are, so any width of them works; the rotated ones turn in pairs."""
     if m.n_kv_head not in (0, m.n_head) or m.head_dim or m.qk_norm != "none":
         raise UserError("DeepSeek's latent attention sets its own heads: drop model.n_kv_head, "
                         "model.head_dim and model.qk_norm")
+    at_least(m, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), 1)
+    at_least(m, ("q_lora_rank",), 0)
+    if m.qk_rope_head_dim % 2:
+        raise UserError(f"model.qk_rope_head_dim={m.qk_rope_head_dim} is odd, and rotary positions rotate "
+                        "pairs of dims; choose an even one")
+    if m.v_head_dim > m.head_size:  # the values go through the kernel padded to the query-key width
+        raise UserError(f"model.v_head_dim={m.v_head_dim} is wider than the query-key heads (qk_nope_head_dim + "
+                        f"qk_rope_head_dim = {m.head_size}); choose at most {m.head_size}")
+
+
+def check_yarn(m: DeepseekConfig) -> None:
+    """YaRN's keys, under any rope_type as Llama's scaling keys are: its ramp takes the log of
+    original / (beta x 2 pi) over the log of rope_theta, and its mscale divides."""
+    at_least(m, ("rope_beta_fast", "rope_beta_slow"), 0, strict=True)
+    at_least(m, ("rope_mscale", "rope_mscale_all_dim"), 0)
+    if m.rope_type == "yarn" and m.rope_theta == 1:
+        raise UserError("model.rope_theta must not be 1 for yarn rope scaling (its ramp divides by log(rope_theta)); "
+                        "choose another, e.g. 10000")
 
 
 def check_router(m: DeepseekConfig) -> None:
@@ -106,7 +117,5 @@ def check_router(m: DeepseekConfig) -> None:
     if not 1 <= m.topk_group <= m.n_group or m.experts_per_token > m.topk_group * (m.n_experts // m.n_group):
         raise UserError(f"model.topk_group={m.topk_group} must be between 1 and model.n_group={m.n_group}, "
                         f"and its groups must hold model.experts_per_token={m.experts_per_token} experts")
-    if m.n_shared_experts < 0 or m.routed_scaling_factor <= 0 or m.moe_bias_update_rate < 0:
-        raise UserError("model.n_shared_experts and model.moe_bias_update_rate must be >= 0, and "
-                        f"model.routed_scaling_factor > 0; got {m.n_shared_experts}, {m.moe_bias_update_rate}, "
-                        f"{m.routed_scaling_factor}")
+    at_least(m, ("n_shared_experts", "moe_bias_update_rate"), 0)
+    at_least(m, ("routed_scaling_factor",), 0, strict=True)

@@ -15,13 +15,14 @@ head are not read, since the modules share the main model's); transformers build
 so its checkpoints give mtp_layers 0.
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.formats.hf_files import open_weights, slice_reader
+from jaxpar.formats.hf_files import EXPECTED, is_a, open_weights, slice_reader
 from jaxpar.formats.hf_mapping import Mapping, Weight, host_arrays
 from jaxpar.models.llama import hf as hf_llama
 
@@ -58,6 +59,13 @@ FIELDS = [  # (jaxpar's model field, config.json's key, its type)
     ("experts_per_token", "num_experts_per_tok", int), ("moe_mlp_dim", "moe_intermediate_size", int),
     ("n_shared_experts", "n_shared_experts", int), ("n_group", "n_group", int), ("topk_group", "topk_group", int),
     ("routed_scaling_factor", "routed_scaling_factor", float)]
+# The type of each config.json field read here beyond every format's (jaxpar.formats.hf_files checks
+# those), checked by jaxpar.models.hf before any is read; a null only where MAY_BE_NULL says it
+# stands for unset, as transformers reads it (no query bottleneck, no prediction modules, false).
+FIELD_TYPES = {key: kind for _, key, kind in FIELDS} | {
+    "first_k_dense_replace": int, "q_lora_rank": int, "num_nextn_predict_layers": int, "rope_interleave": bool,
+    "topk_method": str}
+MAY_BE_NULL = {"q_lora_rank", "num_nextn_predict_layers", "rope_interleave"}
 
 
 def check_supported(config: dict, path: Path) -> None:
@@ -85,8 +93,8 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
         fields = [(field, kind(config[key]), f"{key}={config[key]}") for field, key, kind in FIELDS]
         vocab_size, positions = int(config["vocab_size"]), int(config.get("max_position_embeddings", 4096))
         dense = int(config["first_k_dense_replace"])
-    except (KeyError, TypeError) as e:
-        raise UserError(f"'{path}' has no usable {e.args[0]}; pass a complete DeepSeek-V3 config.json") from None
+    except KeyError as e:  # the types are checked first: only a missing field gets here
+        raise UserError(f"'{path}' has no {e.args[0]}; pass a complete DeepSeek-V3 config.json") from None
     q_rank, eps = int(config.get("q_lora_rank") or 0), float(config.get("rms_norm_eps", 1e-6))
     tied, interleave = bool(config.get("tie_word_embeddings", False)), bool(config.get("rope_interleave", True))
     fields += [("family", "deepseek", f"model_type={config.get('model_type')}"),
@@ -117,12 +125,25 @@ def rope_fields(config: dict, path: Path, positions: int) -> list[tuple[str, obj
         hf_llama.refuse(path, "YaRN with attention_factor or truncate=false", "it computes YaRN's defaults")
     try:
         rope = YARN_DEFAULTS | {k: v for k, v in rope.items() if v is not None}
+        check_yarn_fields(rope, config, path)
         rope.setdefault("factor", positions / int(rope["original_max_position_embeddings"]))
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         return [("rope_theta", theta, f"rope_theta={theta}"), ("rope_type", "yarn", "rope type yarn"),
                 *((name, kind(rope[key]), f"{key}={rope[key]}") for name, (key, kind) in YARN.items())]
     except KeyError as e:
         raise UserError(f"'{path}': yarn rope scaling without {e.args[0]}; pass a complete config.json") from None
+
+
+def check_yarn_fields(rope: dict, config: dict, path: Path) -> None:
+    """YaRN's fields of their types (hf_files checks Llama's), the original context positive."""
+    for key, kind in YARN.values():
+        if key in rope and not is_a(kind, rope[key]):
+            where = "rope_parameters" if key in (config.get("rope_parameters") or {}) else "rope_scaling"
+            raise UserError(f"'{path}': {where}.{key} must be {EXPECTED[kind]}, got {json.dumps(rope[key])}; "
+                            "correct that field, or save the model again with save_pretrained")
+    if rope["original_max_position_embeddings"] < 1:
+        raise UserError(f"'{path}': yarn's original_max_position_embeddings must be positive, got "
+                        f"{rope['original_max_position_embeddings']}; correct that field")
 
 
 def mtp_held(config: dict, path: Path) -> tuple[int, str]:

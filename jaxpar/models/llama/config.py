@@ -110,45 +110,69 @@ class LlamaConfig(ModelConfig):
                      for i in range(self.n_layer))
 
     def check(self) -> None:
+        check_heads(self)
         check_llama(self)
 
 
-def check_llama(m: LlamaConfig) -> None:
+def check_heads(m: LlamaConfig) -> None:
+    """Llama's heads: grouped-query attention, each head's width rotated in pairs, QK-norm."""
     if m.n_embd % m.n_head and not m.head_dim:
         raise UserError(f"model.n_embd={m.n_embd} must be divisible by model.n_head={m.n_head}")
     if m.n_kv_head < 0 or m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each KV "
                         f"head serves n_head/n_kv_head query heads); choose a divisor of {m.n_head}")
-    if m.head_dim < 0 or m.head_size % 2:
-        raise UserError(f"the head dim (model.head_dim, or n_embd/n_head) = {m.head_size} is odd or "
-                        "negative, and rotary positions rotate pairs of dims; choose an even one")
+    at_least(m, ("head_dim",), 0)
+    if m.head_size % 2:
+        width = (f"model.head_dim={m.head_dim}" if m.head_dim else
+                 f"each head's width, model.n_embd / model.n_head = {m.n_embd}/{m.n_head} = {m.head_size},")
+        raise UserError(f"{width} is odd, and rotary positions rotate pairs of dims; choose an even one")
     if m.qk_norm not in QK_NORMS:
         raise UserError(f"model.qk_norm must be one of {', '.join(QK_NORMS)}, got '{m.qk_norm}'")
-    if m.mlp_dim < 0 or m.norm_eps <= 0 or m.rope_theta <= 0:
-        raise UserError(f"model.mlp_dim must be >= 0 and model.norm_eps, model.rope_theta > 0; got "
-                        f"{m.mlp_dim}, {m.norm_eps}, {m.rope_theta}")
+
+
+def at_least(m: LlamaConfig, names: tuple[str, ...], least: float, strict: bool = False) -> None:
+    """Each key of `names` >= least (> least if strict), else one line naming that key."""
+    for name in names:
+        value = getattr(m, name)
+        if value < least or strict and value == least:
+            raise UserError(f"model.{name} must be {'>' if strict else '>='} {least:g}, got {value}")
+
+
+def check_llama(m: LlamaConfig) -> None:
+    """What every Llama-like family reads beside its heads: the MLP, RMSNorm, rotary positions
+    and the mixture of experts."""
+    at_least(m, ("mlp_dim",), 0)
+    at_least(m, ("norm_eps", "rope_theta"), 0, strict=True)
     check_experts(m)
+    check_rope(m)
+
+
+def check_rope(m: LlamaConfig) -> None:
+    """rope_type, and the scaling keys, checked under any rope_type: a value that is set must be
+    one that could be used. A message names the rope_type set where it uses the key."""
     if m.rope_type not in m.rope_types:
         raise UserError(f"model.rope_type must be one of {', '.join(m.rope_types)}, got '{m.rope_type}'")
-    # Checked under any rope_type: a value that is set must be one that could be used.
-    if not (m.rope_factor > 0 and m.rope_high_freq_factor > m.rope_low_freq_factor > 0
-            and m.rope_original_max_position > 0):
-        raise UserError("llama3 rope scaling needs model.rope_factor > 0, model.rope_high_freq_factor > "
-                        "model.rope_low_freq_factor > 0 and model.rope_original_max_position > 0; got "
-                        f"{m.rope_factor}, {m.rope_high_freq_factor}, {m.rope_low_freq_factor}, "
-                        f"{m.rope_original_max_position}")
+    users = {"rope_factor": ("llama3", "yarn"), "rope_original_max_position": ("llama3", "yarn"),
+             "rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",)}
+    bad = [("rope_factor", m.rope_factor > 0, "> 0"),
+           ("rope_original_max_position", m.rope_original_max_position > 0, "> 0"),
+           ("rope_low_freq_factor", m.rope_low_freq_factor > 0, "> 0"),
+           ("rope_high_freq_factor", m.rope_high_freq_factor > m.rope_low_freq_factor,
+            f"> model.rope_low_freq_factor={m.rope_low_freq_factor}")]
+    for name, ok, need in bad:
+        if not ok:
+            kind = m.rope_type if m.rope_type in users[name] else "/".join(t for t in users[name] if t in m.rope_types)
+            raise UserError(f"model.{name} must be {need} for {kind} rope scaling, got {getattr(m, name)}; "
+                            f"choose another, or drop it (default {getattr(type(m)(), name)})")
 
 
 def check_experts(m: LlamaConfig) -> None:
     """The mixture of experts' keys (jaxpar.nn.moe)."""
-    if m.n_experts < 0 or m.moe_mlp_dim < 0:
-        raise UserError(f"model.n_experts and model.moe_mlp_dim must be >= 0, got {m.n_experts} and {m.moe_mlp_dim}")
+    at_least(m, ("n_experts", "moe_mlp_dim"), 0)
     if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
         raise UserError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
                         f"model.n_experts={m.n_experts}; choose fewer experts per token or more experts")
-    for name in ("router_aux_coef", "router_z_coef", "moe_capacity_factor"):
-        if getattr(m, name) < 0:
-            raise UserError(f"model.{name} must be >= 0, got {getattr(m, name)}")
+    at_least(m, ("router_aux_coef", "router_z_coef", "moe_capacity_factor"), 0)
     if m.moe_dispatch not in MOE_DISPATCHES:
         raise UserError(f"model.moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got '{m.moe_dispatch}'")
     if m.moe_gemm not in MOE_GEMMS:
