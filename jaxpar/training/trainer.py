@@ -261,26 +261,38 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
         stopping = stopping or stop.now()
         if stopping:
             return stopped_early(p, stopping)
-        writers, created = open_outputs(p, c.info, out_dir, fresh)
-        if p.start and progress and is_main_process():
-            print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
-        for note in p.model.plan.notes if is_main_process() else ():  # auto chose a slower path
-            print(note, file=sys.stderr)
         try:
-            state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at, stop)
-        except Diverged as diverged:
-            raise stop_diverged(p, c.info, out_dir, diverged) from None
-        except OSError as e:
+            return train_compiled(p, c, out_dir, fresh, result, profiler, progress, stop_at, stop)
+        except OSError as e:  # a full or read-only disk under the metrics: one line
             raise write_failed(p, out_dir, e) from None
-        finally:
-            if writers:
-                writers.close()
-        if state is None:
-            remove_outputs(created if p.start == 0 else [])
-            return stopped_early(p, stop.now())
-        c.info["summary"] = summarise(c.info, result.losses, result.val_losses, step_times)
-        zero.check_state(state, p.shardings)  # out_shardings pin them; this proves it after training
+
+
+def train_compiled(p: Setup, c: Compiled, out_dir: Path | None, fresh: bool, result: RunResult,
+                   profiler: StepProfiler, progress: bool, stop_at: int | None, stop: StopRequest) -> RunResult:
+    """Phases 3 and 4, once compiled: the outputs opened, the loop, the summary. The writers are
+    closed however the loop ends; after a failure, quietly (a full disk takes their last lines too)."""
+    writers, created = open_outputs(p, c.info, out_dir, fresh)
+    if p.start and progress and is_main_process():
+        print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
+    for note in p.model.plan.notes if is_main_process() else ():  # auto chose a slower path
+        print(note, file=sys.stderr)
+    try:
+        state, step_times = train_loop(p, c, writers, result, profiler, progress, stop_at, stop)
+    except BaseException as error:
         if writers:
-            (out_dir / "run.json").write_text(json.dumps(c.info, indent=2))
-        result.params, result.info = state.params, c.info
+            with contextlib.suppress(OSError):
+                writers.close()
+        if isinstance(error, Diverged):
+            raise stop_diverged(p, c.info, out_dir, error) from None
+        raise
+    if writers:
+        writers.close()
+    if state is None:
+        remove_outputs(created if p.start == 0 else [])
+        return stopped_early(p, stop.now())
+    c.info["summary"] = summarise(c.info, result.losses, result.val_losses, step_times)
+    zero.check_state(state, p.shardings)  # out_shardings pin them; this proves it after training
+    if writers:
+        (out_dir / "run.json").write_text(json.dumps(c.info, indent=2))
+    result.params, result.info = state.params, c.info
     return result
