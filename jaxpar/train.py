@@ -99,6 +99,7 @@ def exit_at_once_if_stuck(prog: str):
     except SaveFailed as e:
         if not e.stuck:
             raise
+        e.settle()
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)

@@ -365,10 +365,14 @@ def test_a_full_disk_is_one_line_before_the_compile_and_when_it_fills_during_a_s
         assert train(6, out).losses == {s: saved[2].losses[s] for s in (4, 5)}
 
 
-def test_a_metrics_write_on_a_full_disk_is_one_line_and_keeps_the_checkpoints(saved, tmp_path, monkeypatch):
-    """metrics.jsonl's write fails for want of room, and so does its close (the buffered lines):
-    one line naming the file and the checkpoint that resumes, not a traceback of either."""
+@pytest.mark.parametrize("writer", ["metrics.jsonl", "tensorboard"])
+def test_a_metrics_write_on_a_full_disk_is_one_line_and_keeps_the_checkpoints(saved, tmp_path, monkeypatch, writer):
+    """metrics.jsonl's write fails for want of room, and so does its close (the buffered lines);
+    or tensorboardX's writer thread dies of it (its queue would then block the run forever): one
+    line naming the file and the checkpoint that resumes, not a traceback or a hang."""
     import errno
+
+    import tensorboardX.event_file_writer
 
     from jaxpar.training.metrics import MetricsWriters
     out = tmp_path / "run"
@@ -376,12 +380,15 @@ def test_a_metrics_write_on_a_full_disk_is_one_line_and_keeps_the_checkpoints(sa
     before = files(out / "checkpoints")
 
     def full(self, *args):
-        raise OSError(errno.ENOSPC, "No space left on device", str(out / "metrics.jsonl"))
-    monkeypatch.setattr(MetricsWriters, "write", full)
-    monkeypatch.setattr(MetricsWriters, "close", full)
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / writer))
+    if writer == "metrics.jsonl":
+        monkeypatch.setattr(MetricsWriters, "write", full)
+        monkeypatch.setattr(MetricsWriters, "close", full)
+    else:
+        monkeypatch.setattr(tensorboardX.event_file_writer.EventsWriter, "write_event", full)
     with pytest.raises(UserError) as error:
-        train(6, out)
-    assert str(error.value) == (f"cannot write '{out}/metrics.jsonl' (No space left on device); the last good "
+        train(6, out, **{"train.log_every": 1})
+    assert str(error.value) == (f"cannot write '{out}/{writer}' (No space left on device); the last good "
                                 f"checkpoint is {out}/checkpoints/4; free space on that disk or make the folder "
                                 "writable, then run the same command to resume")
     assert files(out / "checkpoints") == before

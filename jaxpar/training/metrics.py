@@ -5,11 +5,13 @@ checkpoint), so a non-finite value stops the run without a host sync per step. T
 to metrics.jsonl (strict JSON: non-finite values as null), TensorBoard and, if asked, W&B.
 """
 
+import errno
 import json
 import math
 import platform
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -153,6 +155,25 @@ def open_metrics(path: Path, resume_step: int):
     return open(path, "a")
 
 
+TENSORBOARD_QUEUE = 1000  # events: a record's few scalars never fill it before its writer is checked
+
+
+def keep_tensorboard_errors() -> None:
+    """An error in tensorboardX's writer thread is kept on the thread for check_tensorboard, which
+    reports it as one line, instead of printed as a traceback."""
+    if getattr(threading.excepthook, "keeps_tensorboard_errors", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_EventLoggerThread":
+            args.thread.error = args.exc_value
+        else:
+            previous(args)
+    hook.keeps_tensorboard_errors = True
+    threading.excepthook = hook
+
+
 class MetricsWriters:
     """Where the records go: metrics.jsonl, TensorBoard and W&B (the last two as configured).
 
@@ -172,12 +193,15 @@ class MetricsWriters:
         self.scalars |= {f"val_loss/{s.name}": f"val/loss/{s.name}" for s in parse_mix(cfg.data.mix)}
         self.jsonl = open_metrics(out_dir / "metrics.jsonl", resume_step)
         self.tensorboard = self.wandb = None
+        self.tensorboard_dir = out_dir / TENSORBOARD
         if cfg.log.tensorboard:
             from tensorboardX import SummaryWriter
             # The event file's name holds the time in whole seconds: a run resumed within the same
             # second would overwrite its predecessor's file without a suffix of its own.
-            self.tensorboard = SummaryWriter(str(out_dir / TENSORBOARD), purge_step=resume_step,
-                                             flush_secs=10, filename_suffix=f".{uuid.uuid4().hex[:8]}")
+            self.tensorboard = SummaryWriter(str(self.tensorboard_dir), purge_step=resume_step,
+                                             flush_secs=10, filename_suffix=f".{uuid.uuid4().hex[:8]}",
+                                             max_queue=TENSORBOARD_QUEUE)
+            keep_tensorboard_errors()
         if cfg.log.wandb:
             self.wandb = start_wandb(cfg, out_dir)
 
@@ -187,15 +211,32 @@ class MetricsWriters:
         # A diverged step's non-finite values stay out of the curves (metrics.jsonl has them).
         scalars = {self.scalars[k]: v for k, v in record.items() if k in self.scalars and math.isfinite(v)}
         if self.tensorboard is not None:
+            self.check_tensorboard()
             for tag, value in scalars.items():
                 self.tensorboard.add_scalar(tag, value, record["step"])
         if self.wandb is not None:
             self.wandb.log(scalars, step=record["step"])
 
+    def check_tensorboard(self, worker=None, closed: bool = False) -> None:
+        """Raise what stopped tensorboardX's writer thread (a full disk, say): its queue would
+        fill, and the next event would wait for it forever."""
+        if worker is None:  # tensorboardX's own thread: it has no public handle
+            worker = getattr(getattr(self.tensorboard.file_writer, "event_writer", None), "_worker", None)
+        error = getattr(worker, "error", None)
+        if worker is None or (error is None and (closed or worker.is_alive())):
+            return
+        self.tensorboard = None  # closing it would wait for the thread too
+        if isinstance(error, OSError):
+            raise OSError(error.errno, error.strerror, error.filename or str(self.tensorboard_dir))
+        raise OSError(errno.EIO, f"TensorBoard's writer stopped ({error!r})", str(self.tensorboard_dir))
+
     def close(self) -> None:
         self.jsonl.close()
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            worker = getattr(getattr(self.tensorboard.file_writer, "event_writer", None), "_worker", None)
+            self.check_tensorboard(worker)
+            self.tensorboard.close()  # its thread writes the last events, then ends
+            self.check_tensorboard(worker, closed=True)
         if self.wandb is not None:
             self.wandb.finish()
 

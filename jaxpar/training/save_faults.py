@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from jaxpar.core.errors import UserError
@@ -28,11 +29,21 @@ REASONS = ("No space left on device", "Read-only file system", "Permission denie
 
 
 class SaveFailed(UserError):
-    """A checkpoint could not be saved; `stuck`: orbax's threads are left waiting (exit at once)."""
+    """A checkpoint could not be saved; `stuck`: orbax's threads are left waiting (exit at once,
+    after `settle`)."""
 
-    def __init__(self, message: str, stuck: bool = False):
+    def __init__(self, message: str, directory: Path, step: int, stuck: bool = False):
         super().__init__(message)
-        self.stuck = stuck
+        self.directory, self.step, self.stuck = directory, step, stuck
+
+    def settle(self, tries: int = 20, pause_s: float = 0.1) -> None:
+        """Remove the failed save's temporary folder until it stays gone: writes still in flight in
+        orbax's threads may make it again for a moment."""
+        for _ in range(tries):
+            remove_temporaries(self.directory, self.step)
+            time.sleep(pause_s)
+            if not any(self.directory.glob(f"{self.step}{TEMPORARY}*")):
+                return
 
 
 def reason(error: BaseException) -> str:
@@ -120,4 +131,4 @@ def save_failed(directory: Path, step: int, why: str, stuck: bool = False) -> Sa
     last = newest_step(directory, before=step)
     kept = f"the last good checkpoint is {directory / str(last)}" if last is not None else "no checkpoint was saved"
     return SaveFailed(f"cannot save checkpoint {step} in '{directory}' ({why}); {kept}; free space on that "
-                      "disk or make the folder writable, then run the same command to resume", stuck)
+                      "disk or make the folder writable, then run the same command to resume", directory, step, stuck)
