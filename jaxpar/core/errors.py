@@ -23,6 +23,18 @@ def exit_on_user_error(prog: str = "jaxpar"):
 
 
 @contextlib.contextmanager
+def exit_on_interrupt(prog: str):
+    """Ctrl-C as `prog: interrupted` and the shell's code for it (130), without a traceback. Not
+    sys.exit: the interpreter's teardown while XLA still compiles can segfault (exit 139)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+
+
+@contextlib.contextmanager
 def out_of_memory_as_user_error(fix: str):
     """XLA running out of device or host memory becomes a UserError: XLA's own words, then `fix`."""
     from jax.errors import JaxRuntimeError

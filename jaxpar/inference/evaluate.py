@@ -9,7 +9,6 @@ The loss is the mean next-token cross-entropy over all scored tokens; the perple
 
 import json
 import math
-import os
 import sys
 
 import jax
@@ -18,7 +17,7 @@ import numpy as np
 from jaxpar.core.axes import splitting
 from jaxpar.core.config import DataConfig
 from jaxpar.core.data_config import parse_mix
-from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.core.errors import ArgumentParser, UserError, exit_on_interrupt, exit_on_user_error
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.inference.loading import Model, add_model_source, load_source
@@ -155,13 +154,8 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
+    with exit_on_interrupt("jaxpar.eval"):
         run_command(argv)
-    except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's code for it, as jaxpar.prepare
-        print("jaxpar.eval: interrupted", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Not sys.exit: the interpreter's teardown while XLA still compiles can segfault (exit 139).
-        os._exit(130)
 
 
 def run_command(argv: list[str] | None) -> None:

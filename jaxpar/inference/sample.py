@@ -5,7 +5,6 @@ Usable as a library: `model = load(dir, "tp=2")` (jaxpar.inference.loading), the
 """
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -15,7 +14,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error, out_of_memory_as_user_error
+from jaxpar.core.errors import (
+    ArgumentParser,
+    UserError,
+    exit_on_interrupt,
+    exit_on_user_error,
+    out_of_memory_as_user_error,
+)
 from jaxpar.inference.loading import Model, add_model_source, load, load_source, source_name  # noqa: F401
 from jaxpar.models.decode import empty_cache, forward, pick
 from jaxpar.models.family import Transformer
@@ -243,13 +248,8 @@ def check_numbers(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
+    with exit_on_interrupt("jaxpar.sample"):
         run_command(argv)
-    except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's code for it, as jaxpar.prepare
-        print("jaxpar.sample: interrupted", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # Not sys.exit: the interpreter's teardown while XLA still compiles can segfault (exit 139).
-        os._exit(130)
 
 
 def run_command(argv: list[str] | None) -> None:
