@@ -216,3 +216,42 @@ def save_random_gpt2(run_dir: Path, cfg, tokenizer, step: int, scale: float):
     checkpoints.save(step, params, {"left_out": np.zeros(())}, make_meta(cfg, tokenizer, step))
     checkpoints.wait()
     checkpoints.close()
+
+
+def hf_dir_with(tmp_path: Path, fixture: Path, **changes) -> Path:
+    """The fixture's directory with config.json's fields changed; the weights are links."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    for file in fixture.iterdir():
+        if file.name != "config.json":
+            (out / file.name).symlink_to(file)
+    config = json.loads((fixture / "config.json").read_text()) | changes
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def plain_mla(p: dict, x: np.ndarray, cfg) -> np.ndarray:
+    """MLA head by head in float64 numpy: what latent_attention must give (before the residual).
+    The rotated dims are pairs (x0, x1), (x2, x3), ..., each pair rotated by its own frequency."""
+    def rms(a, scale):
+        return a / np.sqrt(np.mean(a * a, -1, keepdims=True) + cfg.norm_eps) * scale
+    T = x.shape[1]
+    Dn, Dr, Rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    h = rms(x, p["attn_norm"]["scale"])
+    q = np.einsum("btr,rhd->bthd", rms(h @ p["q_a"]["kernel"], p["q_a_norm"]["scale"]), p["q_b"]["kernel"])
+    latent = rms(h @ p["kv_a"]["kernel"][:, :Rkv], p["kv_a_norm"]["scale"])
+    k_nope = np.einsum("btr,rhd->bthd", latent, p["kv_b"]["kernel"][..., :Dn])
+    v = np.einsum("btr,rhd->bthd", latent, p["kv_b"]["kernel"][..., Dn:])
+    angle = np.arange(T)[:, None] * cfg.rope_theta ** (-np.arange(0, Dr, 2) / Dr)  # (T, Dr / 2)
+    def rotate(a):  # (..., T, Dr) in pairs -> rotated, as (the pairs' firsts, their seconds)
+        first, second = a[..., 0::2], a[..., 1::2]
+        return np.concatenate([first * np.cos(angle) - second * np.sin(angle),
+                               second * np.cos(angle) + first * np.sin(angle)], -1)
+    q_rope = rotate(q[..., Dn:].transpose(0, 2, 1, 3))  # (B, H, T, Dr)
+    k_rope = rotate((h @ p["kv_a"]["kernel"][:, Rkv:])[:, None])  # (B, 1, T, Dr), every head's
+    scores = (np.einsum("bthd,bshd->bhts", q[..., :Dn], k_nope) + np.einsum("bhtd,bhsd->bhts", q_rope,
+              np.broadcast_to(k_rope, q_rope.shape))) / np.sqrt(Dn + Dr)
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd,hdc->btc", probs, v, p["attn_out"]["kernel"])

@@ -5,12 +5,11 @@ text, Hugging Face config.json fields of the wrong type, and jaxpar.sample's num
 Every check here happens before JAX compiles anything: the tests call the entry points in-process.
 """
 
-import json
 from pathlib import Path
 
 import pytest
 from conftest import tiny_config
-from helpers import exits_with_one_line, fails_with
+from helpers import exits_with_one_line, fails_with, hf_dir_with
 
 from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError
@@ -95,18 +94,6 @@ def test_config_path_that_is_a_directory_or_unreadable_is_one_line(capsys, tmp_p
     monkeypatch.setattr(Path, "open", refuse_locked)
     fails_with(capsys, tmp_path, ["--config", str(locked)],
                f"config file '{locked}' cannot be read (Permission denied)")
-
-
-def hf_dir_with(tmp_path: Path, fixture: Path, **changes) -> Path:
-    """The fixture's directory with config.json's fields changed; the weights are links."""
-    out = tmp_path / "hf"
-    out.mkdir()
-    for file in fixture.iterdir():
-        if file.name != "config.json":
-            (out / file.name).symlink_to(file)
-    config = json.loads((fixture / "config.json").read_text()) | changes
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 # Integers must be JSON integers: 2.0 is refused as 2.5 is (save_pretrained never writes one).

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import LOSS_RTOL, assert_same_training, losses, train
+from helpers import LOSS_RTOL, assert_same_training, losses, plain_mla, train
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
@@ -87,33 +87,6 @@ def test_only_the_balancing_update_moves_the_biases():
     balance = np.asarray(train(config=DEEPSEEK).params["blocks"]["router"]["balance"]) / 1e-3
     assert np.abs(balance).max() >= 2
     np.testing.assert_allclose(balance, np.round(balance), atol=1e-3)
-
-
-def plain_mla(p: dict, x: np.ndarray, cfg) -> np.ndarray:
-    """MLA head by head in float64 numpy: what latent_attention must give (before the residual).
-    The rotated dims are pairs (x0, x1), (x2, x3), ..., each pair rotated by its own frequency."""
-    def rms(a, scale):
-        return a / np.sqrt(np.mean(a * a, -1, keepdims=True) + cfg.norm_eps) * scale
-    T = x.shape[1]
-    Dn, Dr, Rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    h = rms(x, p["attn_norm"]["scale"])
-    q = np.einsum("btr,rhd->bthd", rms(h @ p["q_a"]["kernel"], p["q_a_norm"]["scale"]), p["q_b"]["kernel"])
-    latent = rms(h @ p["kv_a"]["kernel"][:, :Rkv], p["kv_a_norm"]["scale"])
-    k_nope = np.einsum("btr,rhd->bthd", latent, p["kv_b"]["kernel"][..., :Dn])
-    v = np.einsum("btr,rhd->bthd", latent, p["kv_b"]["kernel"][..., Dn:])
-    angle = np.arange(T)[:, None] * cfg.rope_theta ** (-np.arange(0, Dr, 2) / Dr)  # (T, Dr / 2)
-    def rotate(a):  # (..., T, Dr) in pairs -> rotated, as (the pairs' firsts, their seconds)
-        first, second = a[..., 0::2], a[..., 1::2]
-        return np.concatenate([first * np.cos(angle) - second * np.sin(angle),
-                               second * np.cos(angle) + first * np.sin(angle)], -1)
-    q_rope = rotate(q[..., Dn:].transpose(0, 2, 1, 3))  # (B, H, T, Dr)
-    k_rope = rotate((h @ p["kv_a"]["kernel"][:, Rkv:])[:, None])  # (B, 1, T, Dr), every head's
-    scores = (np.einsum("bthd,bshd->bhts", q[..., :Dn], k_nope) + np.einsum("bhtd,bhsd->bhts", q_rope,
-              np.broadcast_to(k_rope, q_rope.shape))) / np.sqrt(Dn + Dr)
-    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("bhts,bshd,hdc->btc", probs, v, p["attn_out"]["kernel"])
 
 
 def test_latent_attention_is_mla_head_by_head():

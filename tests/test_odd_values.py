@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
-from test_bad_values import hf_dir_with
-from test_deepseek import plain_mla
+from helpers import hf_dir_with, plain_mla
 
 from jaxpar.core.config import SEED_MAX, load_config
 from jaxpar.core.errors import UserError
