@@ -154,7 +154,8 @@ def measure(layout: Layout, config: str | None, weak: bool, out_dir: Path) -> di
     """The layout's row: reused, saying so, from an earlier run with the same settings; else
     measured again, replacing that run."""
     run_dir = out_dir / layout.slug
-    row, why_not = earlier_row(layout.cfg, weak, run_dir)
+    now = settings(layout.cfg.to_dict(), weak)
+    row, why_not = earlier_row(now, run_dir)
     if row is not None:
         print(f"    reused {run_dir}: measured earlier with these same settings (delete it to "
               "measure again)", file=sys.stderr)
@@ -165,7 +166,7 @@ def measure(layout: Layout, config: str | None, weak: bool, out_dir: Path) -> di
     start = time.perf_counter()
     row = train_layout(layout, config, out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RECORD).write_text(json.dumps({"settings": settings(layout.cfg, weak), "row": row}, indent=1))
+    (run_dir / RECORD).write_text(json.dumps({"settings": now, "row": row}, indent=1))
     status = f"failed ({row['error']})" if row["error"] else "done"
     print(f"    {status} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return row

@@ -5,15 +5,14 @@ settings (the layout's resolved config and --weak), and says why when it measure
 import json
 from pathlib import Path
 
-from jaxpar.core.config import Config
-
 RECORD = "bench_layout.json"  # {"settings": ..., "row": ...}
 SHOWN = 3  # changed settings named in the one line
 
 
-def settings(cfg: Config, weak: bool) -> dict:
-    """What a layout's row depends on, as JSON gives it back (so a saved record compares equal)."""
-    return json.loads(json.dumps({"weak": weak, "config": cfg.to_dict()}))
+def settings(config: dict, weak: bool) -> dict:
+    """What a layout's row depends on (its resolved config, as Config.to_dict gives it, and
+    --weak), as JSON gives it back, so that a saved record compares equal."""
+    return json.loads(json.dumps({"weak": weak, "config": config}))
 
 
 def changes(old, new, key: str = "") -> list[str]:
@@ -24,9 +23,9 @@ def changes(old, new, key: str = "") -> list[str]:
     return [] if old == new else [f"{key.removeprefix('config.')} {old} -> {new}"]
 
 
-def earlier_row(cfg: Config, weak: bool, run_dir: Path) -> tuple[dict | None, str]:
-    """The row measured earlier in run_dir under these settings; else None, and why it is not
-    reused ('' when run_dir holds no earlier run)."""
+def earlier_row(now: dict, run_dir: Path) -> tuple[dict | None, str]:
+    """The row measured earlier in run_dir under the settings `now` (settings(...)'s); else None,
+    and why it is not reused ('' when run_dir holds no earlier run)."""
     if not run_dir.exists():
         return None, ""
     try:
@@ -37,7 +36,7 @@ def earlier_row(cfg: Config, weak: bool, run_dir: Path) -> tuple[dict | None, st
         return None, f"holds no record ({RECORD}) of the settings it was measured with"
     if failed:
         return None, f"failed ({failed})"
-    changed = changes(old, settings(cfg, weak))
+    changed = changes(old, now)
     if changed:
         more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
         return None, f"was measured with other settings ({'; '.join(changed[:SHOWN])}{more})"

@@ -243,12 +243,8 @@ def parse_args(argv: list[str]):
 
 
 def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
-    with RunLock(args.out):  # one writer per --out
-        return plan_into(cfg, target, args, overrides)
-
-
-def plan_into(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
-    """plan's work, with args.out locked."""
+    """Every candidate layout, ranked and compiled as far as --max-compiles allows; the report in
+    args.out (which the caller holds locked)."""
     from tqdm import tqdm
 
     from jaxpar.data.loader import document_eot, load_dataset, model_vocab
@@ -290,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
                 jax.config.update("jax_platforms", "cpu")
             except RuntimeError:
                 pass
-        plan(cfg, target, args, overrides)
+        with RunLock(args.out):  # one writer per --out
+            plan(cfg, target, args, overrides)
 
 
 if __name__ == "__main__":

@@ -75,14 +75,14 @@ def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainSta
     return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
 
 
-def check_init_tokenizer(cfg: Config, tokenizer) -> None:
+def check_init_tokenizer(init_from: str, tokenizer) -> None:
     """train.init_from's tokenizer, where its directory names one, must be the data's."""
-    if not cfg.train.init_from:
+    if not init_from:
         return
     from jaxpar.models.hf import hf_tokenizer
-    saved = hf_tokenizer(cfg.train.init_from)
-    spec = saved.spec if saved is not None and saved.kind == "tiktoken" else cfg.train.init_from
-    check_same_tokenizer(saved, tokenizer, f"--init-from '{cfg.train.init_from}'",
+    saved = hf_tokenizer(init_from)
+    spec = saved.spec if saved is not None and saved.kind == "tiktoken" else init_from
+    check_same_tokenizer(saved, tokenizer, f"--init-from '{init_from}'",
                          f"train on data prepared with it (python -m jaxpar.prepare TEXT --out DIR "
                          f"--tokenizer {spec}, then --data.path=DIR), or --init-from a model of the "
                          "data's tokenizer")
@@ -239,7 +239,7 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
-    check_init_tokenizer(cfg, dataset.tokenizer)  # before model_vocab, whose message would mislead
+    check_init_tokenizer(cfg.train.init_from, dataset.tokenizer)  # before model_vocab, whose message would mislead
     document_eot(cfg, dataset.tokenizer)  # data.document_mask without an end-of-text token fails here
     mesh = build_mesh(cfg, devices)
     cfg, note = micro_batch.resolve(cfg, model_vocab(cfg, dataset.tokenizer), mesh, document_eot(cfg, dataset.tokenizer))
