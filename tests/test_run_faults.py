@@ -341,8 +341,8 @@ def test_a_full_disk_is_one_line_before_the_compile_and_when_it_fills_during_a_s
     the room check skipped, so that orbax's own write fails in its background threads: one line,
     exit 2 within a minute (not orbax's 300 s wait for its signals), its temporary folder gone,
     and checkpoint 4 resumes exactly on a larger disk."""
-    used = sum(p.stat().st_size for p in saved[0].rglob("*") if p.is_file())
-    with mounted("-t", "tmpfs", "-o", f"size={used // 1024 + 200}k", "tmpfs", target=tmp_path):
+    used = sum(-(-p.stat().st_size // 4096) * 4 for p in saved[0].rglob("*") if p.is_file())  # KiB, whole pages
+    with mounted("-t", "tmpfs", "-o", f"size={used + 200}k", "tmpfs", target=tmp_path):
         out = tmp_path / "run"
         shutil.copytree(saved[0], out)
         with pytest.raises(UserError, match=r"^cannot save checkpoints in .* \(No space left on device: "

@@ -122,3 +122,11 @@ def test_tiktoken_and_a_tokenizer_json_of_the_same_tokens_are_one_tokenizer(monk
     assert same_mapping(tok, tokenizer_json(swap=False)) and same_mapping(tokenizer_json(swap=False), tok)
     assert not same_mapping(tok, tokenizer_json(swap=True))
     assert not same_mapping(tok, ByteTokenizer())
+
+
+def test_a_damaged_tokenizer_name_is_one_line(tmp_path):
+    from jaxpar.core.errors import UserError
+    from jaxpar.models.hf import hf_tokenizer
+    (tmp_path / META_FILE).write_text("{not json")
+    with pytest.raises(UserError, match=r"does not name a tokenizer; export the model again"):
+        hf_tokenizer(tmp_path)

@@ -141,7 +141,12 @@ def hf_tokenizer(hf_dir):
     if (directory / "tokenizer.json").is_file():
         return load_tokenizer(str(directory / "tokenizer.json"))
     meta = directory / META_FILE
-    return from_meta(json.loads(meta.read_text(encoding="utf-8"))) if meta.is_file() else None
+    if not meta.is_file():
+        return None
+    try:
+        return from_meta(json.loads(meta.read_text(encoding="utf-8")))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise UserError(f"'{meta}' does not name a tokenizer; export the model again with jaxpar.export") from None
 
 
 def hf_state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:

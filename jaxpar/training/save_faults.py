@@ -72,14 +72,17 @@ def check_room(directory: Path, nbytes: int) -> None:
     probe.rmdir()
     free = shutil.disk_usage(where).free
     if free < nbytes:
-        raise OSError(errno.ENOSPC, f"{free / 2**20:,.1f} MiB free of the {nbytes / 2**20:,.1f} MiB a "
-                                    "checkpoint needs")
+        raise NoRoom(errno.ENOSPC, f"{free / 2**20:,.1f} MiB free of the {nbytes / 2**20:,.1f} MiB a "
+                                   "checkpoint needs")
+
+
+class NoRoom(OSError):
+    """check_room's own finding: the disk's free bytes against a checkpoint's."""
 
 
 def room_message(error: OSError) -> str:
-    if error.errno == errno.ENOSPC and error.strerror and "MiB" in error.strerror:
-        return f"No space left on device: {error.strerror}"
-    return reason(error)
+    """Why check_room failed: the figures where it measured them, else the OS's words."""
+    return f"No space left on device: {error.strerror}" if isinstance(error, NoRoom) else reason(error)
 
 
 def remove_temporaries(directory: Path, step: int) -> None:

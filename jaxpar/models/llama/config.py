@@ -154,12 +154,12 @@ def check_rope(m: LlamaConfig) -> None:
         raise UserError(f"model.rope_type must be one of {', '.join(m.rope_types)}, got '{m.rope_type}'")
     users = {"rope_factor": ("llama3", "yarn"), "rope_original_max_position": ("llama3", "yarn"),
              "rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",)}
-    bad = [("rope_factor", m.rope_factor > 0, "> 0"),
+    rules = [("rope_factor", m.rope_factor > 0, "> 0"),
            ("rope_original_max_position", m.rope_original_max_position > 0, "> 0"),
            ("rope_low_freq_factor", m.rope_low_freq_factor > 0, "> 0"),
            ("rope_high_freq_factor", m.rope_high_freq_factor > m.rope_low_freq_factor,
             f"> model.rope_low_freq_factor={m.rope_low_freq_factor}")]
-    for name, ok, need in bad:
+    for name, ok, need in rules:
         if not ok:
             kind = m.rope_type if m.rope_type in users[name] else "/".join(t for t in users[name] if t in m.rope_types)
             raise UserError(f"model.{name} must be {need} for {kind} rope scaling, got {getattr(m, name)}; "
