@@ -24,7 +24,7 @@ from jaxpar.models.family import build_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
-from jaxpar.training import step as steps
+from jaxpar.training.build import build
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -99,7 +99,7 @@ def fails_with(capsys, tmp_path, argv: list[str], *expected: str):
     assert not out.exists(), "a failed run must write nothing"
 
 
-LAUNCH = Path(__file__).resolve().parent.parent / "scripts" / "launch_local.sh"
+LAUNCH = Path(__file__).resolve().parent.parent / "scripts" / "tools" / "launch_local.sh"
 LAUNCH_TIMEOUT_S = 300
 
 
@@ -174,13 +174,13 @@ def exported_configs(hf_dir: Path) -> tuple[dict, dict]:
     """Load hf_dir and export it: every tensor must be the fixture's, bit for bit, under the same
     name (bf16 -> float32 master weights -> bf16 is exact); (the fixture's config.json, jaxpar's)."""
     cfg, vocab, _, shardings = placed("dp=1", 0, hf_dir)
-    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+    params = hf.load_hf_params(hf_dir, cfg.model, vocab, shardings)
     original = tensors_of(hf_dir)
-    exported = hf.hf_state_dict(params, cfg, vocab, dtype=original["model.norm.weight"].dtype)
+    exported = hf.hf_state_dict(params, cfg.model, vocab, dtype=original["model.norm.weight"].dtype)
     assert sorted(exported) == sorted(original)
     for name, array in original.items():
         assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
-    return json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg, vocab, eot_id=0)
+    return json.loads((hf_dir / "config.json").read_text()), hf.hf_config(cfg.model, vocab, eot_id=0)
 
 
 def copy_with(tmp_path: Path, hf_dir: Path, change: dict) -> Path:
@@ -197,9 +197,7 @@ def placed(spec: str, zero: int, hf_dir: Path, **overrides):
     cfg = tiny_config(**mesh_overrides(spec), **{"train.zero": zero}, **overrides)
     vocab = hf.apply_hf_config(cfg, hf_dir, {})
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
-    model = build_model(cfg, vocab)
-    shardings, _ = steps.state_shardings(cfg, model, mesh, steps.make_optimizer(cfg, model))
-    return cfg, vocab, mesh, shardings.params
+    return cfg, vocab, mesh, build(cfg, mesh, vocab=vocab).shardings.params
 
 
 def save_random_gpt2(run_dir: Path, cfg, tokenizer, step: int, scale: float):

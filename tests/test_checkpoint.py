@@ -21,11 +21,10 @@ from conftest import fresh_process_env, mesh_overrides, tiny_config
 
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import load_dataset
-from jaxpar.models.family import build_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.zero import check_state
 from jaxpar.train import run
-from jaxpar.training import step as steps
+from jaxpar.training.build import build
 from jaxpar.training.checkpoint import Checkpoints
 from jaxpar.training.resume import restore_train_state
 
@@ -99,12 +98,9 @@ def test_restore_onto_another_mesh_and_zero_stage(saved, tmp_path, spec, stage):
     tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     mesh = build_mesh(cfg, devices(cfg))
     with jax.set_mesh(mesh):
-        model = build_model(cfg, tokenizer.vocab_size)
-        tx = steps.make_optimizer(cfg, model)
-        shardings, _ = steps.state_shardings(cfg, model, mesh, tx)
-        state, found = restore_train_state(Checkpoints(tmp_path / "checkpoints"), cfg, tokenizer,
-                                           tx, shardings)
-        check_state(state, shardings)  # where this mesh and stage put each tensor
+        built = build(cfg, mesh, tokenizer)
+        state, found = restore_train_state(Checkpoints(tmp_path / "checkpoints"), built, tokenizer)
+        check_state(state, built.shardings)  # where this mesh and stage put each tensor
     assert found.meta["step"] == int(state.step) == STOP_AT and found.verified
     assert_trees_equal(state.params, stopped.params)
 
@@ -126,11 +122,8 @@ def test_gradient_clipping_may_be_turned_off_on_resume(saved, tmp_path):
     for cfg in (config(SAVE_ON, TOTAL), unclipped):
         mesh = build_mesh(cfg, devices(cfg))
         with jax.set_mesh(mesh):
-            model = build_model(cfg, tokenizer.vocab_size)
-            tx = steps.make_optimizer(cfg, model)
-            shardings, _ = steps.state_shardings(cfg, model, mesh, tx)
             restored[cfg.optimizer.grad_clip] = restore_train_state(
-                Checkpoints(out / "checkpoints"), cfg, tokenizer, tx, shardings)[0].opt_state
+                Checkpoints(out / "checkpoints"), build(cfg, mesh, tokenizer), tokenizer)[0].opt_state
     assert_trees_equal(restored[1.0], restored[0.0])
     shutil.copytree(out, tmp_path, dirs_exist_ok=True)
     resumed = train(unclipped, tmp_path, stop_at=STOP_AT + 1)

@@ -58,9 +58,9 @@ def test_the_chunked_loss_trains_as_one_device(spec):
 def temp_bytes(chunks: int) -> int:
     from jaxpar.parallel import hlo
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     cfg = tiny_config(**{"model.loss_chunks": chunks, "model.vocab_size": 16384})
-    return hlo.memory_summary(compile_abstract_step(cfg, 16384, build_mesh(cfg, jax.devices()[:1])))["temp_bytes"]
+    return hlo.memory_summary(build(cfg, build_mesh(cfg, jax.devices()[:1]), vocab=16384).compile_abstract())["temp_bytes"]
 
 
 def test_the_whole_float32_logits_are_never_held():

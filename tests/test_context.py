@@ -16,7 +16,7 @@ from conftest import mesh_overrides, tiny_config
 from helpers import STEPS, assert_same_training, fails_with, launch, logged_losses, losses, train
 
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.planning.placement import compile_abstract_step
+from jaxpar.training.build import build
 
 CONFIGS = ("tiny", "tiny_llama")
 
@@ -65,7 +65,7 @@ def test_the_compiled_step_passes_kv_blocks_around_the_ring():
     for spec in ("dp=4", "cp=4"):
         cfg = tiny_config(**mesh_overrides(spec))
         mesh = build_mesh(cfg, jax.devices()[:4])
-        texts[spec] = compile_abstract_step(cfg, 65, mesh).as_text()
+        texts[spec] = build(cfg, mesh, vocab=65).compile_abstract().as_text()
     assert "collective-permute" not in texts["dp=4"] and "collective-permute" in texts["cp=4"]
 
 

@@ -69,7 +69,7 @@ def test_default_config_file_equals_builtin_defaults():
 
 
 def test_micro_batch_caps_rows_per_device():
-    from jaxpar.training.step import num_microbatches
+    from jaxpar.training.execution import num_microbatches
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 6}).train
     assert [num_microbatches(t, dp) for dp in (1, 2, 4)] == [2, 1, 1]
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 5}).train

@@ -19,7 +19,7 @@ from helpers import LOSS_RTOL, PARAM_TOL, fails_with
 from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.family import build_model
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training import step as steps
+from jaxpar.training.build import build
 from jaxpar.training.execution import plan_execution
 from jaxpar.training.passes import laid_out, make_grad_fn
 
@@ -77,14 +77,13 @@ def on_mesh(spec: str, family: str, params, mask: bool = True, **overrides):
     the masked model on `spec`, through the train step's gradient function."""
     cfg = config(spec, family, mask, **overrides)
     mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
-    model = build_model(cfg, VOCAB, EOT, plan_execution(cfg, mesh))
+    built = build(cfg, mesh, vocab=VOCAB, eot_id=EOT)
+    model = built.model
     inputs, targets = rows()
     with jax.set_mesh(mesh):
-        tx = steps.make_optimizer(cfg, model, mesh)
-        shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
-        placed = jax.device_put(params, shardings.params)
-        batch = [a.reshape(steps.microbatches_for(cfg, mesh), -1, T) for a in (inputs, targets)]
-        metrics, grads = jax.jit(make_grad_fn(cfg, model, plan.grads))(placed, *batch, 0)
+        placed = jax.device_put(params, built.shardings.params)
+        batch = [a.reshape(model.plan.microbatches, -1, T) for a in (inputs, targets)]
+        metrics, grads = jax.jit(make_grad_fn(model, cfg.train.seed, built.zero.grads))(placed, *batch, 0)
         per_token = None
         if cfg.mesh.pp == 1:
             laid = jax.jit(laid_out(lambda p, x, y: token_losses(model(p, x), y), model.plan))(placed, inputs, targets)

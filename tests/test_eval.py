@@ -168,9 +168,10 @@ def test_an_export_evaluates_on_the_data_it_was_trained_on(saved, char_data, tmp
 
 
 def test_tokenizers_compare_by_what_they_map():
+    from tokenizers import Tokenizer
+
     from jaxpar.data import vocab
     from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, same_mapping
-    from tokenizers import Tokenizer
     as_json = lambda text: HFTokenizer(Tokenizer.from_str(text), "x/tokenizer.json")  # noqa: E731
     assert same_mapping(ByteTokenizer(), as_json(vocab.byte_tokenizer_json(256)))
     assert same_mapping(CharTokenizer("abc"), as_json(vocab.char_tokenizer_json("abc")))

@@ -72,7 +72,7 @@ def test_eval_runs_the_attention_kernel_the_run_trained_with(tmp_path):
     assert "pallas_call" in str(jax.make_jaxpr(row_losses)(model.params, inputs, targets))
     as_xla = load(tmp_path)
     as_xla.cfg.model.attention = "xla"
-    as_xla.execution = plan_execution(as_xla.cfg, as_xla.mesh, for_training=False)
+    as_xla.net = as_xla.net.on(plan_execution(as_xla.cfg, as_xla.mesh, for_training=False))
     xla_losses = evaluate.make_row_losses(as_xla)
     assert "pallas_call" not in str(jax.make_jaxpr(xla_losses)(model.params, inputs, targets))
     np.testing.assert_allclose(row_losses(model.params, inputs, targets), xla_losses(model.params, inputs, targets),
@@ -85,13 +85,13 @@ def test_the_planner_compiles_a_tpu_targets_mixture_with_the_tpus_dispatch():
     buffers ep times their size; on 2755087 the planner compiled the CPU's."""
     pytest.importorskip("libtpu")
     from jaxpar.planning import hardware
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     # The MoE quick start's layers (Megablox's tiles need its widths), two of them.
     cfg = tiny_config("shakespeare_moe_cpu", **mesh_overrides("ep=8"), **{
         "model.n_layer": 2, "train.batch_size": 8, "train.micro_batch": 1})
     mesh = build_mesh(cfg, hardware.target_devices(hardware.parse_target("tpu:v5e-8")))
     assert plan_execution(cfg, mesh).moe_mode == "ragged"
-    text = compile_abstract_step(cfg, 65, mesh).as_text()
+    text = build(cfg, mesh, vocab=65).compile_abstract().as_text()
     assert "ragged-all-to-all(" in text  # the rows; the counts that size them go by a small all-to-all
 
 
@@ -142,14 +142,14 @@ def test_the_h100_step_of_a_mixture_runs_tokamax_at_the_routed_flops():
     """A compile-only H100's MoE train step: its experts' GEMMs are tokamax's Triton kernels, at
     the routed FLOPs; the control, XLA's ragged_dot, multiplies every row by all 4 experts: 4x."""
     from jaxpar.planning import hardware, hlo_ops
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     cfg = tiny_config("tiny_moe", **mesh_overrides("dp=2"))
     mesh = build_mesh(cfg, hardware.target_devices(hardware.parse_target("gpu:h100-2")))
     flops = {}
     for gemm, marks in (("auto", "tokamax:"), ("ragged_dot", "ragged_dot_general")):
         cfg.model.moe_gemm = gemm
         assert plan_execution(cfg, mesh).moe_gemm == ("tokamax" if gemm == "auto" else gemm)
-        text = compile_abstract_step(cfg, 65, mesh).as_text()
+        text = build(cfg, mesh, vocab=65).compile_abstract().as_text()
         assert ("__gpu$xla.gpu.triton" in text) == (gemm == "auto")
         comps, _, _ = hlo_ops.parse(text)
         flops[gemm] = sum(sum(hlo_ops.op_flops(op, comps, {o.name: o.shape for o in ops}).values())

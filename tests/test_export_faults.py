@@ -114,7 +114,7 @@ def test_a_replaced_export_lists_its_files_and_loads(exported, trained, tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # neither the lock's folder nor the old export
     cfg, vocab, _, shardings = helpers_placed("dp=1", 0, out)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    loaded = jax.tree.map(np.array, hf.load_hf_params(out, cfg, vocab, shardings))
+    loaded = jax.tree.map(np.array, hf.load_hf_params(out, cfg.model, vocab, shardings))
     params = jax.tree.map(lambda a: np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32),
                           sample.load(trained).params)
     params["wte"][vocab:] = 0  # padding rows are not exported

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py, the GPU comparison's one command, at tiny shapes on this CPU: every
+"""scripts/tools/gpu_check.py, the GPU comparison's one command, at tiny shapes on this CPU: every
 section runs and writes its table; its trace reader, on a made-up GPU trace, counts each kernel
 once (the control: the same kernels repeated on the trace's "XLA Ops" line and on the host)."""
 
@@ -7,7 +7,7 @@ import importlib.util
 import json
 import pathlib
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "tools" / "gpu_check.py"
 
 
 def gpu_check():
@@ -52,7 +52,7 @@ def test_its_trace_reader_counts_each_gpu_kernel_once(tmp_path):
 
 
 def test_the_deepseek_gpu_check_measures_attention_at_latent_heads(tmp_path):
-    """scripts/gpu_deepseek.py's attention section at tiny shapes: xla and tokamax's reference
+    """scripts/tools/gpu_deepseek.py's attention section at tiny shapes: xla and tokamax's reference
     within bf16's error of float32, and cuDNN's row holds its error line on a CPU."""
     spec = importlib.util.spec_from_file_location("gpu_deepseek", SCRIPT.parent / "gpu_deepseek.py")
     module = importlib.util.module_from_spec(spec)

@@ -2,7 +2,7 @@
 bit-exact round trip, the exact names/shapes/dtypes save_pretrained writes, the export command,
 and every refusal as one line.
 
-The fixture (tests/fixtures/hf_gpt2_tiny, made by scripts/make_hf_fixtures.py with real
+The fixture (tests/fixtures/hf_gpt2_tiny, made by scripts/fixtures/hf_fixtures.py make --family gpt2 with real
 transformers) is a random GPT2LMHeadModel with vocab 101, so wte's padding to 128 rows is
 exercised. Tolerance: logits within rtol 1e-5 plus atol 1e-5 of transformers' float32 ones (they
 are of order 1; the largest difference measured was 3e-6).
@@ -33,7 +33,7 @@ from jaxpar.models.family import abstract_model, build_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run
-from jaxpar.training import step as steps
+from jaxpar.training.build import build
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
@@ -52,7 +52,7 @@ def host(params) -> dict:
 def test_hf_checkpoint_gives_transformers_logits_on_any_mesh(spec, zero):
     cfg, vocab, mesh, shardings = placed(spec, zero)
     assert (vocab, cfg.model.gelu, cfg.model.n_layer, cfg.model.block_size) == (101, "tanh", 2, 32)
-    params = hf.load_hf_params(FIXTURE, cfg, vocab, shardings)
+    params = hf.load_hf_params(FIXTURE, cfg.model, vocab, shardings)
     for array, where in zip(jax.tree.leaves(params), jax.tree.leaves(shardings)):
         assert array.sharding == where
     if zero == 3:  # placement: the big weights are split over 'data' as well as 'tensor'
@@ -74,7 +74,7 @@ def test_hf_checkpoint_gives_transformers_logits_on_any_mesh(spec, zero):
 
 def test_padding_rows_of_wte_are_zero():
     cfg, vocab, _, shardings = placed()
-    wte = np.asarray(hf.load_hf_params(FIXTURE, cfg, vocab, shardings)["wte"])
+    wte = np.asarray(hf.load_hf_params(FIXTURE, cfg.model, vocab, shardings)["wte"])
     assert wte.shape == (padded_vocab(101), 32) and not wte[vocab:].any() and wte[:vocab].any()
 
 
@@ -85,14 +85,14 @@ def fixture_tensors() -> dict:
 
 def test_state_dict_is_what_save_pretrained_writes():
     cfg, vocab, _, shardings = placed()
-    exported = hf.hf_state_dict(hf.load_hf_params(FIXTURE, cfg, vocab, shardings), cfg, vocab)
+    exported = hf.hf_state_dict(hf.load_hf_params(FIXTURE, cfg.model, vocab, shardings), cfg.model, vocab)
     original = fixture_tensors()
     assert sorted(exported) == sorted(original)
     for name, array in original.items():
         assert (exported[name].shape, exported[name].dtype) == (array.shape, array.dtype), name
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
     config = json.loads((FIXTURE / "config.json").read_text())
-    written = hf.hf_config(cfg, vocab, eot_id=100)
+    written = hf.hf_config(cfg.model, vocab, eot_id=100)
     for key in ("model_type", "architectures", "n_layer", "n_head", "n_embd", "n_positions",
                 "vocab_size", "activation_function", "layer_norm_epsilon", "bos_token_id",
                 "eos_token_id", "tie_word_embeddings", "n_inner", "scale_attn_weights"):
@@ -119,15 +119,14 @@ def test_jaxpar_to_hf_to_jaxpar_is_bit_exact(tmp_path, gelu):
     cfg = tiny_config(**{"model.gelu": gelu})
     vocab = 65
     mesh = build_mesh(cfg, jax.devices()[:1])
-    model = build_model(cfg, vocab)
-    shardings, _ = steps.state_shardings(cfg, model, mesh, steps.make_optimizer(cfg, model))
+    shardings = build(cfg, mesh, vocab=vocab).shardings
     params = random_params(cfg, vocab)
-    hf_dir = write_hf_dir(tmp_path / "hf", hf.hf_state_dict(params, cfg, vocab),
-                          hf.hf_config(cfg, vocab, None))
+    hf_dir = write_hf_dir(tmp_path / "hf", hf.hf_state_dict(params, cfg.model, vocab),
+                          hf.hf_config(cfg.model, vocab, None))
     loaded_cfg = tiny_config()
     assert hf.apply_hf_config(loaded_cfg, hf_dir, {}) == vocab
     assert loaded_cfg.model == cfg.model
-    loaded = host(hf.load_hf_params(hf_dir, loaded_cfg, vocab, shardings.params))
+    loaded = host(hf.load_hf_params(hf_dir, loaded_cfg.model, vocab, shardings.params))
     params["wte"][vocab:] = 0  # padding rows are not exported, and come back as zeros
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
@@ -138,12 +137,12 @@ def test_names_without_the_transformer_prefix_and_a_tied_lm_head_load(tmp_path):
     config = json.loads((FIXTURE / "config.json").read_text())
     bare = write_hf_dir(tmp_path / "bare", tensors, config)
     cfg, vocab, _, shardings = placed()
-    jax.tree.map(np.testing.assert_array_equal, host(hf.load_hf_params(bare, cfg, vocab, shardings)),
-                 host(hf.load_hf_params(FIXTURE, cfg, vocab, shardings)))
+    jax.tree.map(np.testing.assert_array_equal, host(hf.load_hf_params(bare, cfg.model, vocab, shardings)),
+                 host(hf.load_hf_params(FIXTURE, cfg.model, vocab, shardings)))
     tensors["lm_head.weight"] = tensors["wte.weight"] + 1
     untied = write_hf_dir(tmp_path / "untied", tensors, config)
     with pytest.raises(UserError, match="lm_head.weight differs from wte.weight"):
-        hf.load_hf_params(untied, cfg, vocab, shardings)
+        hf.load_hf_params(untied, cfg.model, vocab, shardings)
 
 
 def copy_fixture(tmp_path: Path, **config_changes) -> Path:
@@ -225,7 +224,7 @@ def test_weights_that_disagree_with_the_config_are_named(tmp_path):
     _, _, _, shardings = placed(hf_dir=hf_dir)
     with pytest.raises(UserError, match=r"transformer.wpe.weight has shape \(32, 32\), but its "
                                         r"config.json implies \(64, 32\)"):
-        hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+        hf.load_hf_params(hf_dir, cfg.model, vocab, shardings)
 
 
 # ---- python -m jaxpar.export ----
@@ -254,7 +253,7 @@ def test_export_writes_what_transformers_loads(trained, tmp_path, capsys):
         vocab, "gelu_new", 32)
     cfg, loaded_vocab, _, shardings = placed(hf_dir=out)
     assert loaded_vocab == vocab and cfg.model == model.cfg.model
-    loaded = host(hf.load_hf_params(out, cfg, vocab, shardings))
+    loaded = host(hf.load_hf_params(out, cfg.model, vocab, shardings))
     params = host(model.params)
     params["wte"][vocab:] = 0  # padding rows are not exported
     jax.tree.map(np.testing.assert_array_equal, loaded, params)

@@ -2,7 +2,7 @@
 an expert- and tensor-parallel mesh (and through the decoding cache), the export bit for bit under
 HF's names, and what jaxpar does not compute refused in one line.
 
-The fixtures (tests/fixtures/hf_deepseek_*, made by scripts/make_hf_deepseek_fixtures.py with
+The fixtures (tests/fixtures/hf_deepseek_*, made by scripts/fixtures/hf_fixtures.py make --family deepseek with
 transformers 5.24) are random models with vocab 101 whose routers, with a non-zero correction bias,
 send tokens to every expert: one with a query bottleneck, 8 routed experts in 4 groups and a dense
 first layer in float32; one without the bottleneck, 4 experts in 2 groups, tied, in bfloat16; one
@@ -39,7 +39,7 @@ def test_hf_deepseek_gives_transformers_logits(hf_dir, spec):
     assert (m.family, m.q_lora_rank, m.n_experts, m.dense_layers, m.rope_type, m.mtp_layers) == \
         {V3: ("deepseek", 16, 8, "0", "default", 0), V3_BF16: ("deepseek", 0, 4, "0", "default", 0),
          V3_YARN: ("deepseek", 16, 4, "0", "yarn", 0)}[hf_dir]  # num_nextn_predict_layers 1, no weights
-    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+    params = hf.load_hf_params(hf_dir, cfg.model, vocab, shardings)
     assert np.abs(np.asarray(params["blocks"]["router"]["balance"])).max() > 0.01  # the correction bias read
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
@@ -96,7 +96,7 @@ def test_the_export_of_a_trained_deepseek_samples_its_text(tmp_path, capsys):
     assert np.abs(names["model.layers.1.mlp.gate.e_score_correction_bias"]).max() > 0
     cfg, vocab, _, shardings = placed_on("dp=1", 0, tmp_path / "hf")
     assert cfg.model.mtp_layers == 1
-    read = hf.load_hf_params(tmp_path / "hf", cfg, vocab, shardings)
+    read = hf.load_hf_params(tmp_path / "hf", cfg.model, vocab, shardings)
     jax.tree.map(np.testing.assert_array_equal, read["mtp"], trained["mtp"])
     # the control: the module's block is not the main model's last layer
     assert not np.array_equal(read["mtp"]["block"]["attn_out"]["kernel"][0], read["blocks"]["attn_out"]["kernel"][-1])

@@ -2,7 +2,7 @@
 and on tp=2, tied and untied, GQA 4/2, llama3 rope scaling, a sharded and a bfloat16 checkpoint;
 a bit-exact round trip; exactly HF's names, shapes and dtypes; and every refusal as one line.
 
-The fixtures (tests/fixtures/hf_llama_*, made by scripts/make_hf_llama_fixtures.py with real
+The fixtures (tests/fixtures/hf_llama_*, made by scripts/fixtures/hf_fixtures.py make --family llama with real
 transformers 5.23) are random LlamaForCausalLMs with vocab 101. Tolerance: logits within rtol 1e-5
 plus atol 1e-5 of transformers' float32 ones (they are of order 1 to 6).
 """
@@ -47,7 +47,7 @@ def test_hf_llama_gives_transformers_logits(hf_dir, spec):
     m = cfg.model
     assert (m.family, m.n_head, m.kv_heads, vocab) == ("llama", 4, 2, 101)
     assert m.tie_embeddings == (hf_dir != LLAMA3) and m.rope_type == ("llama3" if hf_dir == LLAMA3 else "default")
-    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+    params = hf.load_hf_params(hf_dir, cfg.model, vocab, shardings)
     assert all(a.dtype == np.float32 for a in jax.tree.leaves(params))  # bf16 files too
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
@@ -60,7 +60,7 @@ def test_hf_llama_gives_transformers_logits(hf_dir, spec):
 def test_llama3_scaling_matters():
     """Default RoPE frequencies miss transformers' logits by far more than the tolerance."""
     cfg, vocab, mesh, shardings = placed(LLAMA3)
-    params = hf.load_hf_params(LLAMA3, cfg, vocab, shardings)
+    params = hf.load_hf_params(LLAMA3, cfg.model, vocab, shardings)
     cfg.model.rope_type = "default"
     ids, expected = np.load(LLAMA3 / "input_ids.npy"), np.load(LLAMA3 / "logits.npy")
     assert np.abs(logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 100 * ATOL
@@ -69,14 +69,14 @@ def test_llama3_scaling_matters():
 @pytest.mark.parametrize("hf_dir", [TIED, LLAMA3])
 def test_export_is_what_save_pretrained_writes_and_round_trips(tmp_path, hf_dir):
     cfg, vocab, _, shardings = placed(hf_dir)
-    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
-    exported, original = hf.hf_state_dict(params, cfg, vocab), tensors_of(hf_dir)
+    params = hf.load_hf_params(hf_dir, cfg.model, vocab, shardings)
+    exported, original = hf.hf_state_dict(params, cfg.model, vocab), tensors_of(hf_dir)
     assert sorted(exported) == sorted(original)
     for name, array in original.items():
         assert (exported[name].shape, exported[name].dtype) == (array.shape, array.dtype), name
         np.testing.assert_array_equal(exported[name], array, err_msg=name)
     config = json.loads((hf_dir / "config.json").read_text())
-    written = hf.hf_config(cfg, vocab, eot_id=0)
+    written = hf.hf_config(cfg.model, vocab, eot_id=0)
     for key in ("model_type", "architectures", "num_hidden_layers", "num_attention_heads", "hidden_size",
                 "num_key_value_heads", "intermediate_size", "head_dim", "vocab_size", "rms_norm_eps",
                 "tie_word_embeddings", "rope_parameters", "hidden_act", "attention_bias", "mlp_bias"):
@@ -87,14 +87,14 @@ def test_export_is_what_save_pretrained_writes_and_round_trips(tmp_path, hf_dir)
     (out / "config.json").write_text(json.dumps(written))
     again_cfg = tiny_config(**{"train.zero": 0})
     assert hf.apply_hf_config(again_cfg, out, {}) == vocab and again_cfg.model == cfg.model
-    again = hf.load_hf_params(out, again_cfg, vocab, shardings)
+    again = hf.load_hf_params(out, again_cfg.model, vocab, shardings)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(again), jax.device_get(params))
 
 
 def test_bfloat16_export_has_bfloat16_tensors():
     cfg, vocab, _, shardings = placed(BF16)
-    params = hf.load_hf_params(BF16, cfg, vocab, shardings)
-    exported = hf.hf_state_dict(params, cfg, vocab, dtype=tensors_of(BF16)["model.norm.weight"].dtype)
+    params = hf.load_hf_params(BF16, cfg.model, vocab, shardings)
+    exported = hf.hf_state_dict(params, cfg.model, vocab, dtype=tensors_of(BF16)["model.norm.weight"].dtype)
     for name, array in tensors_of(BF16).items():  # bf16 -> float32 master weights -> bf16: exact
         assert exported[name].dtype == array.dtype and np.array_equal(exported[name], array), name
 
@@ -169,7 +169,7 @@ def test_export_in_bfloat16_and_in_shards_loads_back(trained, tmp_path):
     cfg, loaded_vocab, _, shardings = placed(tmp_path / "shards")
     assert cfg.model.max_positions == 32  # max_position_embeddings, from the run's block_size
     assert loaded_vocab == vocab and dataclasses.replace(cfg.model, max_positions=0) == model.cfg.model
-    loaded = hf.load_hf_params(tmp_path / "shards", cfg, vocab, shardings)
+    loaded = hf.load_hf_params(tmp_path / "shards", cfg.model, vocab, shardings)
     params = jax.tree.map(np.array, model.params)  # writable copies
     for name in ("wte", "lm_head"):  # padding rows are not exported
         params[name][vocab:] = 0

@@ -2,7 +2,7 @@
 device and on expert-parallel meshes, a device reading only its own experts, the export bit for
 bit under HF's names, a trained run's export sampling its text, and every refusal as one line.
 
-The fixtures (tests/fixtures/hf_moe_*, made by scripts/make_hf_moe_fixtures.py with transformers
+The fixtures (tests/fixtures/hf_moe_*, made by scripts/fixtures/hf_fixtures.py make --family moe with transformers
 5.24) are random models with vocab 101 whose routers send tokens to every expert. Tolerance: logits
 within rtol 1e-5 plus atol 1e-5 of transformers' float32 ones (of order 1 to 5).
 """
@@ -39,7 +39,7 @@ def test_hf_moe_gives_transformers_logits(hf_dir, spec):
     expected_shape = {MIXTRAL: (4, True, "none", 0, 2), QWEN3: (6, False, "head", 16, 2),
                       QWEN3_MIXED: (4, True, "head", 16, 1), QWEN3_DENSE: (0, True, "head", 16, 0)}[hf_dir]
     assert (m.n_experts, m.moe_renormalize, m.qk_norm, m.head_dim, sum(m.sparse_layers)) == expected_shape
-    params = hf.load_hf_params(hf_dir, cfg, vocab, shardings)
+    params = hf.load_hf_params(hf_dir, cfg.model, vocab, shardings)
     ids, expected = np.load(hf_dir / "input_ids.npy"), np.load(hf_dir / "logits.npy")
     np.testing.assert_allclose(logits_of(cfg, vocab, mesh, params, ids), expected, RTOL, ATOL)
     if spec == "dp=1":  # the KV-cache forward pass, the rest after 9 tokens went into the cache
@@ -49,7 +49,7 @@ def test_hf_moe_gives_transformers_logits(hf_dir, spec):
 def test_the_router_convention_matters():
     """Qwen3's unrenormalised weights, renormalised, miss transformers' logits by far."""
     cfg, vocab, mesh, shardings = placed_on("dp=1", 0, QWEN3)
-    params = hf.load_hf_params(QWEN3, cfg, vocab, shardings)
+    params = hf.load_hf_params(QWEN3, cfg.model, vocab, shardings)
     cfg.model.moe_renormalize = True
     ids, expected = np.load(QWEN3 / "input_ids.npy"), np.load(QWEN3 / "logits.npy")
     assert np.abs(logits_of(cfg, vocab, mesh, params, ids) - expected).max() > 100 * ATOL
@@ -75,8 +75,8 @@ def test_a_device_reads_only_its_own_experts():
     tensors, path = open_weights(MIXTRAL)
     read = set()
     watched = {name: Recorded(a, name, read) if ".experts." in name else a for name, a in tensors.items()}
-    readers = hf_moe.readers(watched, cfg, vocab,
-                             hf.declared_params(cfg, vocab), path)
+    readers = hf_moe.readers(watched, cfg.model, vocab,
+                             hf.declared_params(cfg.model, vocab), path)
     block = readers[("blocks", "experts_gate_up", "kernel")]((slice(0, 2), slice(2, 4), slice(None), slice(None),
                                                              slice(None)))
     assert block.shape == (2, 2, 32, 2, 24)
@@ -119,7 +119,7 @@ def test_unsupported_moe_variants_are_one_line(tmp_path, hf_dir, change, expecte
 def test_export_refuses_what_no_hf_architecture_computes(config, overrides, expected):
     cfg = tiny_config(config, **overrides)
     with pytest.raises(UserError, match=expected):
-        hf.hf_config(cfg, 65, eot_id=0)
+        hf.hf_config(cfg.model, 65, eot_id=0)
 
 
 @pytest.fixture(scope="module")

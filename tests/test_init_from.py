@@ -23,12 +23,11 @@ from jaxpar.data.loader import batch_offsets, load_dataset
 from jaxpar.data.prepare import prepare
 from jaxpar.inference import sample
 from jaxpar.models import hf
-from jaxpar.models.family import abstract_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import parse_args, run
-from jaxpar.training import step as steps
 from jaxpar.training import trainer
+from jaxpar.training.build import build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 LOSS_RTOL = 1e-5
@@ -62,9 +61,9 @@ def hf_loss(tmp_path_factory):
     """Step 0's loss of the fixture's weights on step 0's batch, in float64 numpy."""
     cfg = config("dp=1", tmp_path_factory.mktemp("reference") / "run")
     mesh = build_mesh(cfg, devices(cfg))
-    model, _, _ = abstract_model(cfg, 101)
-    shardings, _ = steps.state_shardings(cfg, model, mesh, steps.make_optimizer(cfg, model))
-    params = hf.load_hf_params(FIXTURE, cfg, 101, shardings.params)
+    built = build(cfg, mesh, vocab=101)
+    model, shardings = built.model, built.shardings
+    params = hf.load_hf_params(FIXTURE, cfg.model, 101, shardings.params)
     forward = jax.jit(model)
     with jax.set_mesh(mesh):
         fixture_logits = forward(params, np.load(FIXTURE / "input_ids.npy"))
@@ -96,13 +95,13 @@ def test_the_state_before_any_update_holds_the_checkpoints_weights(spec, tmp_pat
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     mesh = build_mesh(cfg, devices(cfg))
     with jax.set_mesh(mesh):
-        p = trainer.set_up(cfg, dataset, mesh, None, fresh=False)
-        expected = hf.load_hf_params(FIXTURE, cfg, 101, p.shardings.params)
+        p = trainer.set_up(build(cfg, mesh, dataset.tokenizer), dataset, None, fresh=False)
+        expected = hf.load_hf_params(FIXTURE, cfg.model, 101, p.built.shardings.params)
     assert p.start == 0 and int(p.state.step) == 0
     assert p.state.params["wte"].shape == (padded_vocab(101), 32)
     for (path, got), want, where in zip(jax.tree_util.tree_leaves_with_path(p.state.params),
                                         jax.tree.leaves(expected),
-                                        jax.tree.leaves(p.shardings.params)):
+                                        jax.tree.leaves(p.built.shardings.params)):
         assert got.sharding == where, jax.tree_util.keystr(path)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
                                       err_msg=jax.tree_util.keystr(path))
@@ -176,7 +175,7 @@ def test_gpt2_presets_have_hugging_faces_shapes(name, n_layer, n_head, n_embd):
     assert m.n_embd % m.n_head == 0
     # What export would write for it is a config.json that --init-from reads back as this shape.
     cfg = load_config(name, {})
-    exported = hf.hf_config(cfg, 50257, 50256)
+    exported = hf.hf_config(cfg.model, 50257, 50256)
     assert (exported["n_layer"], exported["n_head"], exported["n_embd"], exported["n_positions"],
             exported["vocab_size"], exported["activation_function"]) == (
         n_layer, n_head, n_embd, 1024, 50257, "gelu_new")

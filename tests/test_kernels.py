@@ -13,7 +13,8 @@ from conftest import tiny_config
 from helpers import assert_same_training, fails_with, train
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.model_config import model_config
+from jaxpar.core.kernel_registry import ATTENTION, MOE_DISPATCH, MOE_GEMM, names
+from jaxpar.core.model_config import model_config, validate_model
 from jaxpar.nn.attention import causal_attention
 from jaxpar.nn.kernels import resolve, splash
 from jaxpar.planning import roofline
@@ -167,15 +168,25 @@ def test_kernel_refusals_are_one_line(capsys, tmp_path, args, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny", *args], *expected)
 
 
+@pytest.mark.parametrize("key", [ATTENTION, MOE_GEMM, MOE_DISPATCH])
+def test_the_kernel_keys_take_the_registrys_names(key):
+    """Config validation reads each kernel key's values off jaxpar.core.kernel_registry: each of
+    its names passes, and another value is refused in one line that lists them all."""
+    for name in names(key):
+        validate_model(model_config("llama", n_experts=4, dtype="bfloat16", block_size=128, **{key: name}))
+    with pytest.raises(UserError, match=f"model.{key} must be one of {', '.join(names(key))}, got 'flash'"):
+        validate_model(model_config("llama", n_experts=4, **{key: "flash"}))
+
+
 def compiled_text(target: str, devices: int = 1, eot_id: int | None = None, **overrides) -> str:
     from jaxpar.data.loader import load_dataset, model_vocab
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning.hardware import parse_target, target_devices
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     cfg = tiny_config("tiny", **overrides)
     devices = target_devices(parse_target(target))[:devices]
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-    return compile_abstract_step(cfg, vocab, build_mesh(cfg, devices), eot_id).as_text()
+    return build(cfg, build_mesh(cfg, devices), vocab=vocab, eot_id=eot_id).compile_abstract().as_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None,

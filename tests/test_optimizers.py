@@ -19,7 +19,7 @@ from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 from jaxpar.training import optimizers
-from jaxpar.training import step as steps
+from jaxpar.training.build import build, optimizer_for
 
 
 def test_older_names_set_the_optimizer_section(tmp_path):
@@ -67,7 +67,7 @@ def test_the_state_counted_per_param_is_what_the_optimizer_keeps():
     """AdamW keeps two moments of every param: the dry run's per-param bytes are twice the param's."""
     cfg = tiny_config()
     model = build_model(cfg, 65)
-    tx = steps.make_optimizer(cfg, model)
+    tx = optimizer_for(cfg.optimizer, model)
     shapes = model.shapes()
     state = jax.eval_shape(tx.init, shapes)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -116,7 +116,7 @@ def test_each_optimizer_is_optax_own(name):
                "adafactor": lambda: optax.adafactor(lr, multiply_by_parameter_scale=False, weight_decay_rate=0.5,
                                                     weight_decay_mask=decay)}[name]()
     updates = [jax.jit(lambda p, g, tx=tx: tx.update(g, tx.init(p), p)[0])(params, grads)
-               for tx in (steps.make_optimizer(cfg, model), by_hand)]
+               for tx in (optimizer_for(cfg.optimizer, model), by_hand)]
     for a, b in zip(jax.tree.leaves(updates[0]), jax.tree.leaves(updates[1])):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
@@ -210,7 +210,7 @@ def test_one_muon_step_is_optax_muon_on_each_matrix(spec):
     params = jax.jit(model.init, static_argnums=0)(0)
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
     mesh = build_mesh(cfg) if spec else None
-    tx = steps.make_optimizer(cfg, model, mesh)
+    tx = build(cfg, mesh, vocab=65).tx if mesh is not None else optimizer_for(cfg.optimizer, model)
     if mesh is not None:
         params, grads = jax.device_put((params, grads), NamedSharding(mesh, P()))
     updates = jax.jit(lambda p, g: tx.update(g, tx.init(p), p)[0])(params, grads)

@@ -218,11 +218,11 @@ def test_tpu_target_compiles_for_a_v5e_slice(tmp_path):
 def test_full_remat_lowers_the_compiled_steps_temporaries():
     """The equivalence tests prove remat changes no number; this proves it changes the program."""
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     temps = {}
     for remat in ("none", "full"):
         cfg = tiny_config(**{"model.n_layer": 4, "model.block_size": 128, "model.remat": remat})
-        compiled = compile_abstract_step(cfg, 65, build_mesh(cfg, jax.devices()[:1]))
+        compiled = build(cfg, build_mesh(cfg, jax.devices()[:1]), vocab=65).compile_abstract()
         temps[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temps["full"] < 0.7 * temps["none"], temps
 
@@ -270,19 +270,23 @@ def test_micro_batch_auto_takes_the_most_rows_whose_step_fits():
     search; XLA's memory for each split, against capacities on either side of it. On a CPU it
     is 6; under a pipeline, no limit; a number stays; a word other than auto is refused."""
     from jaxpar.core.errors import UserError
+    from jaxpar.parallel.hlo import memory_summary
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training import micro_batch
+    from jaxpar.training.build import assemble, build
     cfg = tiny_config(**{"train.micro_batch": "auto"})  # 8 rows on one device: 8, 4, 2 or 1 a pass
     mesh = build_mesh(cfg, jax.devices()[:1])
-    need = {rows: micro_batch.step_bytes(micro_batch.with_micro_batch(cfg, rows), 65, mesh, None)
+    need = {rows: memory_summary(assemble(cfg, mesh, 65, None, "cpu", rows).compile_abstract())["peak_memory_bytes"]
             for rows in (8, 4, 2, 1)}
     assert need[8] > need[4] > need[2] > need[1], need
+    options = micro_batch.rows_per_pass_options(cfg.train, 1)
     for capacity, rows in ((need[8], 8), (need[8] - 1, 4), (need[2], 2), (need[1] - 1, 1)):
-        assert micro_batch.largest_fitting(cfg, 65, mesh, None, capacity)[0] == rows, (capacity, need)
-    assert micro_batch.resolve(cfg, 65, mesh, None)[0].train.micro_batch == micro_batch.CPU_MICRO_BATCH
+        assert micro_batch.largest_fitting(options, lambda r, c=capacity: need[r] <= c)[0] == rows, (capacity, need)
+    assert build(cfg, mesh, vocab=65).plan.micro_batch == micro_batch.CPU_MICRO_BATCH
+    assert cfg.train.micro_batch == "auto"  # the plan holds the choice; the config keeps what was asked
     piped = tiny_config(**{"train.micro_batch": "auto", "mesh.pp": 2})
-    assert micro_batch.resolve(piped, 65, build_mesh(piped, jax.devices()[:2]), None)[0].train.micro_batch == 0
-    assert micro_batch.resolve(tiny_config(), 65, mesh, None)[0].train.micro_batch == 0  # tiny's own
+    assert build(piped, build_mesh(piped, jax.devices()[:2]), vocab=65).plan.micro_batch == 0
+    assert build(tiny_config(), mesh, vocab=65).plan.micro_batch == 0  # tiny's own
     with pytest.raises(UserError, match="train.micro_batch expects int, got 'most'"):
         tiny_config(**{"train.micro_batch": "most"})
 

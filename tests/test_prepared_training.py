@@ -43,8 +43,8 @@ from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
-from jaxpar.training import step as steps
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+from jaxpar.training.execution import plan_execution
 
 TEXT_CHARS = 200_000  # of the built-in Tiny Shakespeare
 BPE_VOCAB = 512
@@ -104,7 +104,7 @@ def test_prepared_data_trains_the_same_on_any_mesh(prepared, one_device, spec):
 @pytest.mark.slow  # two processes are proven on characters (test_multiprocess); the rows each
 # process reads are the batch test's below
 def test_two_processes_train_what_one_device_does(prepared, one_device, tmp_path):
-    """2 processes x 2 devices (dp=2,tp=2) through scripts/launch_local.sh, on the memory-mapped
+    """2 processes x 2 devices (dp=2,tp=2) through scripts/tools/launch_local.sh, on the memory-mapped
     BPE data: each process builds only its own rows of every batch."""
     out = tmp_path / "run"
     launch(out, "--mesh", "dp=2,tp=2", "--steps", str(STEPS), f"--data.path={prepared.bpe}",
@@ -139,7 +139,7 @@ def test_batches_are_the_same_on_every_mesh_from_a_memmap_or_memory(prepared, sp
     for spec in ["dp=1", "dp=2", "dp=4,tp=2", "pp=2", "dp=2,tp=2,pp=2"]:
         cfg = tiny_config(**mesh_overrides(spec), **on_bpe(prepared))
         mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
-        microbatches = steps.microbatches_for(cfg, mesh)
+        microbatches = plan_execution(cfg, mesh).microbatches
         for tokens in (mapped, in_memory):
             loader = BatchLoader(Dataset(None, tokens, tokens), split, seed, batch, microbatches, BLOCK, mesh)
             for step, (inputs, targets) in expected.items():

@@ -19,7 +19,7 @@ from jaxpar.core.sharding import check_divisible, logical_to_spec
 from jaxpar.models.family import abstract_model, split_layers
 from jaxpar.parallel.mesh import build_mesh, resolve_mesh_shape
 from jaxpar.train import run
-from jaxpar.training import step as steps
+from jaxpar.training.build import build
 
 
 def test_rule_table_maps_megatron_layout():
@@ -109,11 +109,10 @@ def test_params_and_moments_follow_rules_after_training():
 def test_adam_moments_share_their_params_sharding_without_zero():
     cfg = tiny_config(**mesh_overrides("dp=2,tp=2"), **{"train.zero": 0})
     mesh = build_mesh(cfg, jax.devices()[:4])
-    model, _, _ = abstract_model(cfg, 65)
-    tx = steps.make_optimizer(cfg, model)
+    built = build(cfg, mesh, vocab=65)
+    tx = built.tx
     with jax.set_mesh(mesh):
-        shardings, _ = steps.state_shardings(cfg, model, mesh, tx)
-        state = steps.init_state(cfg, model, tx, shardings)
+        state = built.init_state()
     moments = optax.tree_map_params(tx, lambda p: p.sharding, state.opt_state,
                                     transform_non_params=lambda _: None)
     found = 0

@@ -1,5 +1,5 @@
 """Downstream multiple-choice tasks: lm-evaluation-harness's texts and tokens, the scores of a tiny
-model on the committed rows (tests/fixtures/tasks, from scripts/make_task_fixtures.py), and the
+model on the committed rows (tests/fixtures/tasks, from scripts/fixtures/make_task_fixtures.py), and the
 commands' bad inputs.
 
 The reference for a score is computed here by hand: the request's tokens made as lm-eval makes

@@ -15,6 +15,7 @@ from jaxpar.parallel import zero
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main
 from jaxpar.training import step as steps
+from jaxpar.training.build import build
 
 LAYOUTS = ["dp=2", "dp=4", "dp=2,tp=2", "dp=4,tp=2"]
 
@@ -45,11 +46,8 @@ def test_zero_matches_one_device(one_device, spec, stage):
 def planned(stage: int, spec: str = "dp=2,tp=2", **overrides):
     cfg = tiny_config(**mesh_overrides(spec), **{"train.zero": stage, **overrides})
     mesh = build_mesh(cfg, jax.devices()[: cfg.mesh.dp * cfg.mesh.tp])
-    model, _, _ = abstract_model(cfg, 65)
-    tx = steps.make_optimizer(cfg, model)
-    with jax.set_mesh(mesh):
-        shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
-    return cfg, mesh, tx, shardings, plan
+    built = build(cfg, mesh, vocab=65)
+    return cfg, mesh, built.tx, built.shardings, built.zero
 
 
 def has_data(sharding) -> bool:
@@ -61,8 +59,8 @@ def test_params_grads_and_moments_are_placed_per_stage(stage):
     cfg, mesh, tx, shardings, plan = planned(stage)
     with jax.set_mesh(mesh):
         model, _, _ = abstract_model(cfg, 65)
-        state = steps.init_state(cfg, model, tx, shardings)
-        grads_of = jax.jit(steps.make_grad_fn(cfg, model, plan.grads))
+        state = steps.init_state(model, tx, shardings, cfg.train.seed)
+        grads_of = jax.jit(steps.make_grad_fn(model, cfg.train.seed, plan.grads))
         tokens = jax.numpy.zeros((1, cfg.train.batch_size, cfg.model.block_size), "int32")
         _, grads = grads_of(state.params, tokens, tokens, 0)
     for name, tree, want_data in [("params", state.params, stage >= 3),
@@ -93,7 +91,7 @@ def test_too_small_tensors_are_reported():
 def test_startup_check_names_a_replicated_tensor():
     cfg, mesh, tx, shardings, plan = planned(3)
     with jax.set_mesh(mesh):
-        state = steps.init_state(cfg, abstract_model(cfg, 65)[0], tx, shardings)
+        state = steps.init_state(abstract_model(cfg, 65)[0], tx, shardings, cfg.train.seed)
         replicated = jax.device_put(state.params["wte"], NamedSharding(mesh, P()))
     broken = dict(state.params, wte=replicated)
     with pytest.raises(RuntimeError, match="params not sharded as planned: wte"):

@@ -14,6 +14,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import (  # noqa: F401
     REMAT_KINDS,
     ModelConfig,
+    check_documents,
     field_names,
     model_config,
     model_keys,
@@ -249,9 +250,8 @@ def validate(cfg: Config) -> None:
     if cfg.eval.tasks and not cfg.eval.tasks_dir:
         raise UserError("eval.tasks needs eval.tasks_dir: the folder holding the tasks (see the guide)")
     validate_data(cfg.data)
-    if cfg.data.document_mask and m.attention == "cudnn":
-        raise UserError("model.attention=cudnn cannot keep data.document_mask's documents apart: jax's "
-                        "cuDNN attention has no segment ids; use --model.attention=auto (tokamax's kernel on GPUs, where it is installed)")
+    if cfg.data.document_mask:
+        check_documents(m)
     if cfg.pipeline.schedule not in PIPELINE_SCHEDULES:
         raise UserError(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
                         f"got '{cfg.pipeline.schedule}'")

@@ -14,13 +14,14 @@ out.
 """
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.core import kernel_registry as registry
 from jaxpar.core.axes import EXPERT, rule_table
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import drop_axes, logical_to_spec, names_of
@@ -41,15 +42,19 @@ class ExecutionPlan:
     mesh: object = None  # the jax Mesh the step runs on
     platform: str = "cpu"
     sequence_parallel: bool = False
-    attention: str = "xla"  # xla, splash or cudnn
+    attention: str = registry.XLA  # xla, splash, cudnn or tokamax
     attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists, or planned a stand-in
-    moe_gemm: str = "ragged_dot"  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
+    moe_gemm: str = registry.RAGGED_DOT  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
     moe_gemm_note: str | None = None  # why `auto` runs a dearer GEMM than the platform has
-    moe_dispatch: str = "all_to_all"  # all_to_all or ragged, where experts are split over 'expert'
+    moe_dispatch: str = registry.ALL_TO_ALL  # all_to_all or ragged, where experts are split over 'expert'
     accumulation: str = ONE_PASS
     remat: str = "none"  # model.remat
     regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
-    pipeline: dict = field(default_factory=dict)  # the schedule's name, pp, microbatches, ticks, bubble
+    microbatches: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
+    micro_batch: int = 0  # train.micro_batch resolved (`auto` too): the most rows a device takes a pass; 0: no limit
+    schedule: object = None  # the pipeline's jaxpar.parallel.schedule.Schedule, checked once; None: no pipeline
+    stage_grads: str = ""  # how a pipeline stage's gradients are reduced over 'data' (STAGES_REDUCE, ...)
+    ahead_of_stages: str = ""  # what runs ahead of the stages on every stage (jaxpar.models.lead)
     experts: bool = False  # the model has a mixture of experts (its dispatch is worth printing)
     manual: frozenset = frozenset()  # mesh axes that are manual here (inside shard_map)
     unsplit_axes: frozenset = frozenset()  # mesh axes that split nothing here
@@ -64,6 +69,16 @@ class ExecutionPlan:
         """The rule table here: the model's, less the manual and unsplit axes."""
         table, gone = rule_table(self.sequence_parallel), self.manual | self.unsplit_axes
         return table if not gone else {name: drop_axes(axes, gone) for name, axes in table.items()}
+
+    @property
+    def pipeline(self) -> dict:
+        """The schedule as run.json and --dry-run print it; empty without a pipeline."""
+        s = self.schedule
+        if s is None:
+            return {}
+        ahead = {"ahead_of_stages": self.ahead_of_stages} if self.ahead_of_stages else {}
+        return {"schedule": s.name, "pp": s.pp, "virtual": s.virtual, "microbatches": s.microbatches,
+                "ticks": s.ticks, "bubble_fraction": s.bubble_fraction, "gradients_reduced": self.stage_grads} | ahead
 
     @property
     def notes(self) -> tuple[str, ...]:

@@ -12,19 +12,10 @@ names them (`not_this_family`).
 from dataclasses import dataclass, fields
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.kernel_registry import ATTENTION, AUTO, DOCUMENTS, KERNELS, check_name, model_facts
 
 DEFAULT_FAMILY = "gpt2"  # the default config's, nanoGPT's
 REMAT_KINDS = ("none", "full")
-ATTENTION_KERNELS = ("auto", "xla", "splash", "cudnn", "tokamax")  # jaxpar.nn.kernels
-SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
-
-
-CUDNN_HEADS_HOPPER, CUDNN_HEADS_BEFORE = 256, 128  # jax's check: compute capability 9.0 and up, or below
-
-
-def cudnn_takes(head_dim: int, widest: int = CUDNN_HEADS_HOPPER) -> bool:
-    """cuDNN's fused attention takes heads of at most `widest` dims (the GPU's), in multiples of 8."""
-    return head_dim <= widest and head_dim % 8 == 0
 
 FAMILY_CONFIGS: dict[str, type["ModelConfig"]] = {}  # model.family -> its config class
 
@@ -44,7 +35,7 @@ class ModelConfig:
     dropout: float = 0.0
     # The attention kernel (jaxpar.nn.kernels): auto (splash on TPU, cuDNN on NVIDIA GPUs in
     # bfloat16, xla elsewhere and with dropout), xla, splash or cudnn.
-    attention: str = "auto"
+    attention: str = AUTO
     # Rows of the embedding. 0: the data's vocabulary. Larger leaves room, as GPT-2's 50257 does
     # for any tokenizer with fewer tokens; smaller than the data's vocabulary is an error.
     vocab_size: int = 0
@@ -163,22 +154,18 @@ def model_keys() -> list[str]:
 
 
 def check_attention(m: ModelConfig) -> None:
-    """The attention kernel's own needs (jaxpar.nn.kernels), in one line with the fix."""
-    if m.attention not in ATTENTION_KERNELS:
-        raise UserError(f"model.attention must be one of {', '.join(ATTENTION_KERNELS)}, got '{m.attention}'")
-    if m.attention in ("splash", "cudnn", "tokamax") and m.dropout > 0:
-        raise UserError(f"model.attention={m.attention} has no attention dropout, and model.dropout="
-                        f"{m.dropout}; set --model.dropout=0, or --model.attention=auto (xla)")
-    if m.attention == "splash" and m.block_size % SPLASH_TILE:
-        raise UserError(f"model.attention=splash runs tiles of {SPLASH_TILE} tokens, and model.block_size="
-                        f"{m.block_size} is not a multiple; choose one, or --model.attention=auto")
-    if m.attention == "cudnn" and not cudnn_takes(m.head_size):
-        raise UserError(f"model.attention=cudnn takes heads up to {CUDNN_HEADS_HOPPER} dims (Hopper and later GPUs) in "
-                        f"multiples of 8, and this model's are {m.head_size}; use --model.attention=auto "
-                        "(tokamax's kernel on GPUs)")
-    if m.attention == "cudnn" and m.dtype == "float32":
-        raise UserError("model.attention=cudnn takes bfloat16 only; set --model.dtype=bfloat16, "
-                        "or --model.attention=auto")
+    """The attention kernel's own needs (jaxpar.core.kernel_registry), in one line with the fix."""
+    check_name(ATTENTION, m.attention)
+    kernel = KERNELS[ATTENTION].get(m.attention)
+    if kernel and (reason := kernel.unmet(m)):
+        raise kernel.refused(reason, **model_facts(m))
+
+
+def check_documents(m: ModelConfig) -> None:
+    """Refuse an attention kernel that cannot keep data.document_mask's documents apart."""
+    kernel = KERNELS[ATTENTION].get(m.attention)
+    if kernel and DOCUMENTS not in kernel.masks:
+        raise kernel.refused("documents")
 
 
 def validate_model(m: ModelConfig) -> None:

@@ -118,6 +118,12 @@ def checked(dataset: Dataset, name: str, unit: str, block_size: int) -> Dataset:
     return dataset
 
 
+def model_ids(cfg, tokenizer) -> tuple[int, int | None]:
+    """(the model's vocabulary, the end-of-text id that opens documents or None), each checked
+    against the data's tokenizer: the one place a run derives them (jaxpar.training.build)."""
+    return model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
+
+
 def model_vocab(cfg, tokenizer) -> int:
     """The model's vocabulary: model.vocab_size, or the tokenizer's when that is 0."""
     wanted = cfg.model.vocab_size

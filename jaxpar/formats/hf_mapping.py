@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.core.config import Config
+from jaxpar.core.config import ModelConfig
 from jaxpar.formats.hf_files import Stacked, find_tensor, slice_reader
 from jaxpar.nn.params import FUSED, LEAD, MATRIX
 
@@ -105,20 +105,20 @@ class Mapping:
         views = [transform.to_jaxpar(find_tensor(tensors, name, transform.hf_shape, path)) for name in names]
         return views[0] if axis is None else Stacked(views, axis)
 
-    def reader(self, tensors: dict, key: tuple, param, cfg: Config, vocab_size: int, path: Path, prefix: str = ""):
+    def reader(self, tensors: dict, key: tuple, param, m: ModelConfig, vocab_size: int, path: Path, prefix: str = ""):
         """make_array_from_callback's reader of the param at `key` (a jaxpar.nn.params.Param),
         its tensors checked; an embedding's padding rows past `vocab_size` read as zeros."""
         if key[0] in BLOCKS:
             return slice_reader([self.view(tensors, key, param, param.shape[1:], path, prefix, i)
-                                 for i in cfg.model.layers_in(param.axes[0])], True)  # the layers of its stack
+                                 for i in m.layers_in(param.axes[0])], True)  # the layers of its stack
         rows = vocab_size if "vocab" in param.axes else None
         shape = param.shape if rows is None else (rows,) + param.shape[1:]
         return slice_reader([self.view(tensors, key, param, shape, path, prefix)], False, rows)
 
-    def readers(self, tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path,
+    def readers(self, tensors: dict, m: ModelConfig, vocab_size: int, declared: dict, path: Path,
                 prefix: str = "") -> dict:
         """{param path: its reader} for every declared param, in order (the first fault is named)."""
-        return {key: self.reader(tensors, key, param, cfg, vocab_size, path, prefix) for key, param in declared.items()}
+        return {key: self.reader(tensors, key, param, m, vocab_size, path, prefix) for key, param in declared.items()}
 
     def hf_tensors(self, key: tuple, param, array: np.ndarray, dtype, prefix: str = "",
                    i: int | None = None, e: int | None = None) -> dict[str, np.ndarray]:
@@ -133,7 +133,7 @@ class Mapping:
         transform = self.transform(key, param, pieces[0].shape)
         return {name: np.ascontiguousarray(transform.to_hf(piece), dtype) for name, piece in zip(names, pieces)}
 
-    def state_dict(self, params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32,
+    def state_dict(self, params: dict, declared: dict, m: ModelConfig, vocab_size: int, dtype=np.float32,
                    prefix: str = "") -> dict[str, np.ndarray]:
         """Every param as its HF tensors (param by param, layer by layer), an embedding's padding
         rows removed."""
@@ -141,7 +141,7 @@ class Mapping:
         for key, array in host_arrays(params):
             param = declared[key]
             if key[0] in BLOCKS:
-                for at, i in enumerate(cfg.model.layers_in(param.axes[0])):
+                for at, i in enumerate(m.layers_in(param.axes[0])):
                     out |= self.hf_tensors(key, param, array[at], dtype, prefix, i)
             else:
                 out |= self.hf_tensors(key, param, array[:vocab_size] if "vocab" in param.axes else array,

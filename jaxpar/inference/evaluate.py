@@ -10,6 +10,7 @@ The loss is the mean next-token cross-entropy over all scored tokens; the perple
 import json
 import math
 import sys
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -21,7 +22,6 @@ from jaxpar.core.errors import ArgumentParser, UserError, exit_on_interrupt, exi
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.inference.loading import Model, add_model_source, load_source
-from jaxpar.models.family import build_model
 from jaxpar.nn.loss import cross_entropy
 from jaxpar.training import task_scoring
 from jaxpar.training.row_batches import over_rows, passes_rows
@@ -43,8 +43,7 @@ def make_row_losses(model: Model):
     """jit(params, inputs, targets) -> each row's mean loss, under the execution plan that the
     checkpoint's config gets on this mesh (its attention kernel as in training); each device of a
     context ring computes its rows' sequences whole (no ring here)."""
-    plan = model.execution.unsplit(*splitting("seq"))
-    net = build_model(model.cfg, model.vocab_size, model.documents_eot, plan)  # documents as trained
+    net = model.net.on(model.execution.unsplit(*splitting("seq")))  # documents as trained
 
     def row_losses(params, inputs, targets):
         logits = net(params, inputs)
@@ -106,7 +105,7 @@ def evaluate_tasks(model: Model, args) -> list[dict]:
         raise UserError(f"'{args.hf}' has no tokenizer.json; --tasks needs the model's tokenizer")
     loaded = task_scoring.load_requests(args.tasks, args.tasks_dir, model.tokenizer,
                                         model.cfg.model.block_size, args.limit)
-    scorer = task_scoring.make_scorer(build_model(model.cfg, model.vocab_size, plan=model.execution))
+    scorer = task_scoring.make_scorer(replace(model.net, eot_id=None))
     results, samples = [], []
     for task, requests in loaded:
         result, items = task_scoring.score_task(task, requests, scorer, model.params, model.mesh,

@@ -124,12 +124,12 @@ def export(ckpt, out, force: bool = False, dtype: str = "float32",
         recover(where, staging, replaced)
         check_out_dir(out, ckpt, force)  # again: now no other export can change --out
         model = sample.load(ckpt, "dp=1")  # on one device: the params whole, as the file holds them
-        vocab, block = model.vocab_size, model.cfg.model.block_size
+        m, vocab = model.cfg.model, model.vocab_size
         array_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
-        tensors = hf_state_dict(model.params, model.cfg, vocab, array_dtype)  # refuses before anything is written
-        texts = {"config.json": json.dumps(hf_config(model.cfg, vocab, model.tokenizer.eot_id, dtype),
+        tensors = hf_state_dict(model.params, m, vocab, array_dtype)  # refuses before anything is written
+        texts = {"config.json": json.dumps(hf_config(m, vocab, model.tokenizer.eot_id, dtype),
                                            indent=2) + "\n"}
-        texts |= tokenizer_files(model.tokenizer, block)
+        texts |= tokenizer_files(model.tokenizer, m.block_size)
         try:
             staging.mkdir()
             files = save_weights(tensors, staging, max_shard_bytes or MAX_SHARD_BYTES) + list(texts)

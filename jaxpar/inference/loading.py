@@ -15,11 +15,11 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import shardings_for
-from jaxpar.models.family import abstract_model
+from jaxpar.models.family import Transformer
 from jaxpar.models.hf import apply_hf_config, hf_tokenizer, load_hf_params
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
+from jaxpar.training.build import build_inference
 from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints
-from jaxpar.training.execution import plan_execution
 from jaxpar.training.resume import saved_vocab
 
 
@@ -27,18 +27,27 @@ from jaxpar.training.resume import saved_vocab
 class Model:
     cfg: Config  # the checkpoint's resolved config, with this mesh
     tokenizer: object  # any kind of jaxpar.data.tokenizer, as the checkpoint names it
-    vocab_size: int  # the model's (model.vocab_size, or the tokenizer's)
+    net: Transformer  # its vocabulary, end-of-text id and plan on this mesh (jaxpar.training.build)
     params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
     mesh: Mesh
     step: int  # the training step the checkpoint holds
-    execution: ExecutionPlan  # the decisions this config gets on this mesh (its attention kernel, ...)
     source: str = ""  # where it came from, as messages name it
     decoders: dict = field(default_factory=dict, repr=False)  # jitted, by (temperature, top_k)
 
     @property
+    def vocab_size(self) -> int:
+        """The model's: model.vocab_size, or the tokenizer's."""
+        return self.net.vocab_size
+
+    @property
+    def execution(self) -> ExecutionPlan:
+        """The decisions this config gets on this mesh (its attention kernel, ...)."""
+        return self.net.plan
+
+    @property
     def documents_eot(self) -> int | None:
         """The end-of-text token that opens documents, for a model trained with data.document_mask."""
-        return self.tokenizer.eot_id if self.cfg.data.document_mask and self.tokenizer is not None else None
+        return self.net.eot_id
 
 
 def load(path, mesh: str = "dp=1", devices=None) -> Model:
@@ -52,17 +61,18 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
         cfg = Config.from_dict(meta["config"])
         built["mesh"] = inference_mesh(cfg, mesh, devices)
         built["cfg"] = cfg
-        built["tokenizer"], built["vocab"] = saved_vocab(meta)
-        _, shapes, axes = abstract_model(cfg, built["vocab"])
-        return {"params": abstract_tree(shapes, shardings_for(axes, shapes, built["mesh"]))}
+        built["tokenizer"], vocab = saved_vocab(meta)
+        net = built["net"] = build_inference(cfg, built["mesh"], vocab, built["tokenizer"])
+        shapes = net.shapes()
+        return {"params": abstract_tree(shapes, shardings_for(net.axes(), shapes, built["mesh"]))}
 
     found = ckpt.restore_latest(targets_for)
     if found is None:
         raise UserError(f"no complete checkpoint in '{ckpt.directory}'")
     check_finite(found.items["params"], ckpt.directory / str(found.step))
     cfg, mesh = built["cfg"], built["mesh"]
-    return Model(cfg, built["tokenizer"], built["vocab"], found.items["params"], mesh, found.step,
-                 plan_execution(cfg, mesh, for_training=False), f"the checkpoint in '{ckpt.directory}'")
+    return Model(cfg, built["tokenizer"], built["net"], found.items["params"], mesh, found.step,
+                 f"the checkpoint in '{ckpt.directory}'")
 
 
 _all_finite = jax.jit(lambda leaves: [jax.numpy.isfinite(x).all() for x in leaves])
@@ -109,11 +119,12 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     set_mesh_spec(cfg, mesh)  # the heads are checked against tp
     vocab = apply_hf_config(cfg, hf_dir, {"model.block_size": str(block_size)} if block_size else {})
     mesh_obj = inference_mesh(cfg, mesh, devices)
-    _, shapes, axes = abstract_model(cfg, vocab)
-    params = load_hf_params(hf_dir, cfg, vocab, shardings_for(axes, shapes, mesh_obj))
+    tokenizer = hf_tokenizer(hf_dir)
+    net = build_inference(cfg, mesh_obj, vocab, tokenizer)
+    shapes = net.shapes()
+    params = load_hf_params(hf_dir, cfg.model, vocab, shardings_for(net.axes(), shapes, mesh_obj))
     check_finite(params, hf_dir)
-    return Model(cfg, hf_tokenizer(hf_dir), vocab, params, mesh_obj, 0,
-                 plan_execution(cfg, mesh_obj, for_training=False), f"--hf '{hf_dir}'")
+    return Model(cfg, tokenizer, net, params, mesh_obj, 0, f"--hf '{hf_dir}'")
 
 
 def add_model_source(parser: ArgumentParser) -> None:

@@ -7,7 +7,7 @@ Usable as a library: `model = load(dir, "tp=2")` (jaxpar.inference.loading), the
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -23,7 +23,6 @@ from jaxpar.core.errors import (
 )
 from jaxpar.inference.loading import Model, add_model_source, load, load_source, source_name  # noqa: F401
 from jaxpar.models.decode import empty_cache, forward, pick
-from jaxpar.models.family import Transformer
 
 
 @dataclass
@@ -50,7 +49,7 @@ def make_decoders(model: Model, temperature: float, top_k: int):
     uses the key fold_in(key(seed), i) on either path, so both sample the same way."""
     # Rows of the embedding beyond the tokenizer's (model.vocab_size) are never sampled: the
     # logits mask them as the vocabulary's padding.
-    net = Transformer(model.cfg.model, model.tokenizer.vocab_size, eot_id=model.documents_eot, plan=model.execution)
+    net = replace(model.net, vocab_size=model.tokenizer.vocab_size)
 
     def next_token(logits, seed, i):
         return pick(logits, jax.random.fold_in(jax.random.key(seed), i), temperature, top_k)

@@ -20,19 +20,21 @@ import jax
 import numpy as np
 
 from jaxpar.core.axes import TENSOR_AXIS, sizes_of
-from jaxpar.core.config import Config, set_value, validate, with_family
+from jaxpar.core.config import Config, ModelConfig, set_value, validate, with_family
 from jaxpar.core.errors import UserError
 from jaxpar.data.tokenizer import META_FILE, from_meta, load_tokenizer
 from jaxpar.formats.hf_files import CONFIG_FILE, EXPECTED, is_a, open_weights, read_hf_config
-from jaxpar.models.family import FAMILIES, build_model
+from jaxpar.models.family import FAMILIES, Transformer
 from jaxpar.nn.params import in_order
 
 # Each family's formats, found by the config.json model_types they name (MODEL_TYPES) on the way in,
 # and on the way out by the family's `exported_as` (jaxpar.models.interface.Registered).
 ADAPTERS = {kind: adapter for entry in FAMILIES.values() for adapter in entry.hf_formats
             for kind in adapter.MODEL_TYPES}
-SUPPORTED = ("gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), qwen3, mixtral (MixtralForCausalLM), "
-             "qwen3_moe (Qwen3MoeForCausalLM) and deepseek_v3 (DeepseekV3ForCausalLM, kimi_k2)")
+# What a refusal of an unknown model_type offers: the model_types the formats compute (their LOADS).
+LOADED = [f"{kind} ({architecture})" for entry in FAMILIES.values() for adapter in entry.hf_formats
+          for kind, architecture in adapter.LOADS.items()]
+SUPPORTED = ", ".join(LOADED[:-1]) + " and " + LOADED[-1]
 
 
 def format_of(config: dict, path: Path):
@@ -108,27 +110,26 @@ def check_tensor_parallel(cfg: Config, where: Path) -> None:
     TENSOR_AXIS.check(cfg, sizes[TENSOR_AXIS.key], sizes, origin=str(where))
 
 
-def declared_params(cfg: Config, vocab_size: int) -> dict:
-    """{param path: its declaration (jaxpar.nn.params.Param)} of the model cfg describes."""
-    return dict(in_order(build_model(cfg, vocab_size).declared))
+def declared_params(m: ModelConfig, vocab_size: int) -> dict:
+    """{param path: its declaration (jaxpar.nn.params.Param)} of the model m describes."""
+    return dict(in_order(Transformer(m, vocab_size).declared))
 
 
-def module_for(cfg: Config):
+def module_for(m: ModelConfig):
     """The module that names and lays out this model's weights as HF does."""
-    exported_as = FAMILIES[cfg.model.family].exported_as
+    exported_as = FAMILIES[m.family].exported_as
     if exported_as is None:
-        raise UserError(f"model.family={cfg.model.family} has no Hugging Face format in jaxpar yet; "
+        raise UserError(f"model.family={m.family} has no Hugging Face format in jaxpar yet; "
                         "its checkpoints stay jaxpar's (eval and sample read them)")
-    return exported_as(cfg.model)
+    return exported_as(m)
 
 
-def load_hf_params(hf_dir, cfg: Config, vocab_size: int, param_shardings: dict) -> dict:
+def load_hf_params(hf_dir, m: ModelConfig, vocab_size: int, param_shardings: dict) -> dict:
     """The model in hf_dir as jaxpar's params (the model's pure dict), each leaf made in its
-    sharding from the slices its devices hold. cfg comes from apply_hf_config."""
+    sharding from the slices its devices hold. m is the cfg.model that apply_hf_config set."""
+    module, shapes = module_for(m), Transformer(m, vocab_size).shapes()
     tensors, path = open_weights(hf_dir)
-    declared = declared_params(cfg, vocab_size)
-    readers = module_for(cfg).readers(tensors, cfg, vocab_size, declared, path)  # all checked first
-    shapes = build_model(cfg, vocab_size).shapes()
+    readers = module.readers(tensors, m, vocab_size, declared_params(m, vocab_size), path)  # all checked first
     return jax.tree_util.tree_map_with_path(
         lambda p, s, where: jax.make_array_from_callback(s.shape, where, readers[tuple(k.key for k in p)]),
         shapes, param_shardings)
@@ -149,11 +150,11 @@ def hf_tokenizer(hf_dir):
         raise UserError(f"'{meta}' does not name a tokenizer; export the model again with jaxpar.export") from None
 
 
-def hf_state_dict(params: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def hf_state_dict(params: dict, m: ModelConfig, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params under save_pretrained's names and shapes, in `dtype`."""
-    return module_for(cfg).state_dict(params, declared_params(cfg, vocab_size), cfg, vocab_size, dtype)
+    return module_for(m).state_dict(params, declared_params(m, vocab_size), m, vocab_size, dtype)
 
 
-def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+def hf_config(m: ModelConfig, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
     """config.json as save_pretrained writes it for this model."""
-    return module_for(cfg).hf_config(cfg, vocab_size, eot_id, dtype)
+    return module_for(m).hf_config(m, vocab_size, eot_id, dtype)

@@ -18,6 +18,9 @@ alone, for Hopper), so model.attention=cudnn is refused with documents, and on G
 `tokamax` there: tokamax's Triton flash attention with the documents' mask
 (jaxpar.nn.tokamax_kernels), where tokamax is installed and no context ring splits the sequence;
 else xla, said in one line. Off a GPU, `tokamax` runs tokamax's XLA reference (the tests).
+
+Each kernel's needs and one-line reasons are its entry in jaxpar.core.kernel_registry, which the
+config's checks read too; this module asks them of the mesh and the platform.
 """
 
 import functools
@@ -27,14 +30,23 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.errors import UserError
-from jaxpar.core.model_config import CUDNN_HEADS_BEFORE, CUDNN_HEADS_HOPPER, SPLASH_TILE, cudnn_takes
+from jaxpar.core import kernel_registry as registry  # registry.XLA: the name; XLA below: the ring's BlockKernel
+from jaxpar.core.kernel_registry import (
+    ATTENTION,
+    AUTO,
+    CUDNN_HEADS_BEFORE,
+    CUDNN_HEADS_HOPPER,
+    DOCUMENTS,
+    KERNELS,
+    SPLASH,
+    SPLASH_TILE,
+    TOKAMAX,
+    auto_kernel,
+    model_facts,
+)
 from jaxpar.core.platform import GPUS
 from jaxpar.nn import tokamax_kernels
 
-FUSED_ON = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}  # auto's choice by platform
-# splash on CPU: interpreted; tokamax on CPU: its XLA reference
-NEEDS_PLATFORM = {"splash": ("tpu", "cpu"), "cudnn": GPUS, "tokamax": (*GPUS, "cpu")}
 Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim"), \
     ("batch", "seq", "heads", "head_dim")
 
@@ -44,42 +56,35 @@ def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False,
     """(the kernel that runs, a one-line note when `auto` keeps xla where a fused kernel exists, or
     plans a stand-in); `cudnn_heads`: the widest head cuDNN takes here, `device_heads`: on the
     mesh's GPUs (cudnn_head_max, with and without the host's check)."""
-    if model_cfg.attention != "auto":
+    if model_cfg.attention != AUTO:
         return model_cfg.attention, None
-    fused = FUSED_ON.get(platform)
-    if fused is None:
-        return "xla", None
-    flash_ok = model_cfg.dropout == 0 and context == 1 and tokamax_kernels.available()
-    if fused == "cudnn" and documents and flash_ok:
-        return "tokamax", None  # tokamax's kernel takes the documents' mask
+    fused = auto_kernel(ATTENTION, platform)
+    if fused.name == registry.XLA:
+        return registry.XLA, None
+    stand_in = KERNELS[ATTENTION].get(fused.stand_in)
+    flash_ok = stand_in is not None and stand_in.unmet(model_cfg, context=context) is None \
+        and tokamax_kernels.installed(stand_in)
+    if documents and DOCUMENTS not in fused.masks and flash_ok:
+        return stand_in.name, None  # tokamax's kernel takes the documents' mask
     head = model_cfg.head_size
-    if fused == "cudnn" and cudnn_takes(head, device_heads or cudnn_heads) and not cudnn_takes(head, cudnn_heads) \
-            and flash_ok and model_cfg.dtype != "float32":  # a compile-only Hopper planned on another host
-        return "tokamax", (f"model.attention=auto plans tokamax: cuDNN runs {head}-dim heads on these GPUs, but jax "
-                           "checks that against this host's device; tokamax's flash attention stands in for its "
-                           "memory (on an H200 it took 4.2x cuDNN's time)")
+    if fused.takes_heads(head, device_heads or cudnn_heads) and not fused.takes_heads(head, cudnn_heads) \
+            and flash_ok and model_cfg.dtype in fused.dtypes:  # a compile-only Hopper planned on another host
+        return stand_in.name, fused.note("stand-in", head=head)
     why = why_xla(model_cfg, fused, context, documents, cudnn_heads)
-    if why and fused == "cudnn":  # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
-        why += "; xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on an H200"
-    return ("xla", f"model.attention=auto runs xla: {why}") if why else (fused, None)
+    if why and "xla's cost" in fused.notes:
+        why += "; " + fused.note("xla's cost")
+    return (registry.XLA, f"model.attention=auto runs xla: {why}") if why else (fused.name, None)
 
 
-def why_xla(model_cfg, fused: str, context: int, documents: bool, cudnn_heads: int) -> str | None:
-    """Why `auto` cannot run the platform's fused kernel, or None."""
-    if model_cfg.dropout > 0:
-        return f"{fused} has no attention dropout (model.dropout={model_cfg.dropout})"
-    where = "runs no context ring" if context > 1 else "is not installed (pip install -e '.[gpu]')"
-    if fused == "cudnn" and documents:
-        return f"jax's cuDNN attention has no segment ids for data.document_mask, and tokamax's kernel, which has, {where}"
-    if fused == "cudnn" and not cudnn_takes(model_cfg.head_size, cudnn_heads):
-        return (f"cuDNN's fused attention takes heads up to {cudnn_heads} dims here (256 where the host's GPU is a Hopper), "
-                f"in multiples of 8 (this model's: {model_cfg.head_size}); tokamax's kernel takes them, and took "
-                "1.9x xla's time at 192-dim heads on an H200")
-    if fused == "cudnn" and model_cfg.dtype == "float32":
-        return "cuDNN's fused attention takes bfloat16 only (model.dtype=float32)"
-    if fused == "splash" and model_cfg.block_size % SPLASH_TILE:
-        return f"splash's tiles are {SPLASH_TILE} tokens (model.block_size={model_cfg.block_size})"
-    return ring_chunks_too_small(model_cfg, context) if fused == "splash" else None
+def why_xla(model_cfg, fused: registry.Kernel, context: int, documents: bool, cudnn_heads: int) -> str | None:
+    """Why `auto` cannot run the platform's fused kernel, or None; where it cannot keep the
+    documents, why its stand-in cannot either (dropout is asked first)."""
+    reason = fused.unmet(model_cfg, documents, cudnn_heads, context)
+    if reason is None:
+        return None
+    stand_in = KERNELS[ATTENTION].get(fused.stand_in)
+    why_not = stand_in.note("ring" if context > 1 else "package") if stand_in and reason == "documents" else ""
+    return fused.note(reason, **model_facts(model_cfg, context), widest=cudnn_heads, why_not_stand_in=why_not)
 
 
 def cudnn_head_max(device, host=None) -> int:
@@ -94,31 +99,16 @@ def cudnn_head_max(device, host=None) -> int:
 
 def check_mesh(model_cfg, platform: str, context: int = 1, cudnn_heads: int = CUDNN_HEADS_HOPPER) -> None:
     """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix."""
-    kernel = model_cfg.attention
-    if kernel == "cudnn" and platform in GPUS and not cudnn_takes(model_cfg.head_size, cudnn_heads):
-        raise UserError(f"model.attention=cudnn takes heads up to {cudnn_heads} dims here (256 where the host's GPU is "
-                        f"a Hopper), and this model's are {model_cfg.head_size}; use --model.attention=auto")
-    if kernel in ("auto", "xla"):
+    if model_cfg.attention in (AUTO, registry.XLA):
         return
-    if kernel == "splash" and (why := ring_chunks_too_small(model_cfg, context)):
-        raise UserError(f"model.attention=splash: {why}; use a block_size that is a multiple of "
-                        f"{2 * context * SPLASH_TILE}, or --model.attention=auto")
-    if kernel == "tokamax" and (context > 1 or not tokamax_kernels.available()):
-        raise UserError("model.attention=tokamax " + ("runs no context ring" if context > 1 else
-                        "needs tokamax: pip install -e '.[gpu]'") + "; use --model.attention=auto")
-    if platform not in NEEDS_PLATFORM[kernel]:
-        raise UserError(f"model.attention={kernel} needs {NEEDS_PLATFORM[kernel][0]} devices, and this "
-                        f"mesh is on {platform}; use --model.attention=auto")
-
-
-def ring_chunks_too_small(model_cfg, context: int) -> str | None:
-    """Why splash cannot run a context ring's block pairs, or None: the ring's zigzag layout gives
-    each device two chunks of block_size / (2 cp) tokens, and splash's tiles are 128."""
-    chunk = model_cfg.block_size // (2 * context)
-    if context > 1 and chunk % SPLASH_TILE:
-        return f"the context ring's chunks are {chunk} tokens (block {model_cfg.block_size} / 2 cp={context}), " \
-               f"not a multiple of splash's {SPLASH_TILE}-token tiles"
-    return None
+    kernel = KERNELS[ATTENTION][model_cfg.attention]
+    needs = kernel.needs(model_cfg, widest=cudnn_heads, context=context)
+    unmet = (("heads here", platform in GPUS and needs["heads"]), ("chunks", needs["chunks"]), ("ring", needs["ring"]),
+             ("package", not tokamax_kernels.installed(kernel)),
+             ("platform", kernel.platforms and platform not in kernel.platforms))
+    if reason := next((reason for reason, unmet in unmet if unmet), None):
+        raise kernel.refused(reason, **model_facts(model_cfg, context), widest=cudnn_heads, platform=platform,
+                             multiple=2 * context * kernel.tile)
 
 
 def platform_of(mesh) -> str:
@@ -141,7 +131,7 @@ def fused_attention(plan, q, k, v, doc_starts=None):
     """Causal attention by the plan's fused kernel (splash, cudnn or tokamax): q (batch, heads, seq,
     head_dim), k, v (batch, kv_heads, seq, head_dim) -> (batch, seq, heads, head_dim), per
     device; within documents when doc_starts (batch, seq) is given (splash and tokamax)."""
-    if plan.attention == "tokamax":
+    if plan.attention == TOKAMAX:
         local = functools.partial(tokamax_kernels.attention, on_gpu=plan.platform in GPUS)
     else:
         local = local_kernel(plan.attention, plan.interpret)
@@ -157,7 +147,7 @@ def fused_attention(plan, q, k, v, doc_starts=None):
 
 def local_kernel(kernel: str, interpret: bool):
     """The one-device function of a fused kernel: splash (in Pallas interpret mode off TPU) or cuDNN."""
-    if kernel == "splash":
+    if kernel == SPLASH:
         return functools.partial(splash, interpret=interpret)
     return cudnn
 
@@ -198,12 +188,12 @@ def splash(q, k, v, residuals: bool = False, interpret: bool = True, causal: boo
 class BlockKernel:
     """What runs a context ring's block pairs: xla, or a fused kernel (splash in Pallas interpret
     mode off TPU)."""
-    name: str = "xla"
+    name: str = registry.XLA
     interpret: bool = True
 
     @property
     def fused(self) -> bool:
-        return self.name != "xla"
+        return self.name != registry.XLA
 
 
 XLA = BlockKernel()  # the ring's default: its block pairs by xla

@@ -36,9 +36,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpar.core import kernel_registry as registry
 from jaxpar.core.axes import EXPERT
-from jaxpar.core.errors import UserError
-from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
 from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, within_capacity
@@ -120,9 +119,9 @@ def blocked_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
     """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix
     (ragged_dot, Megablox or tokamax's Triton kernel; the blocked GEMM's tiles are grouped_swiglu's)."""
-    if gemm == "megablox":
+    if gemm == registry.MEGABLOX:
         return megablox_gemm(x, w, group_sizes, interpret=interpret)
-    if gemm == "tokamax":
+    if gemm == registry.TOKAMAX:
         return tokamax_kernels.ragged_dot(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
@@ -133,7 +132,7 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.
     laid out once for both (a padding row stays zero through the SwiGLU)."""
     E_l, C, _, F = local.gate_up.shape
     dtype, put, take = local.dtype, (lambda a: a), (lambda a: a)
-    if local.gemm == "blocks":
+    if local.gemm == registry.BLOCKS:
         tiles = Tiles.of(group_sizes, x.shape[0])
         gemm, put, take = tiles.gemm, tiles.put, tiles.take
     else:
@@ -223,9 +222,9 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int
 def experts_of_device(rows, experts, local: Experts, ep: int, mode: str, room: int):
     """Each assignment's expert output (A, C) float32 (0 where it is dropped: expert ep * E_l), by
     `mode` (see `moe_mlp`); `room`: the most rows a device sends another."""
-    if mode == "all_to_all":
+    if mode == registry.ALL_TO_ALL:
         return dispatch_all_to_all(rows, experts, local, ep, room)
-    if mode == "ragged":
+    if mode == registry.RAGGED:
         return dispatch_ragged(rows, experts, local, ep, room)
     E_l = local.gate_up.shape[0]
     first = jax.lax.axis_index(EXPERT) * E_l if mode == "replicated" else 0
@@ -238,28 +237,18 @@ def gemm_of(cfg, platform: str) -> tuple[str, str | None]:
     platform has). `auto` is Megablox on TPU, the blocked GEMM on CPU (XLA:CPU's ragged_dot
     multiplies every row by every expert), tokamax's Triton kernel on GPU (the blocks' gathered
     weights, (rows / 64 + E) x C x F, do not fit a large model), else XLA's ragged_dot there.
-    Decided before tracing."""
-    gpu = platform in GPUS
-    if cfg.moe_gemm == "tokamax" and not (gpu and tokamax_kernels.available()):
-        fix = "install it: pip install -e '.[gpu]'" if gpu else "it runs on NVIDIA GPUs only"
-        raise UserError(f"model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU ({fix}); "
-                        "or use --model.moe_gemm=auto")
-    if cfg.moe_gemm != "auto":
+    Decided before tracing; the kernels' rules: jaxpar.core.kernel_registry."""
+    if cfg.moe_gemm != registry.AUTO:
+        kernel = registry.KERNELS[registry.MOE_GEMM].get(cfg.moe_gemm)
+        if kernel and kernel.platforms and platform not in kernel.platforms:
+            raise kernel.refused("platform")
+        if kernel and not tokamax_kernels.installed(kernel):
+            raise kernel.refused("package")
         return cfg.moe_gemm, None
-    if gpu and not tokamax_kernels.available():
-        return "ragged_dot", ("model.moe_gemm=auto runs XLA's ragged_dot, a masked product over every "
-                              "expert (E times the routed FLOPs): tokamax is not installed "
-                              "(pip install -e '.[gpu]')")
-    return {"tpu": "megablox", "cpu": "blocks"}.get(platform, "tokamax"), None
-
-
-def dispatch_of(cfg, platform: str) -> str:
-    """model.moe_dispatch where the experts are split over 'expert': `auto` is ragged_all_to_all
-    on TPU and GPU (XLA:CPU has none). Decided before tracing; the plan's moe_mode says whether
-    a dispatch runs at all."""
-    if cfg.moe_dispatch != "auto":
-        return cfg.moe_dispatch
-    return "all_to_all" if platform == "cpu" else "ragged"
+    kernel = registry.auto_kernel(registry.MOE_GEMM, platform)
+    if platform in kernel.platforms and not tokamax_kernels.installed(kernel):
+        return kernel.stand_in, kernel.note("package")
+    return kernel.name, None
 
 
 def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax.Array, dict]:

@@ -25,6 +25,11 @@ def available() -> bool:
     return importlib.util.find_spec("tokamax") is not None
 
 
+def installed(kernel) -> bool:
+    """Whether what a registry kernel needs beyond jax (its `package`: none, or tokamax) is installed."""
+    return not kernel.package or available()
+
+
 class NoCacheMiss(logging.Filter):
     """Without an autotuning cache, tokamax warns once a kernel and shape that it takes its own
     heuristic tiles: what jaxpar expects, so not shown."""

@@ -12,25 +12,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.axes import DATA, PIPE, pipeline_microbatches
-from jaxpar.core.config import Config
+from jaxpar.core.axes import DATA, PIPE
 from jaxpar.core.execution import STAGES_REDUCE
-from jaxpar.core.sharding import split_ways
 from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.nn.layers import document_positions
 from jaxpar.nn.params import LEAD
 from jaxpar.parallel.schedule import Schedule
 from jaxpar.parallel.stage import StageOps, tree_add
-
-
-def schedule_for(cfg: Config, mesh, forward_only: bool = False) -> Schedule:
-    """Evaluation runs the layers in order (a forward per stage); training runs cfg's schedule."""
-    pp = mesh.shape[PIPE]
-    M = pipeline_microbatches(cfg, split_ways(mesh, "batch"), pp)
-    if forward_only:
-        return Schedule("forward", pp, M)
-    return Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
 
 
 def chunk_major(tree, pp: int, virtual: int, axis: int = 0, inverse: bool = False):
@@ -72,7 +61,7 @@ def make_executor(model: Transformer, layer_axes: dict, schedule: Schedule):
     # 'data' once per round, the rows split over 'data' by hand, where the plan says so
     # (jaxpar.training.execution); else the shardings reduce each microbatch's.
     plan = model.plan
-    local = train and plan.pipeline["gradients_reduced"] == STAGES_REDUCE
+    local = train and plan.stage_grads == STAGES_REDUCE
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
     stage_model = model.on(plan.inside(*manual))
 
@@ -106,16 +95,16 @@ def make_executor(model: Transformer, layer_axes: dict, schedule: Schedule):
     return run
 
 
-def dropout_keys(cfg: Config, round_key, M: int):
+def dropout_keys(n_layer: int, round_key, M: int):
     """Per microbatch: the embedding's key and one key per layer, as the unpipelined model splits them."""
     if round_key is None:
         return None, None
     keys = jax.vmap(lambda i: jax.random.split(jax.random.fold_in(round_key[0], round_key[1] * M + i),
-                                               cfg.model.n_layer + 1))(jnp.arange(M))
+                                               n_layer + 1))(jnp.arange(M))
     return keys[:, 0], keys[:, 1:]
 
 
-def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
+def make_round_fn(model: Transformer, forward_only: bool = False):
     """f(params, inputs, targets, round_key) -> (metrics, grads) for one round of M microbatches:
     the metrics are the mean cross-entropy `loss` and each auxiliary loss, means over the round.
 
@@ -124,14 +113,15 @@ def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
     first stage's input gradients.
     round_key is (step key, round index) when dropout is on, else None. forward_only: loss only.
     """
-    schedule = schedule_for(cfg, model.plan.mesh, forward_only)
-    family, plan = model.family, model.plan
+    family, plan, schedule = model.family, model.plan, model.plan.schedule
+    if forward_only:  # evaluation runs the layers in order, a forward per stage
+        schedule = Schedule("forward", schedule.pp, schedule.microbatches)
 
     def round_fn(params, inputs, targets, round_key=None):
         top, _, layer_params, layer_axes = split_layers(params, model.axes())
         run = make_executor(model, layer_axes, schedule)
-        embed_keys, layer_keys = dropout_keys(cfg, round_key, schedule.microbatches)
-        k = cfg.model.lead_layers
+        embed_keys, layer_keys = dropout_keys(model.cfg.n_layer, round_key, schedule.microbatches)
+        k = model.cfg.lead_layers
         lead_keys, layer_keys = (None, None) if layer_keys is None else (layer_keys[:, :k], layer_keys[:, k:])
         head = model.head(top) | {name: top[name] for name in family.ahead_params()}  # the last stage's
         doc_starts = None if model.eot_id is None else jax.vmap(model.doc_starts)(inputs)
@@ -170,16 +160,16 @@ def make_round_fn(cfg: Config, model: Transformer, forward_only: bool = False):
     return round_fn
 
 
-def summary(cfg: Config, mesh, vocab_size: int) -> dict:
+def summary(model: Transformer) -> dict:
     """The schedule's shape and theoretical bubble; a bubble of 0 without a pipeline."""
-    if mesh.shape[PIPE] == 1:
+    schedule, m, vocab_size = model.plan.schedule, model.cfg, model.vocab_size
+    if schedule is None:
         return {"bubble_fraction": 0.0}
-    schedule = schedule_for(cfg, mesh)
-    model_flops = flops_per_token(cfg.model, vocab_size)
+    model_flops = flops_per_token(m, vocab_size)
     return {"schedule": schedule.name, "virtual": schedule.virtual, "microbatches": schedule.microbatches,
             "ticks": schedule.ticks,
             "bubble_fraction": schedule.bubble_fraction, "inputs_held_per_stage": schedule.input_slots,
             "grads_held_per_stage": schedule.grad_slots,
             # Each backward reruns its stage's forward from the saved input: HFU = MFU x this.
-            "hardware_flops_factor": hardware_flops_per_token(cfg.model, vocab_size, schedule.pp,
+            "hardware_flops_factor": hardware_flops_per_token(m, vocab_size, schedule.pp,
                                                               schedule.name) / model_flops}

@@ -49,7 +49,7 @@ class ZeroPlan:
                                               f"{', '.join(self.unsharded)}" if self.unsharded else ""))
 
 
-def plan(stage: int, tp_shardings: dict, shapes: dict, mesh) -> ZeroPlan:
+def zero_plan(stage: int, tp_shardings: dict, shapes: dict, mesh) -> ZeroPlan:
     """Shardings for ZeRO `stage` (0-3, checked by config.validate) on top of the rule table's."""
     unsharded = []
 

@@ -105,7 +105,7 @@ def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_
     copies = OPTIMIZERS[cfg.optimizer.name].state_copies
     state = 4 * share * ((1 / shards if zero >= 3 else 1) + (1 / shards if zero >= 2 else 1)
                          + copies * (1 / shards if zero >= 1 else 1))
-    saved = activation_bytes(cfg, vocab, rows_per_pass, ways(sizes, "width"),
+    saved = activation_bytes(cfg.model, vocab, rows_per_pass, ways(sizes, "width"),
                              layers=layers_per_stage(cfg.model, ways(sizes, "layers")), cp=ways(sizes, "sequence"))
     return state + saved * in_flight
 

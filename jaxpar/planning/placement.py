@@ -9,27 +9,24 @@ import math
 import jax
 
 from jaxpar.core.axes import CONTEXT, PIPE, TENSOR, pipelined_layers
-from jaxpar.core.config import Config
+from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.sharding import split_ways
-from jaxpar.data.loader import document_eot, load_dataset, model_vocab
+from jaxpar.data.loader import load_dataset
 from jaxpar.models.decode import cache_bytes_per_token
-from jaxpar.models.family import build_model, family_of
+from jaxpar.models.family import family_of
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
-from jaxpar.parallel.pipeline import schedule_for
 from jaxpar.parallel.zero import expected_bytes_per_device
-from jaxpar.training import micro_batch, optimizers
-from jaxpar.training import step as steps
-from jaxpar.training.abstract_step import compile_abstract_step
-from jaxpar.training.execution import plan_execution
+from jaxpar.training import optimizers
+from jaxpar.training.build import Built, build
 
 
 def mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
+def activation_bytes(m: ModelConfig, vocab_size: int, rows_per_pass: int, tp: int,
                      layers: int | None = None, cp: int = 1) -> int:
     """Saved activations of one forward pass on one device: the family's `activation_units` per
     token and layer (for GPT-2, Korthikanti et al. (2022), eq. 2 with tensor parallelism,
@@ -38,7 +35,6 @@ def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
     Under model.remat=full a layer keeps its float32 input alone, and one layer's activations live
     while it reruns. `layers`: those this device runs (default: all). Context parallelism splits
     every activation along the sequence: 1/cp of it (the ring's K/V blocks in flight aside)."""
-    m = cfg.model
     s, h = m.block_size, m.n_embd
     layers = m.n_layer if layers is None else layers
     scale = 4 / 2 if m.dtype == "float32" else 1
@@ -49,24 +45,24 @@ def activation_bytes(cfg: Config, vocab_size: int, rows_per_pass: int, tp: int,
     return int((saved + logits) / cp)
 
 
-def activation_estimate(cfg: Config, vocab: int, mesh, rows_per_pass: int) -> dict[str, int]:
+def activation_estimate(built: Built, rows_per_pass: int) -> dict[str, int]:
     """Activation bytes per device by part. A pipeline stage holds the stage inputs and output
     gradients its schedule's table keeps in flight, and one layer chunk's activations while a
     backward reruns it; without a pipeline, one pass's saved activations."""
+    m, vocab, mesh, schedule = built.model.cfg, built.model.vocab_size, built.mesh, built.plan.schedule
     tp, pp = mesh.shape[TENSOR], mesh.shape[PIPE]
-    if pp == 1:
-        return {"activations (estimate)": activation_bytes(cfg, vocab, rows_per_pass, tp, cp=mesh.shape[CONTEXT])}
-    schedule = schedule_for(cfg, mesh)
+    if schedule is None:
+        return {"activations (estimate)": activation_bytes(m, vocab, rows_per_pass, tp, cp=mesh.shape[CONTEXT])}
     held = schedule.input_slots + schedule.grad_slots
-    split = tp if cfg.model.sequence_parallel else 1  # the buffers hold the stream's layout
-    one = rows_per_pass * cfg.model.block_size * cfg.model.n_embd * 4 // split
-    chunk = pipelined_layers(cfg.model) // (pp * schedule.virtual)
+    split = tp if m.sequence_parallel else 1  # the buffers hold the stream's layout
+    one = rows_per_pass * m.block_size * m.n_embd * 4 // split
+    chunk = pipelined_layers(m) // (pp * schedule.virtual)
     rows = {f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)": held * one,
-            f"activations ({chunk}-layer chunk)": activation_bytes(cfg, vocab, rows_per_pass, tp, layers=chunk)}
-    k, M = cfg.model.lead_layers, schedule.microbatches
+            f"activations ({chunk}-layer chunk)": activation_bytes(m, vocab, rows_per_pass, tp, layers=chunk)}
+    k, M = m.lead_layers, schedule.microbatches
     if k:  # ahead of the pipeline, kept for their backward until the round's last
-        lead = activation_bytes(cfg, vocab, M * rows_per_pass, tp, layers=k) - activation_bytes(
-            cfg, vocab, M * rows_per_pass, tp, layers=0)
+        lead = activation_bytes(m, vocab, M * rows_per_pass, tp, layers=k) - activation_bytes(
+            m, vocab, M * rows_per_pass, tp, layers=0)
         rows[f"activations ({k} dense first layer{'s' if k > 1 else ''} x {M} microbatches)"] = lead
     return rows
 
@@ -93,8 +89,8 @@ def tensor_rows(shapes: dict, plan, abstract_opt, opt_shardings) -> list[str]:
     return rows
 
 
-def compiled_rows(cfg: Config, vocab: int, mesh, eot_id: int | None) -> list[str]:
-    memory = hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh, eot_id))
+def compiled_rows(built: Built) -> list[str]:
+    memory = hlo.memory_summary(built.compile_abstract())
     if not memory:
         return []
     peak = memory["peak_memory_bytes"]  # the figure jaxpar.plan reports
@@ -105,36 +101,31 @@ def compiled_rows(cfg: Config, vocab: int, mesh, eot_id: int | None) -> list[str
 
 
 def dry_run(cfg: Config, devices=None) -> str:
-    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
-    vocab, eot_id = model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
     mesh = build_mesh(cfg, devices)
-    cfg, auto_note = micro_batch.resolve(cfg, vocab, mesh, eot_id)
+    built = build(cfg, mesh, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    model, execution, zero_plan, shardings = built.model, built.plan, built.zero, built.shardings
     with jax.set_mesh(mesh):
-        execution = plan_execution(cfg, mesh)
-        model = build_model(cfg, vocab, eot_id, execution)
-        tx = steps.make_optimizer(cfg, model, mesh)
-        shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
         shapes = model.shapes()
-        abstract_opt = jax.eval_shape(tx.init, shapes)
+        abstract_opt = jax.eval_shape(built.tx.init, shapes)
         crossing = ", ".join(axes_crossing_processes(mesh)) or "none"
-        rows = [f"mesh {mesh_shape(mesh)}, {plan.describe()}; axes across processes: {crossing}",
-                *execution_rows(execution), *([auto_note] if auto_note else []), "",
-                *tensor_rows(shapes, plan, abstract_opt, shardings.opt_state)]
-        micro = steps.microbatches_for(cfg, mesh)
+        rows = [f"mesh {mesh_shape(mesh)}, {zero_plan.describe()}; axes across processes: {crossing}",
+                *execution_rows(execution), *([built.note] if built.note else []), "",
+                *tensor_rows(shapes, zero_plan, abstract_opt, shardings.opt_state)]
+        micro = execution.microbatches
         rows_per_pass = cfg.train.batch_size // micro // split_ways(mesh, "batch")
         estimate = {
-            "params": expected_bytes_per_device(plan.params, shapes),
-            "gradients": expected_bytes_per_device(plan.grads, shapes),
+            "params": expected_bytes_per_device(zero_plan.params, shapes),
+            "gradients": expected_bytes_per_device(zero_plan.grads, shapes),
             f"optimizer state ({cfg.optimizer.name})": expected_bytes_per_device(shardings.opt_state, abstract_opt),
-            **activation_estimate(cfg, vocab, mesh, rows_per_pass),
+            **activation_estimate(built, rows_per_pass),
         }
         passes = (f"rows a pass on each device: {rows_per_pass}, {micro} passes a step "
-                  f"(train.micro_batch={cfg.train.micro_batch})")
+                  f"(train.micro_batch={execution.micro_batch})")
         heads, k_width, v_width = model.family.cache_widths()
         cache = (f"decoding cache: {cache_bytes_per_token(model):,} bytes a token ({cfg.model.n_layer} layers x "
                  f"{heads} x ({k_width} + {v_width}) in {cfg.model.dtype})")
         rows += ["", passes, cache, "", "peak memory per device, by part:"]
         rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
-        rows += compiled_rows(cfg, vocab, mesh, eot_id)
+        rows += compiled_rows(built)
     return "\n".join(rows)

@@ -93,7 +93,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
     from jaxpar.core.axes import pipeline_microbatches
     from jaxpar.parallel.schedule import Schedule
     from jaxpar.planning import estimate
-    from jaxpar.training import step as steps
+    from jaxpar.training.execution import num_microbatches
     cfg, lay = c.cfg, c.layout
     dp, pp = batch_ways(lay), lay[PIPE_AXIS.key]  # dp: the ways the rows split
     if pp > 1:
@@ -101,7 +101,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
         schedule = Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
         passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
     else:
-        passes, in_flight, bubble = steps.num_microbatches(cfg.train, dp), 1, 0.0
+        passes, in_flight, bubble = num_microbatches(cfg.train, dp), 1, 0.0
     rows = cfg.train.batch_size // passes // dp
     ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows, expert_params)
     comm_s = estimate.collective_seconds(ops, chip, estimate.devices_of(lay))
@@ -112,19 +112,18 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
 
 def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int | None = None) -> None:
     """Compile c's train step for `devices` and fill in c.compiled and c.fits; an error is kept.
-    `eot_id`: the documents' token under data.document_mask (build_model)."""
+    `eot_id`: the documents' token under data.document_mask (jaxpar.training.build)."""
     from jaxpar.parallel import hlo, pipeline
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning import estimate, roofline
-    from jaxpar.planning.placement import compile_abstract_step
-    from jaxpar.training.execution import plan_execution
+    from jaxpar.training.build import build
     try:
-        mesh = build_mesh(c.cfg, devices)
-        compiled = compile_abstract_step(c.cfg, vocab, mesh, eot_id)
+        built = build(c.cfg, build_mesh(c.cfg, devices), vocab=vocab, eot_id=eot_id)
+        compiled = built.compile_abstract()
         text = compiled.as_text()
         ops = hlo.collective_ops(text)
         summary = {**hlo.memory_summary(compiled), "collectives": hlo.totals(ops)}
-        bubble = pipeline.summary(c.cfg, mesh, vocab)["bubble_fraction"]
+        bubble = pipeline.summary(built.model)["bubble_fraction"]
     except Exception as error:  # a layout XLA cannot compile is listed, not fatal
         c.reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         needs = OUT_OF_HBM.search(c.reason)  # the TPU compiler refuses a step that cannot fit
@@ -133,7 +132,7 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
             c.compiled = {"needs_bytes": float(needs.group(1)) * 2**30}
         return
     roof = roofline.estimate(text, chip, len(devices))
-    attention = plan_execution(c.cfg, mesh).describe()["attention"]
+    attention = built.plan.describe()["attention"]
     c.compiled = {**summary, "attention": attention, "collective_ops": ops,
                   **estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble)}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
@@ -247,14 +246,14 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     args.out (which the caller holds locked)."""
     from tqdm import tqdm
 
-    from jaxpar.data.loader import document_eot, load_dataset, model_vocab
+    from jaxpar.data.loader import load_dataset, model_ids
     from jaxpar.models.family import build_model
     from jaxpar.nn.params import in_order
     from jaxpar.planning.hardware import chip_for, target_devices
     from jaxpar.planning.plan_report import write_report
     devices = target_devices(target)
     tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
-    vocab, eot_id = model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
+    vocab, eot_id = model_ids(cfg, tokenizer)  # a bad vocabulary or document_mask fails before any compile
     chip = chip_for(target, devices, cfg.model.dtype)
     declared = [param for _, param in in_order(build_model(cfg, vocab).declared)]
     n_params = sum(math.prod(param.shape) for param in declared)

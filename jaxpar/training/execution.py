@@ -1,14 +1,16 @@
 """The execution plan of a step (jaxpar.core.execution), made once from the config, the mesh and
-the mesh's platform, before anything is traced.
+the mesh's platform, before anything is traced: its kernels, its passes a step and how their
+gradients are summed, and the pipeline's schedule, checked once and held as a `Schedule`.
 
-Training, evaluation, sampling, task scoring, `--dry-run` and the planner all make theirs here, so
-that each runs what the same config runs in training on that mesh: the planner compiling for a
-TPU pod from a CPU host plans for the TPU, and `jaxpar.eval` runs the attention kernel that
-training ran.
+`jaxpar.training.build` makes it for training, evaluation, sampling, task scoring, `--dry-run` and
+the planner, so that each runs what the same config runs in training on that mesh: the planner
+compiling for a TPU pod from a CPU host plans for the TPU, and `jaxpar.eval` runs the attention
+kernel that training ran.
 """
 
-from jaxpar.core.axes import CONTEXT, DATA, PIPE
-from jaxpar.core.config import Config
+from jaxpar.core import kernel_registry as registry
+from jaxpar.core.axes import CONTEXT, DATA, PIPE, pipeline_microbatches
+from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig
 from jaxpar.core.execution import (
     EACH_PASS_REDUCED,
     ONE_PASS,
@@ -20,13 +22,14 @@ from jaxpar.core.execution import (
 from jaxpar.core.sharding import split_ways
 from jaxpar.models.family import family_of
 from jaxpar.nn import kernels, moe
-from jaxpar.parallel import pipeline
-from jaxpar.training.step import microbatches_for
+from jaxpar.parallel.schedule import Schedule
 
 
-def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training: bool = True) -> ExecutionPlan:
+def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training: bool = True,
+                   micro_batch: int | None = None) -> ExecutionPlan:
     """The plan for cfg's train (and eval) step on `mesh`; `platform`: the devices' (by default
-    the mesh's own, a compile-only TPU's too). Not `for_training` (evaluation, sampling): no
+    the mesh's own, a compile-only TPU's too); `micro_batch`: train.micro_batch resolved (by
+    default cfg's, which must then be a number). Not `for_training` (evaluation, sampling): no
     passes to sum, and no pipeline."""
     platform = platform or kernels.platform_of(mesh)
     m = cfg.model
@@ -37,46 +40,78 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     if m.n_experts:
         gemm, gemm_note = moe.gemm_of(m, platform)
         experts = {"experts": True, "moe_gemm": gemm, "moe_gemm_note": gemm_note,
-                   "moe_dispatch": moe.dispatch_of(m, platform)}
-    return ExecutionPlan(
-        mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, attention=attention,
-        attention_note=note, accumulation=accumulation(cfg, mesh) if for_training else ONE_PASS, remat=m.remat,
-        regather_weights=cfg.train.zero == 3, pipeline=pipeline_plan(cfg, mesh) if for_training else {}, **experts)
+                   "moe_dispatch": registry.chosen(registry.MOE_DISPATCH, m.moe_dispatch, platform)}
+    common = dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, attention=attention,
+                  attention_note=note, remat=m.remat, regather_weights=cfg.train.zero == 3, **experts)
+    if not for_training:
+        return ExecutionPlan(**common)
+    rows = cfg.train.micro_batch if micro_batch is None else micro_batch
+    if rows == MICRO_BATCH_AUTO:
+        raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
+    schedule = schedule_of(cfg, mesh)
+    passes = microbatches(cfg.train, split_ways(mesh, "batch"), schedule, rows)
+    return ExecutionPlan(**common, accumulation=accumulation(cfg, mesh, passes, schedule), microbatches=passes,
+                         micro_batch=rows, schedule=schedule, stage_grads=stage_grads(cfg, mesh, schedule),
+                         ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
 
 
-def accumulation(cfg: Config, mesh) -> str:
+def num_microbatches(t: TrainConfig, dp: int, micro_batch: int | None = None) -> int:
+    """grad_accum, times the split that keeps each device's rows per pass <= micro_batch (by
+    default train.micro_batch).
+
+    Every split sums the same rows' gradients, so the update is the same for any count.
+    """
+    limit = t.micro_batch if micro_batch is None else micro_batch
+    rows = t.batch_size // t.grad_accum // dp
+    split = 1
+    if limit:
+        split = next(k for k in range(-(-rows // limit), rows + 1) if rows % k == 0)
+    return t.grad_accum * split
+
+
+def microbatches(t: TrainConfig, dp: int, schedule: Schedule | None, micro_batch: int) -> int:
+    """Microbatches a step: the pipeline's M per grad_accum round when there is one; dp: the ways
+    the rows split."""
+    if schedule is not None:
+        return t.grad_accum * schedule.microbatches
+    return num_microbatches(t, dp, micro_batch)
+
+
+def schedule_of(cfg: Config, mesh) -> Schedule | None:
+    """cfg's pipeline schedule on `mesh`, its layers, microbatches and table checked; None at pp=1."""
+    pp = mesh.shape[PIPE]
+    if pp == 1:
+        return None
+    M = pipeline_microbatches(cfg, split_ways(mesh, "batch"), pp)
+    return Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
+
+
+def accumulation(cfg: Config, mesh, passes: int, schedule: Schedule | None) -> str:
     """How a step sums its passes' gradients. Locally, on each data-parallel device, with one
     reduction over 'data' a step, unless dropout draws each pass's masks over the whole batch as
     one device does, another axis splits the rows too (expert parallelism), the family cannot be
     vmapped, or a pipeline's rounds reduce their own."""
-    passes = cfg.train.grad_accum if mesh.shape[PIPE] > 1 else microbatches_for(cfg, mesh)
-    if passes == 1:
+    if (cfg.train.grad_accum if schedule is not None else passes) == 1:
         return ONE_PASS
     dp = mesh.shape[DATA]
-    if (dp == 1 or cfg.model.dropout > 0 or mesh.shape[PIPE] > 1 or split_ways(mesh, "batch") != dp
+    if (dp == 1 or cfg.model.dropout > 0 or schedule is not None or split_ways(mesh, "batch") != dp
             or not family_of(cfg.model).vmappable):
         return EACH_PASS_REDUCED
     return REDUCED_ONCE
 
 
-def pipeline_plan(cfg: Config, mesh) -> dict:
-    """The pipeline's schedule as the executor runs it, and how a stage's gradients leave it:
-    reduced over 'data' once a round by each stage, unless dropout draws its masks over every
-    row, ZeRO-3 gathers each layer's weights where it runs, or another axis splits the rows too
-    (then the shardings reduce each microbatch's)."""
-    if mesh.shape[PIPE] == 1:
-        return {}
-    schedule = pipeline.schedule_for(cfg, mesh)
+def stage_grads(cfg: Config, mesh, schedule: Schedule | None) -> str:
+    """How a stage's gradients leave it: reduced over 'data' once a round by each stage, unless
+    dropout draws its masks over every row, ZeRO-3 gathers each layer's weights where it runs, or
+    another axis splits the rows too (then the shardings reduce each microbatch's)."""
+    if schedule is None:
+        return ""
     dp = mesh.shape[DATA]
     local = 1 < dp == split_ways(mesh, "batch") and cfg.model.dropout == 0 and cfg.train.zero < 3
-    return {"schedule": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual,
-            "microbatches": schedule.microbatches, "ticks": schedule.ticks,
-            "bubble_fraction": schedule.bubble_fraction,
-            "gradients_reduced": STAGES_REDUCE if local else SHARDINGS_REDUCE} | ahead_of_stages(cfg.model)
+    return STAGES_REDUCE if local else SHARDINGS_REDUCE
 
 
-def ahead_of_stages(m) -> dict:
+def ahead_of_stages(k: int) -> str:
     """The dense first layers (jaxpar.models.lead) run ahead of the stages, beside the embedding:
     every stage runs them on every microbatch, so they cost each stage their whole time."""
-    k = m.lead_layers
-    return {"ahead_of_stages": f"the {k} dense first layer{'s' if k > 1 else ''}, on every stage"} if k else {}
+    return f"the {k} dense first layer{'s' if k > 1 else ''}, on every stage" if k else ""

@@ -16,9 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import UserError
-from jaxpar.data.tasks import parse_tasks
 
 FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
 TENSORBOARD = "tensorboard"  # the folder inside a run's --out: scalars, and --profile's trace
@@ -182,15 +180,13 @@ class MetricsWriters:
     ever recorded twice.
     """
 
-    def __init__(self, out_dir: Path, resume_step: int, cfg):
-        from jaxpar.models.family import family_of
-        # Each auxiliary loss the model logs is a train/ scalar too.
-        self.scalars = SCALARS | {name: f"train/{name}" for name in family_of(cfg.model).loss_weights()}
-        # Each task's accuracies (--eval.tasks) are eval/ scalars.
-        tasks = parse_tasks(cfg.eval.tasks) if cfg.eval.tasks else []
-        self.scalars |= {f"{task.name}/{m}": f"eval/{task.name}/{m}" for task in tasks for m in ("acc", "acc_norm")}
-        # A mixture's per-source val losses (jaxpar.data.mixture) are val/ scalars.
-        self.scalars |= {f"val_loss/{s.name}": f"val/loss/{s.name}" for s in parse_mix(cfg.data.mix)}
+    def __init__(self, out_dir: Path, resume_step: int, cfg, aux: tuple = (), tasks: tuple = (),
+                 sources: tuple = ()):
+        """`aux`: the model's auxiliary losses, `tasks`: --eval.tasks' names, `sources`: a
+        mixture's; each one's values are scalars too (train/, eval/ and val/ ones)."""
+        self.scalars = (SCALARS | {name: f"train/{name}" for name in aux}
+                        | {f"{task}/{m}": f"eval/{task}/{m}" for task in tasks for m in ("acc", "acc_norm")}
+                        | {f"val_loss/{name}": f"val/loss/{name}" for name in sources})
         self.jsonl = open_metrics(out_dir / "metrics.jsonl", resume_step)
         self.tensorboard = self.wandb = None
         self.tensorboard_dir = out_dir / TENSORBOARD

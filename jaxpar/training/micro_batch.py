@@ -1,4 +1,5 @@
-"""`train.micro_batch = "auto"`, resolved on the mesh before anything is traced.
+"""`train.micro_batch = "auto"`, chosen on the mesh before anything is traced, and held in the
+execution plan (jaxpar.training.build): the config keeps what the user asked.
 
 On a GPU or TPU it is the most rows a device takes in one pass (one pass if they fit) whose
 compiled train step fits the device's memory by XLA's own memory analysis: a binary search over
@@ -7,41 +8,26 @@ value tuned for a 2-core CPU's caches (jaxpar.core.config). A pipeline's rows pe
 microbatches' (pipeline.microbatches), so there `auto` is 0, no limit.
 """
 
-import copy
+from collections.abc import Callable
 
 from jaxpar.core.axes import PIPE
-from jaxpar.core.config import MICRO_BATCH_AUTO, Config
+from jaxpar.core.config import MICRO_BATCH_AUTO, TrainConfig
 from jaxpar.core.sharding import split_ways
-from jaxpar.nn.kernels import platform_of
 from jaxpar.parallel import hlo
-from jaxpar.training.abstract_step import compile_abstract_step
 
 CPU_MICRO_BATCH = 6
 
 
-def with_micro_batch(cfg: Config, rows: int) -> Config:
-    resolved = copy.deepcopy(cfg)
-    resolved.train.micro_batch = rows
-    return resolved
-
-
-def rows_per_pass_options(cfg: Config, mesh) -> list[int]:
-    """A device's rows per pass for each split of its rows, most first."""
-    rows = cfg.train.batch_size // cfg.train.grad_accum // split_ways(mesh, "batch")
+def rows_per_pass_options(t: TrainConfig, dp: int) -> list[int]:
+    """A device's rows per pass for each split of its rows, most first; dp: the ways rows split."""
+    rows = t.batch_size // t.grad_accum // dp
     return [rows // k for k in range(1, rows + 1) if rows % k == 0]
 
 
-def step_bytes(cfg: Config, vocab: int, mesh, eot_id: int | None) -> int:
-    """XLA's peak memory per device of cfg's compiled train step on mesh."""
-    return hlo.memory_summary(compile_abstract_step(cfg, vocab, mesh, eot_id)).get("peak_memory_bytes", 0)
-
-
-def largest_fitting(cfg: Config, vocab: int, mesh, eot_id: int | None, capacity: int) -> tuple[int, int]:
-    """(the most rows per pass whose step needs at most `capacity` bytes a device, compiles
-    made); the fewest rows where none fits, for the trainer's own memory check to refuse.
-    Memory grows with the rows, so a binary search over the options finds it."""
-    options = rows_per_pass_options(cfg, mesh)
-    fits = lambda rows: step_bytes(with_micro_batch(cfg, rows), vocab, mesh, eot_id) <= capacity
+def largest_fitting(options: list[int], fits: Callable[[int], bool]) -> tuple[int, int]:
+    """(the most rows per pass in `options` (most first) that `fits`, compiles made); the fewest
+    rows where none fits, for the trainer's own memory check to refuse. Memory grows with the
+    rows, so a binary search over the options finds it."""
     if len(options) == 1 or fits(options[0]):  # one pass: the common case, one compile
         return options[0], int(len(options) > 1)
     lo, hi, compiles = 1, len(options) - 1, 1  # options[hi] is taken when nothing fits
@@ -55,17 +41,20 @@ def largest_fitting(cfg: Config, vocab: int, mesh, eot_id: int | None, capacity:
     return options[lo], compiles
 
 
-def resolve(cfg: Config, vocab: int, mesh, eot_id: int | None, capacity: int | None = None) -> tuple[Config, str | None]:
-    """(cfg with train.micro_batch an integer, a one-line account of `auto`'s choice or None)."""
-    if cfg.train.micro_batch != MICRO_BATCH_AUTO:
-        return cfg, None
+def choose(t: TrainConfig, mesh, platform: str, compiled_at: Callable, capacity: int | None = None
+           ) -> tuple[int, str | None]:
+    """(train.micro_batch as a number, a one-line account of `auto`'s choice or None);
+    compiled_at(rows): the train step compiled at that many rows a pass."""
+    if t.micro_batch != MICRO_BATCH_AUTO:
+        return t.micro_batch, None
     if mesh.shape[PIPE] > 1:
-        return with_micro_batch(cfg, 0), None
-    platform = platform_of(mesh)
+        return 0, None
     capacity = capacity or hlo.device_bytes_limit(mesh.devices.flat[0])
     if platform == "cpu" or not capacity:
-        return with_micro_batch(cfg, CPU_MICRO_BATCH), None
-    rows, compiles = largest_fitting(cfg, vocab, mesh, eot_id, capacity)
+        return CPU_MICRO_BATCH, None
+    options = rows_per_pass_options(t, split_ways(mesh, "batch"))
+    peak = lambda rows: hlo.memory_summary(compiled_at(rows)).get("peak_memory_bytes", 0)
+    rows, compiles = largest_fitting(options, lambda rows: peak(rows) <= capacity)
     note = (f"train.micro_batch=auto: {rows} rows a pass on each {platform} device, the most whose "
             f"step fits its {capacity / 2**30:,.1f} GiB ({compiles} compile{'s' * (compiles != 1)})")
-    return with_micro_batch(cfg, rows), note
+    return rows, note

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import AXES, DATA
-from jaxpar.core.config import Config
 from jaxpar.core.execution import ONE_PASS, REDUCED_ONCE
 from jaxpar.core.sharding import without_axis
 from jaxpar.models.family import Transformer
@@ -36,16 +35,17 @@ def make_loss_fn(model: Transformer):
     return loss_fn
 
 
-def make_pass(cfg: Config, model: Transformer):
+def make_pass(model: Transformer):
     """(one_pass(params, inputs, targets, step_key, i) -> (metrics, grads), rounds): one model
     pass per microbatch, or with a pipeline a round per `rounds` group of microbatches (None: one
     microbatch a pass). step_key is None without dropout."""
-    if model.plan.pipeline:
-        round_fn = pipeline.make_round_fn(cfg, model)
+    schedule = model.plan.schedule
+    if schedule is not None:
+        round_fn = pipeline.make_round_fn(model)
 
         def one_round(params, inputs, targets, step_key, i):
             return round_fn(params, inputs, targets, None if step_key is None else (step_key, i))
-        return one_round, cfg.train.grad_accum
+        return one_round, model.plan.microbatches // schedule.microbatches  # train.grad_accum
 
     loss_and_grad = jax.value_and_grad(make_loss_fn(model), has_aux=True)
 
@@ -56,16 +56,17 @@ def make_pass(cfg: Config, model: Transformer):
     return one_pass, None
 
 
-def make_grad_fn(cfg: Config, model: Transformer, grad_shardings: dict):
-    """(params, inputs, targets, step) -> (metrics, gradients), each the mean over the passes.
+def make_grad_fn(model: Transformer, seed: int, grad_shardings: dict):
+    """(params, inputs, targets, step) -> (metrics, gradients), each the mean over the passes;
+    `seed`: the run's, from which dropout draws each step's key.
 
     inputs/targets are (microbatches, rows, seq). Gradients are pinned to `grad_shardings`: under
     ZeRO-2/3 that turns their all-reduce into a reduce-scatter.
     """
-    use_dropout, seed, plan = cfg.model.dropout > 0, cfg.train.seed, model.plan
+    use_dropout, plan = model.cfg.dropout > 0, model.plan
 
     def grads_of(params, inputs, targets, step):
-        one_pass, rounds = make_pass(cfg, model)
+        one_pass, rounds = make_pass(model)
         if rounds is not None:
             inputs, targets = (a.reshape(rounds, -1, *a.shape[1:]) for a in (inputs, targets))
         step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
@@ -75,7 +76,7 @@ def make_grad_fn(cfg: Config, model: Transformer, grad_shardings: dict):
             return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
         if plan.accumulation == REDUCED_ONCE:
             # The passes of each data-parallel device's rows, traced where 'data' splits nothing.
-            group_pass, _ = make_pass(cfg, model.on(plan.unsplit(DATA)))
+            group_pass, _ = make_pass(model.on(plan.unsplit(DATA)))
             metrics, grads = accumulate_locally(lambda i, x, y: group_pass(params, x, y, step_key, i),
                                                 inputs, targets, params, grad_shardings, plan.sizes[DATA])
         else:

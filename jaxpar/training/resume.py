@@ -12,28 +12,32 @@ import jax
 import numpy as np
 import optax
 
-from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.core.model_config import DEFAULT_FAMILY, model_config
+from jaxpar.core.model_config import ModelConfig
 from jaxpar.core.optimizer_config import OptimizerConfig
-from jaxpar.data.loader import model_vocab
 from jaxpar.data.tokenizer import check_same_tokenizer, from_meta
-from jaxpar.models.family import build_model, family_of
+from jaxpar.models.family import Transformer, family_of
+from jaxpar.training.build import Built
 from jaxpar.training.checkpoint import Checkpoints, Restored, abstract_tree, generic_mismatch
 from jaxpar.training.optimizers import make_optimizer
 from jaxpar.training.saved_trees import first_difference
+from jaxpar.training.step import TrainState
 
 # Never advise --fresh alone: it deletes the checkpoints that do not fit.
 ELSEWHERE = "or train in another --out (--fresh would delete these checkpoints)"
 
 
-def model_shape(model: dict, vocab_size: int) -> str:
-    """The model config fields its family's params' shapes follow, as 'n_layer=2, ...' (a
-    checkpoint from before a field has its default)."""
-    family = model_config(model.get("family", DEFAULT_FAMILY))
-    defaults = dataclasses.asdict(family)
-    fields = family_of(family).shape_fields
-    return ", ".join(f"{k}={model.get(k, defaults[k])}" for k in fields) + f", vocab_size={vocab_size}"
+def model_shape(m: ModelConfig, vocab_size: int) -> str:
+    """The model config fields its family's params' shapes follow, as 'n_layer=2, ...'."""
+    return ", ".join(f"{k}={getattr(m, k)}" for k in family_of(m).shape_fields) + f", vocab_size={vocab_size}"
+
+
+def saved_model(model: dict, family: type[ModelConfig]) -> ModelConfig:
+    """The checkpoint's [model] as a config of its `family`: a field from before its time has its
+    default, and a key the family does not declare (configs saved before each family had its own
+    keys hold every family's) is passed over."""
+    declared = {f.name for f in dataclasses.fields(family)}
+    return family(**{k: v for k, v in model.items() if k in declared})
 
 
 def saved_vocab(meta: dict) -> tuple[object, int]:
@@ -42,9 +46,9 @@ def saved_vocab(meta: dict) -> tuple[object, int]:
     return tokenizer, meta["config"]["model"].get("vocab_size") or tokenizer.vocab_size
 
 
-def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
+def check_fits(meta: dict, built: Built, tokenizer, directory: Path) -> None:
     """A checkpoint resumes this run only with the same model, tokenizer, seed and optimizer."""
-    saved = meta["config"]
+    saved, cfg = meta["config"], built.cfg
     saved_tokenizer, vocab = saved_vocab(meta)
     check_same_tokenizer(saved_tokenizer, tokenizer, f"the checkpoint in '{directory}'",
                          f"resume on the data it was trained on, {ELSEWHERE}")
@@ -53,10 +57,9 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
         raise UserError(f"the checkpoint in '{directory}' holds a model.family={family} model, and this "
                         f"run asks for {cfg.model.family}; resume with the checkpoint's config "
                         f"(--model.family={family}), {ELSEWHERE}")
-    have = model_shape(saved["model"], vocab)
-    want = model_shape(dataclasses.asdict(cfg.model), model_vocab(cfg, tokenizer))
-    saved_shapes = build_model(Config.from_dict(saved), vocab).shapes()
-    if have != want or saved_shapes != build_model(cfg, model_vocab(cfg, tokenizer)).shapes():
+    saved_m = saved_model(saved["model"], type(cfg.model))
+    have, want = model_shape(saved_m, vocab), model_shape(cfg.model, built.model.vocab_size)
+    if have != want or Transformer(saved_m, vocab).shapes() != built.model.shapes():
         raise UserError(f"the checkpoint in '{directory}' has model shape ({have}) but the config "
                         f"and data ask for ({want}); use the checkpoint's model settings and "
                         f"data, {ELSEWHERE}")
@@ -75,7 +78,7 @@ def check_fits(meta: dict, cfg: Config, tokenizer, directory: Path) -> None:
                         f"{meta['rng']['seed']}, {ELSEWHERE}")
 
 
-def optimizer_mismatch(cfg: Config, model):
+def optimizer_mismatch(o: OptimizerConfig, model):
     """explain_mismatch for Checkpoints.restore_latest: an optimizer state of other shapes names
     the [optimizer] keys whose saved values give the saved shapes, and the ways on."""
     shapes = model.shapes()
@@ -87,11 +90,11 @@ def optimizer_mismatch(cfg: Config, model):
         if item != "opt_state":
             return generic_mismatch(meta, item, difference, saved_tree)
         saved = {k: v for k, v in meta["config"].get("optimizer", {}).items()
-                 if k != "reset_state" and hasattr(cfg.optimizer, k) and getattr(cfg.optimizer, k) != v}
+                 if k != "reset_state" and hasattr(o, k) and getattr(o, k) != v}
         causes = [k for k, v in saved.items()
-                  if not first_difference(saved_tree, state_of(dataclasses.replace(cfg.optimizer, **{k: v})))]
+                  if not first_difference(saved_tree, state_of(dataclasses.replace(o, **{k: v})))]
         named = causes or list(saved)
-        setting = ", ".join(f"optimizer.{k}={saved[k]} there, {getattr(cfg.optimizer, k)} here" for k in named)
+        setting = ", ".join(f"optimizer.{k}={saved[k]} there, {getattr(o, k)} here" for k in named)
         why = f"{setting} changes" if named else "this jaxpar lays out"
         back = " ".join(f"--optimizer.{k}={saved[k]}" for k in named)
         return (f"{why} the optimizer state's shapes ({difference}); resume with "
@@ -100,21 +103,19 @@ def optimizer_mismatch(cfg: Config, model):
     return explain
 
 
-def restore_train_state(ckpt: Checkpoints, cfg: Config, tokenizer, tx, shardings):
-    """(TrainState on the mesh and ZeRO stage of `shardings`, Restored), or None."""
-    from jaxpar.training import step as steps
-    model = build_model(cfg, model_vocab(cfg, tokenizer))
-    shapes = model.shapes()
+def restore_train_state(ckpt: Checkpoints, built: Built, tokenizer):
+    """(TrainState on the built run's mesh and ZeRO stage, Restored), or None."""
+    cfg, tx, shardings, shapes = built.cfg, built.tx, built.shardings, built.model.shapes()
     targets = {"params": abstract_tree(shapes, shardings.params),
                "opt_state": abstract_tree(jax.eval_shape(tx.init, shapes), shardings.opt_state)}
 
     def targets_for(meta: dict) -> dict:
-        check_fits(meta, cfg, tokenizer, ckpt.directory)
+        check_fits(meta, built, tokenizer, ckpt.directory)
         if cfg.optimizer.reset_state:  # the weights alone
             return {"params": targets["params"]}
         return {**targets, "opt_state": as_saved(targets["opt_state"], meta)}
 
-    found: Restored | None = ckpt.restore_latest(targets_for, optimizer_mismatch(cfg, model))
+    found: Restored | None = ckpt.restore_latest(targets_for, optimizer_mismatch(cfg.optimizer, built.model))
     if found is None:
         return None
     meta, items = found.meta, found.items
@@ -123,7 +124,7 @@ def restore_train_state(ckpt: Checkpoints, cfg: Config, tokenizer, tx, shardings
         opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(items["params"])
     else:
         opt_state = items["opt_state"] if "optimizer" in meta else items["opt_state"][-1]
-    return steps.TrainState(counter, items["params"], opt_state), found
+    return TrainState(counter, items["params"], opt_state), found
 
 
 def as_saved(opt_state, meta: dict):

@@ -11,13 +11,13 @@ from jaxpar.core.errors import UserError
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.training.metrics import Diverged, MetricsWriters, strict_json
 from jaxpar.training.resume import restore_train_state
-from jaxpar.training.run_state import RunResult, Setup
+from jaxpar.training.run_state import Compiled, RunResult, Setup
 from jaxpar.training.save_faults import newest_step, reason
 
 OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "wandb", "wandb_id")  # what open_outputs may make
 
 
-def open_outputs(p: Setup, info: dict, out_dir: Path | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
+def open_outputs(p: Setup, c: Compiled, out_dir: Path | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
     """Clear what a fresh start leaves, set damaged checkpoints aside; run.json; the metrics
     writers, and the outputs that did not exist before."""
     if p.ckpt is not None and is_main_process():
@@ -28,8 +28,10 @@ def open_outputs(p: Setup, info: dict, out_dir: Path | None, fresh: bool) -> tup
         return None, []
     created = [out_dir / name for name in OUTPUTS if not (out_dir / name).exists()]
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "run.json").write_text(json.dumps(info, indent=2))
-    return MetricsWriters(out_dir, p.start, p.cfg), created
+    (out_dir / "run.json").write_text(json.dumps(c.info, indent=2))
+    tasks = tuple(task.name for task, _ in c.tasks.loaded) if c.tasks else ()
+    return MetricsWriters(out_dir, p.start, p.cfg, tuple(p.model.family.loss_weights()), tasks,
+                          tuple(c.source_val)), created
 
 
 def remove_outputs(paths: list[Path]) -> None:
@@ -46,7 +48,7 @@ def last_verified(p: Setup) -> str | None:
     if p.ckpt is None:
         return None
     try:
-        restored = restore_train_state(p.ckpt, p.cfg, p.dataset.tokenizer, p.tx, p.shardings)
+        restored = restore_train_state(p.ckpt, p.built, p.dataset.tokenizer)
     except UserError:  # none is intact
         return None
     if restored is None:

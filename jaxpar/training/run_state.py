@@ -8,9 +8,9 @@ import jax
 from jaxpar.core.config import Config
 from jaxpar.data.loader import BatchLoader, Dataset
 from jaxpar.models.family import Transformer
-from jaxpar.parallel import zero
-from jaxpar.training import step as steps
+from jaxpar.training.build import Built
 from jaxpar.training.checkpoint import Checkpoints
+from jaxpar.training.step import TrainState
 from jaxpar.training.task_scoring import TaskEval
 
 
@@ -25,19 +25,27 @@ class RunResult:
 
 @dataclass
 class Setup:
-    """What phase 1 builds: the data, the mesh and the train state to start from."""
-    cfg: Config
+    """What phase 1 builds: the run's pieces (jaxpar.training.build), the data and the train state
+    to start from."""
+    built: Built
     dataset: Dataset
-    mesh: jax.sharding.Mesh
     ckpt: Checkpoints | None
-    tx: object  # the optax optimizer
-    model: Transformer
-    shardings: steps.TrainState
-    zero: zero.ZeroPlan
-    state: steps.TrainState
+    state: TrainState
     start: int  # the step the state is at
     damaged: dict[int, str]  # damaged checkpoints newer than `start`: step -> why
     mix_changed: dict | None = None  # data.mix against the checkpoint's: {step, before, after}
+
+    @property
+    def cfg(self) -> Config:
+        return self.built.cfg
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.built.mesh
+
+    @property
+    def model(self) -> Transformer:
+        return self.built.model
 
 
 @dataclass

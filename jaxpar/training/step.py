@@ -1,4 +1,5 @@
-"""The train state, the optimizer and the jitted train and eval steps.
+"""The train state, its shardings and the jitted train and eval steps (jaxpar.training.build
+makes them, once, for every caller).
 
 A step reads top to bottom: the passes' loss and gradients (jaxpar.training.passes), their global
 norm, the clipped update of the optimizer from the registry (jaxpar.training.optimizers), and
@@ -18,14 +19,12 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core.axes import PIPE, pipeline_microbatches
-from jaxpar.core.config import Config, TrainConfig
-from jaxpar.core.sharding import shardings_for, split_ways
+from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.models.family import Transformer
 from jaxpar.nn.params import BALANCE
 from jaxpar.nn.routing import rebalanced
 from jaxpar.parallel import pipeline, zero
-from jaxpar.training import muon, optimizers
+from jaxpar.training import optimizers
 from jaxpar.training.passes import laid_out, make_grad_fn, make_loss_fn
 
 
@@ -35,25 +34,10 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def make_optimizer(cfg: Config, model: Transformer, mesh=None) -> optax.GradientTransformation:
-    """The optimizer [optimizer] names, its parameter groups from the model's param roles. With
-    `mesh`, Muon's Newton-Schulz work is split over it (optimizer.ns_split)."""
-    split = None
-    if mesh is not None and cfg.optimizer.name == "muon" and cfg.optimizer.ns_split:
-        shapes = model.shapes()
-        at_rest = zero.plan(cfg.train.zero, shardings_for(model.axes(), shapes, mesh), shapes, mesh).params
-        split = muon.Split(mesh, at_rest)
-    return optimizers.make_optimizer(cfg.optimizer, model.roles(), model.matrices(), split)
-
-
-def state_shardings(cfg: Config, model: Transformer, mesh, tx) -> tuple[TrainState, zero.ZeroPlan]:
-    """The TrainState's NamedShardings and the ZeRO plan behind them.
-
-    Params come from the rule table (then ZeRO-3 adds 'data'); the optimizer's param-shaped state
-    follows the plan's `moments`; the step count and other scalars are replicated.
-    """
-    shapes = model.shapes()
-    plan = zero.plan(cfg.train.zero, shardings_for(model.axes(), shapes, mesh), shapes, mesh)
+def state_shardings(zero_plan: zero.ZeroPlan, tx, shapes: dict, mesh) -> TrainState:
+    """The TrainState's NamedShardings: params where the ZeRO plan keeps them at rest (the rule
+    table's, then ZeRO-3 adds 'data'); the optimizer's param-shaped state follows the plan's
+    `moments`; the step count and other scalars are replicated."""
     replicated = NamedSharding(mesh, P())
     # A param-shaped leaf (AdamW's moments, Lion's) follows the plan; a factored one (Adafactor's
     # row and column means) is small, and replicated; a group's masked-out params (Muon's
@@ -63,58 +47,39 @@ def state_shardings(cfg: Config, model: Transformer, mesh, tx) -> tuple[TrainSta
             return leaf
         return sharding if leaf.shape == shape.shape else replicated
 
-    opt_state = optax.tree_map_params(tx, where, jax.eval_shape(tx.init, shapes), plan.moments, shapes,
+    opt_state = optax.tree_map_params(tx, where, jax.eval_shape(tx.init, shapes), zero_plan.moments, shapes,
                                       transform_non_params=lambda _: replicated,
                                       is_leaf=lambda node: isinstance(node, optax.MaskedNode))
-    return TrainState(replicated, plan.params, opt_state), plan
+    return TrainState(replicated, zero_plan.params, opt_state)
 
 
-def init_state(cfg: Config, model: Transformer, tx, shardings: TrainState) -> TrainState:
+def init_state(model: Transformer, tx, shardings: TrainState, seed: int) -> TrainState:
     """Initialise params and optimizer state directly into their shardings (never whole on one device)."""
     @functools.partial(jax.jit, out_shardings=shardings)
     def init():
-        params = model.init(cfg.train.seed)
+        params = model.init(seed)
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
     return init()
 
 
-def num_microbatches(t: TrainConfig, dp: int) -> int:
-    """grad_accum, times the split that keeps each device's rows per pass <= train.micro_batch.
-
-    Every split sums the same rows' gradients, so the update is the same for any count.
-    """
-    rows = t.batch_size // t.grad_accum // dp
-    split = 1
-    if t.micro_batch:
-        split = next(k for k in range(-(-rows // t.micro_batch), rows + 1) if rows % k == 0)
-    return t.grad_accum * split
-
-
-def microbatches_for(cfg: Config, mesh) -> int:
-    """Microbatches per step: the pipeline's M per grad_accum round when pp > 1."""
-    dp, pp = split_ways(mesh, "batch"), mesh.shape[PIPE]  # dp: the ways the rows split
-    if pp > 1:
-        return cfg.train.grad_accum * pipeline_microbatches(cfg, dp, pp)
-    return num_microbatches(cfg.train, dp)
-
-
-def make_train_step(cfg: Config, model: Transformer, tx, shardings: TrainState, zero_plan: zero.ZeroPlan,
-                    batch_sharding):
+def make_train_step(model: Transformer, tx, shardings: TrainState, zero_plan: zero.ZeroPlan, batch_sharding,
+                    optimizer: OptimizerConfig, seed: int):
     """jit(step)(state, (inputs, targets)) -> (state, metrics); state is donated. Metrics: the
     cross-entropy `loss`, each auxiliary loss, and `grad_norm`. The model carries its execution
-    plan (jaxpar.training.execution).
+    plan (jaxpar.training.execution); `optimizer`: the [optimizer] keys clipping reads; `seed`:
+    the run's, dropout's keys drawn from it.
 
     inputs/targets are (microbatches, rows, block_size); gradients are averaged over the
     microbatches, so the update equals one step on the whole global batch.
     """
-    grads_of = make_grad_fn(cfg, model, zero_plan.grads)
-    roles, rate = model.roles(), getattr(cfg.model, "moe_bias_update_rate", 0.0)
+    grads_of = make_grad_fn(model, seed, zero_plan.grads)
+    roles, rate = model.roles(), getattr(model.cfg, "moe_bias_update_rate", 0.0)
 
     def step(state: TrainState, batch):
         metrics, routed = grads_of(state.params, *batch, state.step)
         grads = without_balance(routed, roles)
         grad_norm = optax.tree.norm(grads)
-        clipped = optimizers.clip(grads, grad_norm, cfg.optimizer)
+        clipped = optimizers.clip(grads, grad_norm, optimizer)
         updates, opt_state = tx.update(clipped, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)  # zero for the biases, their gradients zero
         params = jax.tree.map(lambda p, r, role: rebalanced(p, r, rate) if role == BALANCE else p,
@@ -132,14 +97,14 @@ def without_balance(tree: dict, roles: dict) -> dict:
     return jax.tree.map(lambda a, role: jnp.zeros_like(a) if role == BALANCE else a, tree, roles)
 
 
-def make_eval_step(cfg: Config, model: Transformer, param_shardings, batch_sharding):
+def make_eval_step(model: Transformer, param_shardings, batch_sharding):
     """jit(eval)(params, (inputs, targets)) -> mean cross-entropy over every row of the batch."""
     loss_fn = make_loss_fn(model)
 
     def evaluate(params, inputs, targets):
-        if model.plan.pipeline:  # a forward-only pipeline: each stage runs its own layers
-            forward = pipeline.make_round_fn(cfg, model, forward_only=True)
-            M = model.plan.pipeline["microbatches"]
+        if model.plan.schedule is not None:  # a forward-only pipeline: each stage runs its own layers
+            forward = pipeline.make_round_fn(model, forward_only=True)
+            M = model.plan.schedule.microbatches
             inputs, targets = (a.reshape(-1, M, *a.shape[1:]) for a in (inputs, targets))
             return jnp.mean(jax.lax.map(lambda xy: forward(params, *xy), (inputs, targets)))
         return jnp.mean(jax.lax.map(lambda xy: loss_fn(params, *xy)[1]["loss"], (inputs, targets)))

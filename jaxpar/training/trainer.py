@@ -20,18 +20,15 @@ from tqdm import tqdm
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
-from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, document_eot, load_dataset, model_vocab
+from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset
 from jaxpar.data.mixture import mix_change
-from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.models import flops
-from jaxpar.models.family import Transformer, build_model
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
-from jaxpar.training import micro_batch
 from jaxpar.training import step as steps
+from jaxpar.training.build import Built, build, token_ids
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
-from jaxpar.training.execution import plan_execution
 from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, summarise, versions
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
@@ -44,48 +41,32 @@ from jaxpar.training.stopping import StopRequest
 from jaxpar.training.task_scoring import task_eval_for
 
 
-def set_up(cfg: Config, dataset: Dataset, mesh, out_dir: Path | None, fresh: bool) -> Setup:
+def set_up(built: Built, dataset: Dataset, out_dir: Path | None, fresh: bool) -> Setup:
     """Phase 1: the train state, restored from out_dir's newest checkpoint unless `fresh`. Call
-    under `jax.set_mesh(mesh)`."""
-    model = build_model(cfg, model_vocab(cfg, dataset.tokenizer), document_eot(cfg, dataset.tokenizer),
-                        plan_execution(cfg, mesh))  # every decision the step's trace needs, made here
+    under `jax.set_mesh(built.mesh)`."""
+    cfg = built.cfg
     ckpt = Checkpoints(out_dir / CHECKPOINTS, cfg.ckpt.keep) if out_dir is not None else None
-    tx = steps.make_optimizer(cfg, model, mesh)
-    shardings, zero_plan = steps.state_shardings(cfg, model, mesh, tx)
-    restored = None if ckpt is None or fresh else restore_train_state(ckpt, cfg, dataset.tokenizer,
-                                                                       tx, shardings)
-    state, found = restored or (initial_state(cfg, model, tx, shardings), None)
+    restored = None if ckpt is None or fresh else restore_train_state(ckpt, built, dataset.tokenizer)
+    state, found = restored or (initial_state(built, cfg.train.init_from), None)
     meta, damaged = (found.meta, found.damaged) if found else (None, {})
     start = meta["step"] if meta else 0
     if start > cfg.train.steps:
         raise UserError(f"the checkpoint in '{ckpt.directory}' is at step {start}, past --steps "
                         f"{cfg.train.steps}; pass --steps {start} or more, or start over with --fresh")
     changed = mix_change(meta["config"]["data"], cfg.data, start) if meta else None
-    return Setup(cfg, dataset, mesh, ckpt, tx, model, shardings, zero_plan, state, start, damaged, changed)
+    return Setup(built, dataset, ckpt, state, start, damaged, changed)
 
 
-def initial_state(cfg: Config, model: Transformer, tx, shardings: steps.TrainState) -> steps.TrainState:
-    """A new state: random params, or train.init_from's Hugging Face weights, each placed
-    straight into its shards."""
-    if not cfg.train.init_from:
-        return steps.init_state(cfg, model, tx, shardings)
-    from jaxpar.models.hf import load_hf_params
-    params = load_hf_params(cfg.train.init_from, cfg, model.vocab_size, shardings.params)
-    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-    return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
-
-
-def check_init_tokenizer(init_from: str, tokenizer) -> None:
-    """train.init_from's tokenizer, where its directory names one, must be the data's."""
+def initial_state(built: Built, init_from: str) -> steps.TrainState:
+    """A new state: random params, or init_from's Hugging Face weights, each placed straight into
+    its shards."""
     if not init_from:
-        return
-    from jaxpar.models.hf import hf_tokenizer
-    saved = hf_tokenizer(init_from)
-    spec = saved.spec if saved is not None and saved.kind == "tiktoken" else init_from
-    check_same_tokenizer(saved, tokenizer, f"--init-from '{init_from}'",
-                         f"train on data prepared with it (python -m jaxpar.prepare TEXT --out DIR "
-                         f"--tokenizer {spec}, then --data.path=DIR), or --init-from a model of the "
-                         "data's tokenizer")
+        return built.init_state()
+    from jaxpar.models.hf import load_hf_params
+    shardings = built.shardings
+    params = load_hf_params(init_from, built.cfg.model, built.model.vocab_size, shardings.params)
+    opt_state = jax.jit(built.tx.init, out_shardings=shardings.opt_state)(params)
+    return steps.TrainState(jax.device_put(np.int32(0), shardings.step), params, opt_state)
 
 
 def compile_run(p: Setup, peak: tuple[float, str]) -> Compiled:
@@ -93,46 +74,45 @@ def compile_run(p: Setup, peak: tuple[float, str]) -> Compiled:
 
     `peak`: the devices' peak FLOP/s and its source, measured outside the mesh context.
     """
-    cfg, t, mesh = p.cfg, p.cfg.train, p.mesh
-    vocab = model_vocab(cfg, p.dataset.tokenizer)
-    zero.check_state(p.state, p.shardings)
-    microbatches = steps.microbatches_for(cfg, mesh)
+    cfg, t, mesh, built, model = p.cfg, p.cfg.train, p.mesh, p.built, p.model
+    tasks = task_eval_for(cfg, model, mesh, p.dataset.tokenizer)  # a bad task fails before writing
+    params, opt_state = p.state.params, p.state.opt_state
+    held = {"bytes_per_device": {"params": steps.bytes_per_device(params),
+                                 "opt_state": steps.bytes_per_device(opt_state)},
+            "bytes_total": {"params": steps.bytes_total(params), "opt_state": steps.bytes_total(opt_state)}}
+    zero.check_state(p.state, built.shardings)
+    schedule = pipeline.summary(model)
+    vocab = model.vocab_size
+    n_params, flops_per_token = flops.matmul_params(model.cfg, vocab), flops.flops_per_token(model.cfg, vocab)
     loader = lambda data, split: BatchLoader(data, split, t.seed, t.batch_size,
-                                             microbatches, cfg.model.block_size, mesh)
+                                             model.plan.microbatches, cfg.model.block_size, mesh)
     train_batches, val_loader = loader(p.dataset, "train"), loader(p.dataset, "val")
     fixed = lambda val: [val(i) for i in range(t.eval_batches)] if t.eval_every else []
     val_batches = fixed(val_loader)
     # A mixture's val loss is also taken per source, each over its own val split.
     source_val = {source.name: fixed(loader(part, "val")) for source, part in
                   zip(p.dataset.mixture.sources, p.dataset.parts)} if p.dataset.mixture else {}
-    train_step = steps.make_train_step(cfg, p.model, p.tx, p.shardings, p.zero, train_batches.sharding)
-    eval_step = steps.make_eval_step(cfg, p.model, p.shardings.params, val_loader.sharding)
-    tasks = task_eval_for(cfg, p.model, mesh, p.dataset.tokenizer)  # a bad task fails before writing
+    train_step, eval_step = built.train_step(train_batches.sharding), built.eval_step(val_loader.sharding)
 
     compile_start = time.perf_counter()
     compiled = train_step.lower(p.state, train_batches(0)).compile()
     compile_s = time.perf_counter() - compile_start
     compiled_summary = hlo.compiled_summary(compiled)
     hlo.check_fits_in_memory(compiled_summary, mesh.local_devices)  # before writing anything
-    execution = p.model.plan.describe()
+    execution = model.plan.describe()
     info = {
         "config": cfg.to_dict(), "mesh": mesh_shape(mesh),
         "attention": execution["attention"], "execution": execution,
         "mesh_axes_crossing_processes": axes_crossing_processes(mesh),
         "devices": {"count": mesh.size, "platform": mesh.devices.flat[0].platform,
                     "kind": mesh.devices.flat[0].device_kind, "processes": jax.process_count()},
-        "versions": versions(), "vocab_size": vocab, "zero_stage": p.zero.stage,
-        "zero_unsharded": p.zero.unsharded,
-        "n_params": flops.matmul_params(cfg.model, vocab),
-        "n_params_stored": sum(int(a.size) for a in jax.tree.leaves(p.state.params)),
-        "bytes_per_device": {"params": steps.bytes_per_device(p.state.params),
-                             "opt_state": steps.bytes_per_device(p.state.opt_state)},
-        "bytes_total": {"params": steps.bytes_total(p.state.params),
-                        "opt_state": steps.bytes_total(p.state.opt_state)},
+        "versions": versions(), "vocab_size": vocab, "zero_stage": built.zero.stage,
+        "zero_unsharded": built.zero.unsharded, "n_params": n_params,
+        "n_params_stored": sum(int(a.size) for a in jax.tree.leaves(params)), **held,
         "tokens_per_step": t.batch_size * cfg.model.block_size,
-        "flops_per_token": flops.flops_per_token(cfg.model, vocab), "peak_flops": peak[0],
+        "flops_per_token": flops_per_token, "peak_flops": peak[0],
         "peak_flops_source": peak[1], "compile_s": round(compile_s, 3),
-        "compiled": compiled_summary, "pipeline": pipeline.summary(cfg, mesh, vocab),
+        "compiled": compiled_summary, "pipeline": schedule,
         "resumed_from": p.start, "checkpoints": str(p.ckpt.directory) if p.ckpt else None,
         **({"mix_changed": p.mix_changed} if p.mix_changed else {}),
     }
@@ -239,16 +219,15 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
-    check_init_tokenizer(cfg.train.init_from, dataset.tokenizer)  # before model_vocab, whose message would mislead
-    document_eot(cfg, dataset.tokenizer)  # data.document_mask without an end-of-text token fails here
+    vocab, eot_id = token_ids(cfg, dataset.tokenizer)  # a wrong tokenizer or vocabulary fails before the mesh
     mesh = build_mesh(cfg, devices)
-    cfg, note = micro_batch.resolve(cfg, model_vocab(cfg, dataset.tokenizer), mesh, document_eot(cfg, dataset.tokenizer))
-    if note and progress and is_main_process():
-        print(note, file=sys.stderr)
+    built = build(cfg, mesh, vocab=vocab, eot_id=eot_id)  # every decision the step's trace needs, made here
+    if built.note and progress and is_main_process():
+        print(built.note, file=sys.stderr)
     peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
     result = RunResult()
     with jax.set_mesh(mesh):
-        p = set_up(cfg, dataset, mesh, out_dir, fresh)
+        p = set_up(built, dataset, out_dir, fresh)
         if p.start == cfg.train.steps:  # already trained this far: nothing to do or write
             result.params = p.state.params
             result.info = {"resumed_from": p.start, "checkpoints": str(p.ckpt.directory),
@@ -271,7 +250,7 @@ def train_compiled(p: Setup, c: Compiled, out_dir: Path | None, fresh: bool, res
                    profiler: StepProfiler, progress: bool, stop_at: int | None, stop: StopRequest) -> RunResult:
     """Phases 3 and 4, once compiled: the outputs opened, the loop, the summary. The writers are
     closed however the loop ends; after a failure, quietly (a full disk takes their last lines too)."""
-    writers, created = open_outputs(p, c.info, out_dir, fresh)
+    writers, created = open_outputs(p, c, out_dir, fresh)
     if p.start and progress and is_main_process():
         print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
     for note in p.model.plan.notes if is_main_process() else ():  # auto chose a slower path
@@ -291,7 +270,7 @@ def train_compiled(p: Setup, c: Compiled, out_dir: Path | None, fresh: bool, res
         remove_outputs(created if p.start == 0 else [])
         return stopped_early(p, stop.now())
     c.info["summary"] = summarise(c.info, result.losses, result.val_losses, step_times)
-    zero.check_state(state, p.shardings)  # out_shardings pin them; this proves it after training
+    zero.check_state(state, p.built.shardings)  # out_shardings pin them; this proves it after training
     if writers:
         (out_dir / "run.json").write_text(json.dumps(c.info, indent=2))
     result.params, result.info = state.params, c.info

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.core.config import Config
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.formats.hf_files import EXPECTED, is_a, open_weights, slice_reader
 from jaxpar.formats.hf_mapping import Mapping, Weight, host_arrays
 from jaxpar.models.llama import hf as hf_llama
 
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+LOADS = {"deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM"}  # model_type: architecture
+MODEL_TYPES = tuple(LOADS)
 EXPERT = "mlp.experts.{e}."
 MAPPING = Mapping(layer="model.layers.{i}.", out_first=True, blocks={
     ("attn_norm", "scale"): Weight("input_layernorm.weight"),
@@ -162,36 +163,37 @@ def mtp_held(config: dict, path: Path) -> tuple[int, str]:
     return stated, f"num_nextn_predict_layers={stated}"
 
 
-def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
+def readers(tensors: dict, m: ModelConfig, vocab_size: int, declared: dict, path: Path) -> dict:
     """{param path: make_array_from_callback's reader} for every declared param, all checked;
     module k's from layer n_layer + k."""
     main = {key: param for key, param in declared.items() if key[0] != "mtp"}
-    out = hf_llama.readers(tensors, cfg, vocab_size, main, path, MAPPING)
+    out = hf_llama.readers(tensors, m, vocab_size, main, path, MAPPING)
     for key, param in declared.items():
         if key[0] == "mtp":
             mapping, name = mtp_mapping(key[1:])
             out[key] = slice_reader([mapping.view(tensors, name, param, param.shape[1:], path, "",
-                                                  cfg.model.n_layer + k) for k in range(cfg.model.mtp_layers)], True)
+                                                  m.n_layer + k) for k in range(m.mtp_layers)], True)
     return out
 
 
-def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def state_dict(params: dict, declared: dict, m: ModelConfig, vocab_size: int,
+               dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params as DeepseekV3ForCausalLM.save_pretrained writes them, then the
     multi-token prediction modules as DeepSeek's checkpoints keep them."""
-    check_exportable(cfg)
-    out = MAPPING.state_dict({k: v for k, v in params.items() if k != "mtp"}, declared, cfg, vocab_size, dtype)
-    return out | (mtp_tensors(params["mtp"], declared, cfg, out, dtype) if "mtp" in params else {})
+    check_exportable(m)
+    out = MAPPING.state_dict({k: v for k, v in params.items() if k != "mtp"}, declared, m, vocab_size, dtype)
+    return out | (mtp_tensors(params["mtp"], declared, m, out, dtype) if "mtp" in params else {})
 
 
-def mtp_tensors(mtp: dict, declared: dict, cfg: Config, main: dict, dtype) -> dict[str, np.ndarray]:
+def mtp_tensors(mtp: dict, declared: dict, m: ModelConfig, main: dict, dtype) -> dict[str, np.ndarray]:
     """Module k's tensors as layer n_layer + k - 1's: its block's under the main layers' names."""
-    out, L = {}, cfg.model.n_layer
+    out, L = {}, m.n_layer
     head = main.get("lm_head.weight", main["model.embed_tokens.weight"])
     for key, array in host_arrays(mtp):
         mapping, name = mtp_mapping(key)
-        for k in range(cfg.model.mtp_layers):
+        for k in range(m.mtp_layers):
             out |= mapping.hf_tensors(name, declared[("mtp", *key)], array[k], dtype, i=L + k)
-    for k in range(cfg.model.mtp_layers):
+    for k in range(m.mtp_layers):
         out |= {f"model.layers.{L + k}.embed_tokens.weight": main["model.embed_tokens.weight"],
                 f"model.layers.{L + k}.shared_head.head.weight": head}
     return out
@@ -202,18 +204,16 @@ def mtp_mapping(key: tuple) -> tuple[Mapping, tuple]:
     return (MAPPING, ("blocks", *key[1:])) if key[0] == "block" else (MTP_MAPPING, ("blocks", *key))
 
 
-def check_exportable(cfg: Config) -> None:
-    m = cfg.model
+def check_exportable(m: ModelConfig) -> None:
     if not m.n_experts or m.dense_layer_ids != tuple(range(len(m.dense_layer_ids))) or m.moe_every != 1:
         raise UserError(f"DeepseekV3ForCausalLM has experts in every layer after its first dense ones "
                         f"(first_k_dense_replace), and this model has n_experts={m.n_experts}, dense_layers="
                         f"'{m.dense_layers}', moe_every={m.moe_every}; train one laid out so to export it")
 
 
-def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+def hf_config(m: ModelConfig, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
     """config.json of DeepseekV3ForCausalLM, as transformers 5 writes it."""
-    check_exportable(cfg)
-    m = cfg.model
+    check_exportable(m)
     rope = {"rope_theta": m.rope_theta, "rope_type": m.rope_type}
     if m.rope_type == "yarn":
         rope |= {key: getattr(m, name) or None for name, (key, _) in YARN.items()}

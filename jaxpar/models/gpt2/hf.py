@@ -7,13 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.core.config import Config
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.formats.hf_mapping import Mapping, Weight
 from jaxpar.models.gpt2.model import LN_EPS
 
 FAMILY = "gpt2"
-MODEL_TYPES = (FAMILY,)  # the config.json model_types read here
+LOADS = {FAMILY: "GPT2LMHeadModel"}  # the config.json model_types computed here, with their architectures
+MODEL_TYPES = tuple(LOADS)  # the config.json model_types read here
 HF_PREFIX = "transformer."  # GPT2LMHeadModel's names; a bare GPT2Model's lack it
 # HF's activation names whose math is jaxpar's model.gelu of that kind.
 ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh",
@@ -72,34 +73,34 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
     return fields, vocab_size, int(config["n_positions"])
 
 
-def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
+def readers(tensors: dict, m: ModelConfig, vocab_size: int, declared: dict, path: Path) -> dict:
     """{param path: make_array_from_callback's reader} for every declared param (a dict of
     jaxpar.nn.params.Param by path), all checked."""
-    if not cfg.model.bias:
+    if not m.bias:
         raise UserError("model.bias=false cannot hold a GPT-2 checkpoint, which has biases; "
                         "drop the override")
     wte = MAPPING.top[("wte",)].hf
     prefix = HF_PREFIX if HF_PREFIX + wte in tensors else ""
-    MAPPING.reader(tensors, ("wte",), declared[("wte",)], cfg, vocab_size, path, prefix)  # wte checked first,
+    MAPPING.reader(tensors, ("wte",), declared[("wte",)], m, vocab_size, path, prefix)  # wte checked first,
     head = tensors.get(TIED_HEAD)  # then the tied head: a file with another is a model jaxpar cannot hold
     if head is not None and not np.array_equal(head, tensors[prefix + wte]):
         raise UserError(f"'{path}': {TIED_HEAD} differs from {wte}, and jaxpar's lm_head "
                         "is tied to wte; use a checkpoint with tied embeddings")
-    return MAPPING.readers(tensors, cfg, vocab_size, declared, path, prefix)
+    return MAPPING.readers(tensors, m, vocab_size, declared, path, prefix)
 
 
-def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def state_dict(params: dict, declared: dict, m: ModelConfig, vocab_size: int,
+               dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params as GPT2LMHeadModel.save_pretrained writes them: its names and shapes, with
     wte's padding rows removed (the tied lm_head is not stored)."""
-    if not cfg.model.bias:
+    if not m.bias:
         raise UserError("this model was trained with model.bias=false, and a Hugging Face GPT-2 "
                         "always has biases; only a model.bias=true run can be exported")
-    return MAPPING.state_dict(params, declared, cfg, vocab_size, dtype, HF_PREFIX)
+    return MAPPING.state_dict(params, declared, m, vocab_size, dtype, HF_PREFIX)
 
 
-def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+def hf_config(m: ModelConfig, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
     """config.json for GPT2LMHeadModel, as save_pretrained writes it for this model."""
-    m = cfg.model
     return {
         "activation_function": TO_HF_ACTIVATION[m.gelu], "add_cross_attention": False,
         "architectures": ["GPT2LMHeadModel"], "attn_pdrop": m.dropout,

@@ -4,12 +4,11 @@ the MLP's width, RMSNorm, rotary positions, QK-norm and the mixture of experts; 
 from dataclasses import dataclass
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.kernel_registry import AUTO, MOE_DISPATCH, MOE_GEMM, check_name
 from jaxpar.core.model_config import ModelConfig
 
 ROPE_TYPES = ("default", "llama3")
 QK_NORMS = ("none", "head", "full")
-MOE_DISPATCHES = ("auto", "all_to_all", "ragged")  # jaxpar.nn.moe
-MOE_GEMMS = ("auto", "ragged_dot", "megablox", "blocks", "tokamax")
 
 
 @dataclass
@@ -51,14 +50,14 @@ class LlamaConfig(ModelConfig):
     moe_renormalize: bool = True
     router_aux_coef: float = 0.01
     router_z_coef: float = 0.001
-    moe_dispatch: str = "auto"
+    moe_dispatch: str = AUTO
     # The experts' grouped GEMM: ragged_dot (jax.lax), megablox (the Pallas kernels: their backward
     # takes the weights' gradient group by group; interpreted off TPU), blocks (each expert's rows
     # in tiles of 64, each tile times its expert's matrix: about the routed FLOPs where XLA's
     # ragged_dot is a dense product over every expert), tokamax (its Pallas-Triton ragged_dot, the
     # routed rows only, on NVIDIA GPUs), or auto (megablox on TPU, blocks on CPU, tokamax on GPU
     # where it is installed, else ragged_dot, said in one line).
-    moe_gemm: str = "auto"
+    moe_gemm: str = AUTO
     # 0: dropless. Else each expert takes at most ceil(factor * T * k / E) assignments of a sequence
     # of T tokens, in token order; the rest are dropped (their weight 0) and counted (moe_dropped).
     moe_capacity_factor: float = 0.0
@@ -173,10 +172,8 @@ def check_experts(m: LlamaConfig) -> None:
         raise UserError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
                         f"model.n_experts={m.n_experts}; choose fewer experts per token or more experts")
     at_least(m, ("router_aux_coef", "router_z_coef", "moe_capacity_factor"), 0)
-    if m.moe_dispatch not in MOE_DISPATCHES:
-        raise UserError(f"model.moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got '{m.moe_dispatch}'")
-    if m.moe_gemm not in MOE_GEMMS:
-        raise UserError(f"model.moe_gemm must be one of {', '.join(MOE_GEMMS)}, got '{m.moe_gemm}'")
+    check_name(MOE_DISPATCH, m.moe_dispatch)  # their kernels: jaxpar.core.kernel_registry
+    check_name(MOE_GEMM, m.moe_gemm)
     check_sparse_layers(m)
 
 

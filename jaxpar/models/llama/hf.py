@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.core.config import Config
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.formats.hf_mapping import Mapping, Weight
 
@@ -21,8 +21,10 @@ ROPE_TYPES = ("default", "llama3")
 LLAMA3_KEYS = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
                "rope_high_freq_factor": "high_freq_factor",
                "rope_original_max_position": "original_max_position_embeddings"}
-MODEL_TYPES = (FAMILY, "mistral", "qwen2", "qwen3")  # Mistral without a sliding window is Llama's math,
-# Qwen3 Llama's with QK-norm; Qwen2's biases are named so that its refusal can say why.
+# The config.json model_types computed here, with their architectures: Mistral without a sliding window is
+# Llama's math, Qwen3 Llama's with QK-norm. Qwen2 is read too, so that its refusal can name its biases.
+LOADS = {FAMILY: "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+MODEL_TYPES = (*LOADS, "qwen2")
 MAPPING = Mapping(layer="model.layers.{i}.", out_first=True, blocks={
     ("attn_norm", "scale"): Weight("input_layernorm.weight"),
     ("q", "kernel"): Weight("self_attn.q_proj.weight", (1, 2)),  # (embed, heads, head_dim)
@@ -100,27 +102,27 @@ def model_fields(config: dict, path: Path) -> tuple[list[tuple[str, object, str]
     return fields + rope_fields(config, path), vocab_size, positions
 
 
-def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path,
+def readers(tensors: dict, m: ModelConfig, vocab_size: int, declared: dict, path: Path,
             mapping: Mapping = MAPPING) -> dict:
     """{param path: make_array_from_callback's reader} for every declared param (a dict of
     jaxpar.nn.params.Param by path), all checked."""
-    out = mapping.readers(tensors, cfg, vocab_size, declared, path)
+    out = mapping.readers(tensors, m, vocab_size, declared, path)
     embedding, head = (mapping.top[key].hf for key in (("wte",), ("lm_head",)))
-    if cfg.model.tie_embeddings and head in tensors and not np.array_equal(tensors[head], tensors[embedding]):
+    if m.tie_embeddings and head in tensors and not np.array_equal(tensors[head], tensors[embedding]):
         raise UserError(f"'{path}': {head} differs from the embedding, but config.json says "
                         "tie_word_embeddings=true; pass a consistent checkpoint")
     return out
 
 
-def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def state_dict(params: dict, declared: dict, m: ModelConfig, vocab_size: int,
+               dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpar's params as LlamaForCausalLM.save_pretrained writes them: its names and shapes, the
     vocabulary's padding rows removed, lm_head.weight only when untied."""
-    return MAPPING.state_dict(params, declared, cfg, vocab_size, dtype)
+    return MAPPING.state_dict(params, declared, m, vocab_size, dtype)
 
 
-def architecture(cfg: Config) -> dict:
+def architecture(m: ModelConfig) -> dict:
     """config.json's architecture: LlamaForCausalLM, or Qwen3ForCausalLM with per-head QK-norm."""
-    m = cfg.model
     if m.qk_norm == "full":
         raise UserError("this model normalises queries and keys over all heads together (model.qk_norm=full, "
                         "OLMoE's), and jaxpar writes only Llama, Qwen3, Mixtral and Qwen3-MoE checkpoints; "
@@ -131,15 +133,14 @@ def architecture(cfg: Config) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "mlp_bias": False, "pretraining_tp": 1}
 
 
-def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+def hf_config(m: ModelConfig, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
     """config.json for LlamaForCausalLM (or Qwen3ForCausalLM), as transformers 5's save_pretrained
     writes it, with transformers 4's rope_theta and rope_scaling beside rope_parameters."""
-    m = cfg.model
     rope = {"rope_theta": m.rope_theta, "rope_type": m.rope_type}
     if m.rope_type == "llama3":
         rope |= {key: getattr(m, name) for name, key in LLAMA3_KEYS.items()}
     scaling = None if m.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    return architecture(cfg) | {
+    return architecture(m) | {
         "attention_bias": False, "attention_dropout": m.dropout,
         "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": dtype, "head_dim": m.head_size,
         "hidden_act": "silu", "hidden_size": m.n_embd, "initializer_range": 0.02,

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxpar.core.config import Config
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.formats.hf_mapping import Mapping, Weight
 from jaxpar.models.llama import hf as hf_llama
@@ -39,8 +39,9 @@ def dialect(architecture: str, block: str, gate: str, up: str, down: str) -> Dia
 
 DIALECTS = {"mixtral": dialect("MixtralForCausalLM", "block_sparse_moe", "w1", "w3", "w2"),
             "qwen3_moe": dialect("Qwen3MoeForCausalLM", "mlp", "gate_proj", "up_proj", "down_proj")}
+LOADS = {kind: d.architecture for kind, d in DIALECTS.items()}  # the model_types computed here
 # The MoEs jaxpar does not compute are read too, so that their refusals can say why.
-MODEL_TYPES = (*DIALECTS, "qwen2_moe", "deepseek_v2")  # DeepSeek-V3's: jaxpar.models.deepseek.hf
+MODEL_TYPES = (*LOADS, "qwen2_moe", "deepseek_v2")  # DeepSeek-V3's: jaxpar.models.deepseek.hf
 
 
 def refused_variants(config: dict) -> list[str]:
@@ -92,10 +93,9 @@ def sparse_layer_fields(config: dict) -> list[tuple[str, object, str]]:
             ("dense_layers", ",".join(map(str, dense)), f"mlp_only_layers={dense}")]
 
 
-def model_type(cfg: Config) -> str:
+def model_type(m: ModelConfig) -> str:
     """The HF architecture this model is (a key of DIALECTS): Qwen3-MoE with per-head QK-norm,
     else Mixtral."""
-    m = cfg.model
     if m.qk_norm == "head":
         return "qwen3_moe"
     if m.qk_norm == "none" and m.moe_renormalize and not m.mixed_layers:
@@ -106,32 +106,33 @@ def model_type(cfg: Config) -> str:
                     "QK-norm and experts in every layer; Qwen3-MoE has per-head QK-norm (qk_norm=head)")
 
 
-def readers(tensors: dict, cfg: Config, vocab_size: int, declared: dict, path: Path) -> dict:
+def readers(tensors: dict, m: ModelConfig, vocab_size: int, declared: dict, path: Path) -> dict:
     """Llama's readers, the router's and the experts' last (each layer's experts a lazy stack)."""
     ordered = sorted(declared.items(), key=lambda item: item[0][0] == "blocks" and item[0][1] in EXPERT_PARAMS)
-    return hf_llama.readers(tensors, cfg, vocab_size, dict(ordered), path, DIALECTS[model_type(cfg)].mapping)
+    return hf_llama.readers(tensors, m, vocab_size, dict(ordered), path, DIALECTS[model_type(m)].mapping)
 
 
-def state_dict(params: dict, declared: dict, cfg: Config, vocab_size: int, dtype=np.float32) -> dict[str, np.ndarray]:
+def state_dict(params: dict, declared: dict, m: ModelConfig, vocab_size: int,
+               dtype=np.float32) -> dict[str, np.ndarray]:
     """Llama's tensors, then layer by layer the router's and expert by expert its tensors."""
-    mapping, blocks = DIALECTS[model_type(cfg)].mapping, params["blocks"]
+    mapping, blocks = DIALECTS[model_type(m)].mapping, params["blocks"]
     dense = {**params, "blocks": {k: v for k, v in blocks.items() if k not in EXPERT_PARAMS}}
-    out = mapping.state_dict(dense, declared, cfg, vocab_size, dtype)
+    out = mapping.state_dict(dense, declared, m, vocab_size, dtype)
     kernels = [(("blocks", name, "kernel"), np.asarray(jax.device_get(blocks[name]["kernel"]), np.float32))
                for name in EXPERT_PARAMS]
     (router, routes), *experts = kernels
-    for at, i in enumerate(cfg.model.layers_in(declared[router].axes[0])):
+    for at, i in enumerate(m.layers_in(declared[router].axes[0])):
         out |= mapping.hf_tensors(router, declared[router], routes[at], dtype, i=i)
-        for e in range(cfg.model.n_experts):
+        for e in range(m.n_experts):
             for key, array in experts:
                 out |= mapping.hf_tensors(key, declared[key], array[at, e], dtype, i=i, e=e)
     return out
 
 
-def hf_config(cfg: Config, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
+def hf_config(m: ModelConfig, vocab_size: int, eot_id: int | None, dtype: str = "float32") -> dict:
     """config.json of MixtralForCausalLM or Qwen3MoeForCausalLM, as transformers 5 writes it."""
-    m, kind = cfg.model, model_type(cfg)
-    config = hf_llama.hf_config(cfg, vocab_size, eot_id, dtype)
+    kind = model_type(m)
+    config = hf_llama.hf_config(m, vocab_size, eot_id, dtype)
     for key in ("mlp_bias", "pretraining_tp", "max_window_layers"):
         config.pop(key, None)
     config |= {"architectures": [DIALECTS[kind].architecture], "model_type": kind,

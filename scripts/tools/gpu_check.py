@@ -1,0 +1,243 @@
+"""jaxpar's side of the GPU comparison with PyTorch, in one command (about 5 minutes on one GPU).
+
+    python scripts/tools/gpu_check.py --out DIR                          # on an NVIDIA GPU
+    JAX_PLATFORMS=cpu python scripts/tools/gpu_check.py --tiny --out DIR  # tiny shapes: the suite's smoke test
+
+It prints one table, and writes it to DIR/gpu_check.md and DIR/gpu_check.json:
+1. GPT-2 124M (the `gpt2` preset: block 1024, bfloat16) at batch 16 and 64 in one pass a step:
+   the median step, tokens/s, MFU and the device's peak memory so far.
+2. The small GPU recipe (`shakespeare_char`) as shipped, and in one pass of its 64 rows.
+3. The experts' grouped GEMM that the execution plan runs here, the blocked GEMM and XLA's
+   `ragged_dot`, against one dense dot of the same rows, at 8 and 64 experts, forward and
+   forward + backward; each one's largest difference from `ragged_dot`'s output.
+4. GPT-2's kernel time a step at batch 16, by category, from a `--profile` trace.
+The compiled GPT-2 step's optimized HLO (batch 16) is saved beside them: DIR/gpt2_b16.hlo.txt.
+`--sections speed,preset,gemm,kernels,hlo` picks some (`--batches 16` GPT-2's batches); the
+files are rewritten as each section ends, and a section that fails gives its error's line.
+PyTorch's side is `../shared/gpu/torch_gpt2_cuda.py`; jaxpar never imports torch.
+"""
+
+import argparse
+import collections
+import functools
+import glob
+import gzip
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+
+# The kernel categories of ../shared/gpu/trace_kernels.py, first match wins: torch's profile
+# of nanoGPT is grouped the same way.
+CATEGORIES = [("attention", ("fmha", "flash", "sdpa", "attention", "cudnn")),
+              ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "_dot")),
+              ("optimizer", ("multi_tensor", "adam", "foreach")),
+              ("reduce", ("reduce", "reduction", "softmax", "norm", "cross_entropy", "nll")),
+              ("copy/transpose", ("memcpy", "memset", "copy", "transpose", "concatenate", "slice", "cat_")),
+              ("elementwise/fusion", ("fusion", "triton", "elementwise", "vectorized", "loop", "convert",
+                                      "add", "mul"))]
+FULL = SimpleNamespace(config="gpt2", batches=(16, 64), steps={16: 30, 64: 20}, preset="shakespeare_char",
+                       preset_steps=120, preset_rows=64, gemm=(32768, 768, 3072), experts=(8, 64), profile=(10, 13))
+TINY = SimpleNamespace(config="tiny", batches=(2, 4), steps={2: 4, 4: 4}, preset="tiny", preset_steps=4,
+                       preset_rows=8, gemm=(256, 32, 64), experts=(8, 64), profile=(2, 4))
+
+
+def peak_memory_gib() -> float | None:
+    """The first device's peak memory in use so far (None where the platform keeps no count)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
+def run_once(config: str, steps: int, out_dir=None, profile=None, **overrides):
+    """One run on one device, nothing evaluated: its RunResult (losses, info)."""
+    from jaxpar.core.config import load_config
+    from jaxpar.train import run
+    keys = {"mesh.dp": "1", "train.steps": str(steps), "train.eval_every": "0", "ckpt.every": "0",
+            **{k: str(v) for k, v in overrides.items()}}
+    return run(load_config(config, keys), out_dir=out_dir, devices=jax.devices()[:1], progress=False, profile=profile)
+
+
+def train(config: str, steps: int, out_dir=None, profile=None, **overrides) -> dict:
+    """One run's summary (median step, tokens/s, MFU)."""
+    return run_once(config, steps, out_dir, profile, **overrides).info["summary"]
+
+
+def speed_rows(shape) -> list[dict]:
+    rows = []
+    for batch in shape.batches:
+        summary = train(shape.config, shape.steps[batch], **{"train.batch_size": batch, "train.micro_batch": batch})
+        rows.append({"run": f"{shape.config}, batch {batch}, one pass", **summary, "peak_gib": peak_memory_gib()})
+    return rows
+
+
+def preset_rows(shape) -> list[dict]:
+    rows = []
+    for name, keys in (("as shipped", {}), (f"one pass of {shape.preset_rows} rows",
+                                            {"train.batch_size": shape.preset_rows,
+                                             "train.micro_batch": shape.preset_rows})):
+        summary = train(shape.preset, shape.preset_steps, **keys)
+        rows.append({"run": f"{shape.preset}, {name}", **summary, "peak_gib": None})
+    return rows
+
+
+def timed(fn, *args, repeats: int = 10) -> float:
+    """Seconds per call, compiled and warmed first."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - start) / repeats
+
+
+def gemm_rows(shape) -> list[dict]:
+    """The plan's grouped GEMM, the blocked GEMM and XLA's ragged_dot against one dense dot of the
+    same rows; each one's largest difference from ragged_dot's output, relative to its largest."""
+    from jaxpar.nn import moe
+    gemm_here, note = moe.gemm_of(SimpleNamespace(moe_gemm="auto"), jax.default_backend())
+    M, K, N = shape.gemm
+    rows = []
+    for experts in shape.experts:
+        keys = jax.random.split(jax.random.key(0), 2)
+        x = jax.random.normal(keys[0], (M, K), jnp.bfloat16)
+        w = jax.random.normal(keys[1], (experts, K, N), jnp.bfloat16) * 0.02
+        sizes = jnp.full((experts,), M // experts, jnp.int32)
+        kinds = {"dense": lambda x, w, _: (x @ w[0]).astype(jnp.float32)}
+        for gemm in dict.fromkeys((gemm_here, "blocks", "ragged_dot")):
+            kinds[gemm] = (moe.blocked_gemm if gemm == "blocks" else
+                           functools.partial(moe.grouped_gemm, gemm=gemm, interpret=jax.default_backend() != "tpu"))
+        exact = jax.jit(kinds["ragged_dot"])(x, w, sizes)
+        for kind, fn in kinds.items():
+            loss = lambda x, w, s, fn=fn: jnp.sum(fn(x, w, s))
+            out = jax.jit(fn)(x, w, sizes)
+            diff = None if kind == "dense" else float(jnp.max(jnp.abs(out - exact)) / jnp.max(jnp.abs(exact)))
+            rows.append({"experts": experts, "gemm": kind, "rows": M, "note": note if kind == gemm_here else None,
+                         "max_rel_diff_vs_ragged_dot": diff,
+                         "forward_ms": 1e3 * timed(jax.jit(fn), x, w, sizes),
+                         "forward_backward_ms": 1e3 * timed(jax.jit(jax.grad(loss, (0, 1))), x, w, sizes)})
+    return rows
+
+
+def trace_kernels(trace_dir: Path) -> collections.Counter:
+    """{kernel name: microseconds} of a jax.profiler trace's device streams (none on a CPU)."""
+    paths = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
+    if not paths:
+        return collections.Counter()
+    data = json.loads(gzip.decompress(Path(paths[-1]).read_bytes()))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    named = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+                          if e.get("ph") == "M" and e.get("name") == kind}
+    processes = {pid: name for (pid, _), name in named("process_name").items()}
+    gpu = {p for p, n in processes.items() if "gpu" in n.lower() or ("device" in n.lower() and "host" not in n.lower())}
+    # Kernels sit on "Stream #..." lines; the "XLA Ops" and "XLA Modules" lines repeat them.
+    streams = {key for key, name in named("thread_name").items() if key[0] in gpu and name.lower().startswith("stream")}
+    kernels = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu and (not streams or (e["pid"], e.get("tid")) in streams):
+            kernels[e["name"]] += e.get("dur", 0)
+    return kernels
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
+def kernel_rows(shape, work: Path) -> dict:
+    """GPT-2's kernel milliseconds a step by category, and its dearest kernels, from a trace."""
+    start, end = shape.profile
+    batch = shape.batches[0]
+    train(shape.config, end + 1, out_dir=work / "profiled", profile=f"{start}:{end}",
+          **{"train.batch_size": batch, "train.micro_batch": batch})
+    kernels, steps = trace_kernels(work / "profiled" / "tensorboard"), end - start
+    by = collections.Counter()
+    for name, us in kernels.items():
+        by[category(name)] += us / steps / 1e3
+    return {"steps": steps, "kernels": len(kernels), "total_ms": sum(by.values()), "by_category_ms": dict(by),
+            "dearest_ms": {name: us / steps / 1e3 for name, us in kernels.most_common(10)}}
+
+
+def save_hlo(shape, path: Path) -> None:
+    """The compiled step's optimized HLO, as XLA hands it to the device, at the first batch."""
+    from jaxpar.core.config import load_config
+    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.planning.placement import compile_abstract_step
+    batch = shape.batches[0]
+    cfg = load_config(shape.config, {"mesh.dp": "1", "train.batch_size": str(batch), "train.micro_batch": str(batch)})
+    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    path.write_text(compile_abstract_step(cfg, vocab, build_mesh(cfg, jax.devices()[:1])).as_text())
+
+
+def table(found: dict) -> str:
+    """The sections found so far, as markdown; a section that failed gives its error's line."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    lines = [f"device: {found['device']}, jax {found['jax']}, {found['date']}"]
+    lines += [f"\n{name} failed: {error}" for name, error in found["errors"].items()]
+    runs = found.get("speed", []) + found.get("preset", [])
+    if runs:
+        lines += ["", "| run | step ms | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|"]
+        lines += [f"| {r['run']} | {r['step_time_ms_median']:,.2f} | {r['tokens_per_s_median']:,.0f} | "
+                  f"{r['mfu_median']:.1%} | {fmt(r['peak_gib'], '.2f')} |" for r in runs]
+    if "gemm" in found:
+        lines += ["", "| experts | GEMM | forward ms | forward + backward ms | max rel. diff from ragged_dot |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['experts']} | {r['gemm']}{' (' + r['note'] + ')' if r['note'] else ''} | "
+                  f"{r['forward_ms']:.3f} | {r['forward_backward_ms']:.3f} | "
+                  f"{fmt(r['max_rel_diff_vs_ragged_dot'], '.1e')} |" for r in found["gemm"]]
+    if "kernels" in found:
+        k = found["kernels"]
+        lines += ["", f"kernels a step ({k['kernels']} names, {k['total_ms']:.2f} ms):"]
+        lines += [f"  {name:20s} {ms:8.2f} ms" for name, ms in sorted(k["by_category_ms"].items(), key=lambda i: -i[1])]
+        lines += [f"  {ms:8.3f} ms  {name[:100]}" for name, ms in k["dearest_ms"].items()]
+    return "\n".join(lines)
+
+
+SECTIONS = ("speed", "preset", "gemm", "kernels", "hlo")
+
+
+def run_sections(measure: dict, table, stem: Path) -> dict:
+    """Each section's figures, by name; a section that fails gives its error's line and the others
+    go on. stem.md and stem.json are rewritten as each section ends."""
+    found = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+             "errors": {}}
+    for name, fn in measure.items():
+        try:  # one section's failure (a kernel this jax lacks, say) keeps the others' figures
+            found[name] = fn()
+        except Exception as error:  # noqa: BLE001
+            found["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        stem.with_suffix(".md").write_text(table(found) + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(found, indent=1, default=str))
+    return found
+
+
+def main(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
+    parser.add_argument("--batches", help="GPT-2's batches, comma-separated (default: 16,64)")
+    args = parser.parse_args(argv)
+    shape = TINY if args.tiny else FULL
+    if args.batches:
+        shape = SimpleNamespace(**{**vars(shape), "batches": tuple(int(b) for b in args.batches.split(","))})
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not jax.config.jax_compilation_cache_dir:  # the profiled run reuses the first run's compile
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="gpu_check_cache_"))
+    with tempfile.TemporaryDirectory() as work:
+        measure = {"speed": lambda: speed_rows(shape), "preset": lambda: preset_rows(shape), "gemm": lambda: gemm_rows(shape),
+                   "kernels": lambda: kernel_rows(shape, Path(work)),
+                   "hlo": lambda: save_hlo(shape, args.out / f"{shape.config}_b{shape.batches[0]}.hlo.txt")}
+        found = run_sections({name: measure[name] for name in args.sections.split(",")}, table,
+                             args.out / "gpu_check")
+    print(table(found))
+    return found
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
