@@ -7,4 +7,4 @@ __version__ = "0.1.0"
 skip_absent_tpu()
 
 # The families' configs register with jaxpar.core here, before any config is read.
-import jaxpar.models.family  # noqa: F401
+import jaxpar.models.registry  # noqa: F401

@@ -20,7 +20,7 @@ from conftest import mesh_overrides, tiny_config
 
 from jaxpar.data.tokenizer import EOT, TiktokenTokenizer
 from jaxpar.models import hf
-from jaxpar.models.family import build_model
+from jaxpar.models.transformer import build_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
@@ -203,7 +203,7 @@ def placed(spec: str, zero: int, hf_dir: Path, **overrides):
 def save_random_gpt2(run_dir: Path, cfg, tokenizer, step: int, scale: float):
     """A checkpoint in run_dir of a GPT-2 with params drawn N(0, scale^2) (seed 0), its norms'
     scales moved to 1 + N(0, scale^2): a model whose logits are far from uniform."""
-    from jaxpar.models.family import abstract_model
+    from jaxpar.models.transformer import abstract_model
     from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
     _, shapes, _ = abstract_model(cfg, tokenizer.vocab_size)
     rng = np.random.default_rng(0)

@@ -19,7 +19,7 @@ import pytest
 from conftest import tiny_config
 from helpers import assert_same_training, fails_with, train
 
-from jaxpar.models.family import build_model
+from jaxpar.models.transformer import build_model
 
 TIGHT = 1e-6
 

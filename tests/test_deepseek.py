@@ -20,8 +20,8 @@ from helpers import LOSS_RTOL, assert_same_training, losses, plain_mla, train
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.models.deepseek.model import latent_attention
-from jaxpar.models.family import build_model
 from jaxpar.models.llama.model import Layer
+from jaxpar.models.transformer import build_model
 from jaxpar.nn import routing
 
 DEEPSEEK = "tiny_deepseek"
@@ -134,7 +134,7 @@ def test_layers_of_mixed_kinds_scan_after_their_irregular_first_ones():
     repeat a step (so ZeRO-3 gathers one layer at a time where it repeats every layer); a
     repeating pattern scans from the start, rather than one group of all the layers written out.
     (DeepSeek's dense first layers are stacked apart instead, jaxpar.models.lead.)"""
-    from jaxpar.models.family import repeat_of
+    from jaxpar.models.transformer import repeat_of
     d, s = "dense_layers", "sparse_layers"
     assert repeat_of([d, s, s, s]) == (1, 1) and repeat_of([d, d, d] + [s] * 58) == (3, 1)
     assert repeat_of([d, s, d, s]) == (0, 2) and repeat_of([s, s]) == (0, 1)

@@ -17,7 +17,7 @@ from conftest import mesh_overrides, tiny_config
 from helpers import LOSS_RTOL, PARAM_TOL, fails_with
 
 from jaxpar.core.axes import zigzag_permutation
-from jaxpar.models.family import build_model
+from jaxpar.models.transformer import build_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.build import build
 from jaxpar.training.execution import plan_execution

@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from helpers import assert_same_training, losses, train
 
-from jaxpar.models.family import build_model
+from jaxpar.models.transformer import build_model
 from jaxpar.nn import attention
 
 

@@ -20,7 +20,7 @@ from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
 from jaxpar.inference import sample
 from jaxpar.inference.evaluate import evaluate, main
-from jaxpar.models.family import abstract_model
+from jaxpar.models.transformer import abstract_model
 
 RTOL = 1e-5
 BLOCK = 32  # configs/tiny.toml

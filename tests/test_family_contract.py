@@ -1,12 +1,12 @@
-"""The model-family contract (jaxpar.models.interface.Family): a family that lacks one of its
+"""The model-family contract (jaxpar.models.family.Family): a family that lacks one of its
 methods cannot be constructed, and every registered family keeps it, signatures included."""
 
 import inspect
 
 import pytest
 
-from jaxpar.models.family import FAMILIES
-from jaxpar.models.interface import Family
+from jaxpar.models.family import Family
+from jaxpar.models.registry import FAMILIES
 
 CONTRACT = {"declare", "embed", "block", "logits", "matmul_params", "activation_units"}
 

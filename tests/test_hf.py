@@ -29,7 +29,7 @@ from jaxpar.formats.hf_files import write_manifest
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache, forward
-from jaxpar.models.family import abstract_model, build_model
+from jaxpar.models.transformer import abstract_model, build_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run

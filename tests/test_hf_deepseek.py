@@ -24,7 +24,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache
-from jaxpar.models.family import build_model
+from jaxpar.models.transformer import build_model
 from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -26,7 +26,7 @@ from jaxpar.inference import evaluate, export, sample
 from jaxpar.inference.loading import load_hf
 from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache
-from jaxpar.models.family import build_model
+from jaxpar.models.transformer import build_model
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from jaxpar.models.family import Transformer
 from jaxpar.models.flops import matmul_params
+from jaxpar.models.transformer import Transformer
 from jaxpar.nn.layers import padded_vocab
 
 

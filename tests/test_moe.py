@@ -16,8 +16,8 @@ from helpers import LOSS_RTOL, error_at_scale, fails_with
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.model_config import model_config
 from jaxpar.inference import sample
-from jaxpar.models.family import build_model
 from jaxpar.models.llama import model as llama
+from jaxpar.models.transformer import build_model
 from jaxpar.nn import moe, routing
 from jaxpar.train import run
 

@@ -24,8 +24,8 @@ from jaxpar.core.execution import ExecutionPlan
 from jaxpar.inference import evaluate, sample
 from jaxpar.models import hf
 from jaxpar.models.deepseek.model import latent_attention
-from jaxpar.models.family import build_model
 from jaxpar.models.llama.model import Layer
+from jaxpar.models.transformer import build_model
 from jaxpar.parallel import mesh
 from jaxpar.parallel.mesh import force_host_devices, parse_mesh_spec
 from jaxpar.planning import hardware

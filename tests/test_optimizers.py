@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.config import load_config
-from jaxpar.models.family import build_model
+from jaxpar.models.transformer import build_model
 from jaxpar.nn.params import BIAS, EMBEDDING, MATRIX, NORM, in_order
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main

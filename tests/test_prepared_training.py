@@ -38,7 +38,7 @@ from jaxpar.data.prepare import main as prepare_main
 from jaxpar.data.tokenizer import EOT, ByteTokenizer
 from jaxpar.inference import sample
 from jaxpar.models.decode import empty_cache, forward
-from jaxpar.models.family import Transformer, abstract_model
+from jaxpar.models.transformer import Transformer, abstract_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main

@@ -13,7 +13,7 @@ from conftest import tiny_config
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.inference import sample
 from jaxpar.models.decode import empty_cache, forward
-from jaxpar.models.family import abstract_model
+from jaxpar.models.transformer import abstract_model
 from jaxpar.train import run
 
 LOGITS_ATOL = 1e-5

@@ -16,7 +16,7 @@ from jaxpar.core.axes import rule_table
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import check_divisible, logical_to_spec
-from jaxpar.models.family import abstract_model, split_layers
+from jaxpar.models.transformer import abstract_model, split_layers
 from jaxpar.parallel.mesh import build_mesh, resolve_mesh_shape
 from jaxpar.train import run
 from jaxpar.training.build import build

@@ -24,7 +24,7 @@ from jaxpar.data.task_files import find_task_files, read_rows
 from jaxpar.data.tasks import TASKS, to_items
 from jaxpar.inference import sample
 from jaxpar.inference.evaluate import main as eval_main
-from jaxpar.models.family import abstract_model
+from jaxpar.models.transformer import abstract_model
 from jaxpar.training.task_scoring import encode_pair, encode_requests
 
 TASKS_DIR = Path(__file__).parent / "fixtures" / "tasks"

@@ -10,7 +10,7 @@ from helpers import assert_same_training, train
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.models.family import abstract_model
+from jaxpar.models.transformer import abstract_model
 from jaxpar.parallel import zero
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main

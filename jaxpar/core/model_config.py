@@ -3,7 +3,7 @@ own configs, and the checks.
 
 A family's own keys are a dataclass of its own that extends ModelConfig, in
 jaxpar/models/<family>/config.py. The config is read and checked before any model is built, and
-core may not import the families, so the registry of families (jaxpar.models.family, which
+core may not import the families, so the registry of families (jaxpar.models.registry, which
 jaxpar's package imports) registers each one's config here with `family_config`. `model_config(family, **keys)`
 builds a family's config; a key that only other families declare is refused in one line that
 names them (`not_this_family`).
@@ -53,7 +53,7 @@ class ModelConfig:
     # activations shrink by tp. No effect at tp = 1.
     sequence_parallel: bool = False
     # Tests only: the coefficient of an auxiliary loss, the mean square of each block's output
-    # (jaxpar.models.interface), which proves the auxiliary-loss path on every layout. 0: off.
+    # (jaxpar.models.family), which proves the auxiliary-loss path on every layout. 0: off.
     test_activation_l2: float = 0.0
 
     # What the mesh, the planner and the reports may ask of any model; a family's config that

@@ -15,8 +15,8 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import shardings_for
-from jaxpar.models.family import Transformer
 from jaxpar.models.hf import apply_hf_config, hf_tokenizer, load_hf_params
+from jaxpar.models.transformer import Transformer
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
 from jaxpar.training.build import build_inference
 from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints

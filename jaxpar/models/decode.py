@@ -1,5 +1,5 @@
 """The forward pass for generation, with a per-layer KV cache: any family, through the same block
-that training runs (jaxpar.models.interface; the cache is its last argument).
+that training runs (jaxpar.models.transformer; the cache is its last argument).
 
 New tokens enter at any position: k and v of earlier positions come from the cache, of shape
 (layers, batch, kv_heads, block_size, head_dim): the KV heads only, under grouped-query attention;
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import splitting
-from jaxpar.models.family import Transformer, split_layers
+from jaxpar.models.transformer import Transformer, split_layers
 from jaxpar.nn.layers import KVCache, weights_for_compute
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.models.family import family_of
+from jaxpar.models.registry import family_of
 
 # Dense peak FLOP/s per device from vendor data sheets, by compute dtype. On GPUs, float32 matmuls
 # run as TF32 by default in XLA, so their peak is the TF32 tensor-core figure.

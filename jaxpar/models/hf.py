@@ -24,11 +24,12 @@ from jaxpar.core.config import Config, ModelConfig, set_value, validate, with_fa
 from jaxpar.core.errors import UserError
 from jaxpar.data.tokenizer import META_FILE, from_meta, load_tokenizer
 from jaxpar.formats.hf_files import CONFIG_FILE, EXPECTED, is_a, open_weights, read_hf_config
-from jaxpar.models.family import FAMILIES, Transformer
+from jaxpar.models.registry import FAMILIES
+from jaxpar.models.transformer import Transformer
 from jaxpar.nn.params import in_order
 
 # Each family's formats, found by the config.json model_types they name (MODEL_TYPES) on the way in,
-# and on the way out by the family's `exported_as` (jaxpar.models.interface.Registered).
+# and on the way out by the family's `exported_as` (jaxpar.models.family.Registered).
 ADAPTERS = {kind: adapter for entry in FAMILIES.values() for adapter in entry.hf_formats
             for kind in adapter.MODEL_TYPES}
 # What a refusal of an unknown model_type offers: the model_types the formats compute (their LOADS).

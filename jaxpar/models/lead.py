@@ -1,6 +1,6 @@
 """The dense first layers (DeepSeek's first_k_dense_replace), stacked apart from the rest.
 
-A family declares its layers in stacks by kind (jaxpar.models.interface): every layer's
+A family declares its layers in stacks by kind (jaxpar.models.family): every layer's
 attention on 'layers', the dense MLPs on 'dense_layers' and the experts on 'sparse_layers'. Where
 the first k layers are dense and every later one has experts (ModelConfig.lead_layers), the
 params hold those k whole, on a stack of their own under "lead_blocks" ('lead_layers'), and the

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.axes import DATA, PIPE
 from jaxpar.core.execution import STAGES_REDUCE
-from jaxpar.models.family import Transformer, split_layers
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
+from jaxpar.models.transformer import Transformer, split_layers
 from jaxpar.nn.layers import document_positions
 from jaxpar.nn.params import LEAD
 from jaxpar.parallel.schedule import Schedule

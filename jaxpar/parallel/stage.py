@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import PIPE
-from jaxpar.models.family import Transformer
+from jaxpar.models.transformer import Transformer
 from jaxpar.nn.layers import STREAM
 from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
 from jaxpar.parallel.schedule import Schedule

@@ -13,7 +13,7 @@ from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.sharding import split_ways
 from jaxpar.data.loader import load_dataset
 from jaxpar.models.decode import cache_bytes_per_token
-from jaxpar.models.family import family_of
+from jaxpar.models.registry import family_of
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape

@@ -247,7 +247,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     from tqdm import tqdm
 
     from jaxpar.data.loader import load_dataset, model_ids
-    from jaxpar.models.family import build_model
+    from jaxpar.models.transformer import build_model
     from jaxpar.nn.params import in_order
     from jaxpar.planning.hardware import chip_for, target_devices
     from jaxpar.planning.plan_report import write_report

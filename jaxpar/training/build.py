@@ -21,7 +21,7 @@ from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.core.sharding import batch_sharding, shardings_for
 from jaxpar.data.loader import model_ids
 from jaxpar.data.tokenizer import check_same_tokenizer
-from jaxpar.models.family import Transformer, build_model
+from jaxpar.models.transformer import Transformer, build_model
 from jaxpar.nn.kernels import platform_of
 from jaxpar.parallel import zero
 from jaxpar.training import micro_batch, muon, optimizers

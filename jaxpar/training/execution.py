@@ -20,7 +20,7 @@ from jaxpar.core.execution import (
     ExecutionPlan,
 )
 from jaxpar.core.sharding import split_ways
-from jaxpar.models.family import family_of
+from jaxpar.models.registry import family_of
 from jaxpar.nn import kernels, moe
 from jaxpar.parallel.schedule import Schedule
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxpar.core.axes import AXES, DATA
 from jaxpar.core.execution import ONE_PASS, REDUCED_ONCE
 from jaxpar.core.sharding import without_axis
-from jaxpar.models.family import Transformer
+from jaxpar.models.transformer import Transformer
 from jaxpar.parallel import pipeline
 
 

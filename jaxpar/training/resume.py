@@ -16,7 +16,8 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import ModelConfig
 from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.data.tokenizer import check_same_tokenizer, from_meta
-from jaxpar.models.family import Transformer, family_of
+from jaxpar.models.registry import family_of
+from jaxpar.models.transformer import Transformer
 from jaxpar.training.build import Built
 from jaxpar.training.checkpoint import Checkpoints, Restored, abstract_tree, generic_mismatch
 from jaxpar.training.optimizers import make_optimizer

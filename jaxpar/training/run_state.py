@@ -7,7 +7,7 @@ import jax
 
 from jaxpar.core.config import Config
 from jaxpar.data.loader import BatchLoader, Dataset
-from jaxpar.models.family import Transformer
+from jaxpar.models.transformer import Transformer
 from jaxpar.training.build import Built
 from jaxpar.training.checkpoint import Checkpoints
 from jaxpar.training.step import TrainState

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.optimizer_config import OptimizerConfig
-from jaxpar.models.family import Transformer
+from jaxpar.models.transformer import Transformer
 from jaxpar.nn.params import BALANCE
 from jaxpar.nn.routing import rebalanced
 from jaxpar.parallel import pipeline, zero

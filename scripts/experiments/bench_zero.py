@@ -18,7 +18,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
 from jaxpar.data.loader import BatchLoader, load_dataset  # noqa: E402
-from jaxpar.models.family import build_model  # noqa: E402
+from jaxpar.models.transformer import build_model  # noqa: E402
 from jaxpar.parallel.hlo import collectives  # noqa: E402
 from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
 from jaxpar.training import step as steps  # noqa: E402

@@ -38,7 +38,7 @@ def main() -> None:
 
     from jaxpar.core.config import load_config
     from jaxpar.data.loader import load_dataset, model_vocab
-    from jaxpar.models.family import build_model
+    from jaxpar.models.transformer import build_model
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training import step as steps
     from jaxpar.training.checkpoint import Checkpoints, make_meta

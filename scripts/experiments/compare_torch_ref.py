@@ -26,8 +26,8 @@ import torch
 from jaxpar.core.config import load_config, parse_overrides
 from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.data.loader import BatchLoader, load_dataset
-from jaxpar.models.family import abstract_model
 from jaxpar.models.flops import flops_per_token, measure_matmul_peak
+from jaxpar.models.transformer import abstract_model
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, resolve_mesh_shape
 from jaxpar.training import step as steps
 

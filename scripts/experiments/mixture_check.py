@@ -35,10 +35,11 @@ def main(argv: list[str]) -> None:
 
 
 def loader_for(cfg):
+    import jax
+
     from jaxpar.data.loader import BatchLoader, load_dataset
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training.step import microbatches_for
-    import jax
     mesh = build_mesh(cfg, jax.devices()[:requested_devices(cfg.mesh)])
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     return BatchLoader(dataset, "train", cfg.train.seed, cfg.train.batch_size, microbatches_for(cfg, mesh),

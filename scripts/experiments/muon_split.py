@@ -21,7 +21,7 @@ def compile_update(cfg, vocab: int, devices: list):
     import jax
     import optax
 
-    from jaxpar.models.family import build_model
+    from jaxpar.models.transformer import build_model
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training import step as steps
     mesh = build_mesh(cfg, devices)

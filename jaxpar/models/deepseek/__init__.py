@@ -5,6 +5,6 @@ attention and a mixture of experts routed within groups, with shared experts (mo
 from jaxpar.models.deepseek import hf
 from jaxpar.models.deepseek.config import DeepseekConfig
 from jaxpar.models.deepseek.model import Deepseek
-from jaxpar.models.interface import Registered
+from jaxpar.models.family import Registered
 
 FAMILY = Registered(Deepseek, DeepseekConfig, hf_formats=(hf,), exported_as=lambda m: hf)

@@ -1,5 +1,5 @@
 """GPT-2 as in nanoGPT: learned positions, pre-LayerNorm blocks with biases, a GELU MLP, and the
-lm_head tied to the token embedding. One model family behind jaxpar.models.interface.
+lm_head tied to the token embedding. One model family behind jaxpar.models.family.
 
 The code names logical axes only ('vocab', 'embed', 'heads', ...); jaxpar.core.sharding maps them to
 the mesh. Each parameter's role (jaxpar.nn.params) is declared with it.
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.models.interface import Family
+from jaxpar.models.family import Family
 from jaxpar.nn.layers import (
     STREAM,
     attention,

@@ -2,7 +2,7 @@
 RMSNorm, SwiGLU or a mixture of experts, grouped-query attention (model.py), its own [model] keys (config.py); Hugging Face's dense
 (hf.py) and mixture-of-experts (hf_moe.py) formats in and out."""
 
-from jaxpar.models.interface import Registered
+from jaxpar.models.family import Registered
 from jaxpar.models.llama import hf, hf_moe
 from jaxpar.models.llama.config import LlamaConfig
 from jaxpar.models.llama.model import Llama

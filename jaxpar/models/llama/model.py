@@ -1,6 +1,6 @@
 """The Llama family (SmolLM2, TinyLlama, Llama 3.x): RMSNorm, rotary positions, a SwiGLU MLP and
 grouped-query attention, no biases, the lm_head tied to the embedding or not. One model family
-behind jaxpar.models.interface, laid out so Hugging Face's LlamaForCausalLM maps onto it with
+behind jaxpar.models.family, laid out so Hugging Face's LlamaForCausalLM maps onto it with
 transposes alone (jaxpar.models.llama.hf).
 
 The code names logical axes only: the KV heads have their own, 'kv_heads', split over 'tensor' as
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.models.interface import Family
+from jaxpar.models.family import Family
 from jaxpar.models.llama import rope
 from jaxpar.nn import moe
 from jaxpar.nn.layers import (
