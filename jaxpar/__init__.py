@@ -1,4 +1,4 @@
-"""jaxpar: pre-train GPT-2 and Llama models in JAX under a named (data, tensor, pipe, context) mesh."""
+"""jaxpar: pre-train GPT-2, Llama, MoE and DeepSeek-V3 models in JAX under a named (data, tensor, pipe, context, expert) mesh."""
 
 from jaxpar.core.platform import skip_absent_tpu
 

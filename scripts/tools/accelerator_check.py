@@ -43,14 +43,14 @@ def data_reductions(micro_batch: int, batch: int) -> str:
     from grad_reductions import data_collectives  # scripts/experiments/grad_reductions.py
 
     from jaxpar.core.config import load_config
-    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.data.loader import load_dataset
     from jaxpar.parallel import hlo
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     cfg = load_config("gpt2", {"mesh.dp": str(jax.device_count()), "train.micro_batch": str(micro_batch),
                                "train.batch_size": str(batch), "train.zero": "1"})
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-    ops = hlo.collective_ops(compile_abstract_step(cfg, vocab, build_mesh(cfg)).as_text())
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+    ops = hlo.collective_ops(build(cfg, build_mesh(cfg), tokenizer).compile_abstract().as_text())
     found = data_collectives(ops, jax.device_count())
     reductions = [found[kind] for kind in ("all-reduce", "reduce-scatter") if kind in found]
     return f"{sum(n for n, _ in reductions)}x, {sum(mib for _, mib in reductions):,.1f} MiB"

@@ -165,13 +165,13 @@ def kernel_rows(shape, work: Path) -> dict:
 def save_hlo(shape, path: Path) -> None:
     """The compiled step's optimized HLO, as XLA hands it to the device, at the first batch."""
     from jaxpar.core.config import load_config
-    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.data.loader import load_dataset
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     batch = shape.batches[0]
     cfg = load_config(shape.config, {"mesh.dp": "1", "train.batch_size": str(batch), "train.micro_batch": str(batch)})
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-    path.write_text(compile_abstract_step(cfg, vocab, build_mesh(cfg, jax.devices()[:1])).as_text())
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+    path.write_text(build(cfg, build_mesh(cfg, jax.devices()[:1]), tokenizer).compile_abstract().as_text())
 
 
 def table(found: dict) -> str:

@@ -21,9 +21,10 @@ from pathlib import Path
 import jax
 
 from jaxpar.core.config import load_config, parse_overrides
+from jaxpar.data.loader import load_dataset
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.planning.placement import compile_abstract_step
 from jaxpar.training import trainer
+from jaxpar.training.build import build
 
 # (category, source function names that put an op there), first match along the stack wins.
 BY_FUNCTION = [("attention softmax, mask", {"attention_scores", "attention_forward", "attention_backward", "sum_by_key_block",
@@ -81,11 +82,11 @@ def profile(cfg, trace: str) -> tuple[dict, float, int]:
     start, end = map(int, trace.split(":"))
     devices = jax.devices()[: cfg.mesh.dp * cfg.mesh.tp * cfg.mesh.pp]
     with tempfile.TemporaryDirectory() as out:
-        result = trainer.run(cfg, Path(out), devices, progress=False, fresh=True, profile=trace)
+        trainer.run(cfg, Path(out), devices, progress=False, fresh=True, profile=trace)
         trace_file = next(Path(out).rglob("*.trace.json.gz"))
         events = json.load(gzip.open(trace_file))["traceEvents"]
-    vocab = result.info["vocab_size"]
-    hlo = compile_abstract_step(cfg, vocab, build_mesh(cfg, devices)).as_text()
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer  # the vocabulary the run trained with
+    hlo = build(cfg, build_mesh(cfg, devices), tokenizer).compile_abstract().as_text()
     frames, op_frames = stack_tables(hlo)
     lines = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.\-]+) = [^\n]*", hlo)}
     spent = collections.Counter()
