@@ -15,11 +15,11 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
-from jaxpar.data.loader import load_dataset, model_vocab  # noqa: E402
+from jaxpar.data.loader import load_dataset  # noqa: E402
 from jaxpar.parallel import hlo  # noqa: E402
 from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
 from jaxpar.planning.hardware import parse_target, tpu_devices  # noqa: E402
-from jaxpar.planning.placement import compile_abstract_step  # noqa: E402
+from jaxpar.training.build import build  # noqa: E402
 
 # A model whose activations dominate its memory: block 512, 256 wide, batch 8.
 MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "256", "model.block_size": "512",
@@ -29,8 +29,8 @@ MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "256", "mode
 def measure(devices: list, tp: int, sequence_parallel: bool, overrides: dict) -> dict:
     cfg = load_config(None, {**MODEL, **parse_mesh_spec(f"tp={tp}"), **overrides,
                              "model.sequence_parallel": str(sequence_parallel).lower()})
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-    compiled = compile_abstract_step(cfg, vocab, build_mesh(cfg, devices[:tp]))
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+    compiled = build(cfg, build_mesh(cfg, devices[:tp]), tokenizer).compile_abstract()
     return {**hlo.memory_summary(compiled), "collectives": hlo.collectives(compiled.as_text())}
 
 

@@ -18,11 +18,10 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 from jaxpar.core.config import load_config, parse_overrides  # noqa: E402
 from jaxpar.data.loader import BatchLoader, load_dataset  # noqa: E402
-from jaxpar.models.transformer import build_model  # noqa: E402
 from jaxpar.parallel.hlo import collectives  # noqa: E402
 from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
 from jaxpar.training import step as steps  # noqa: E402
-from jaxpar.training.execution import plan_execution  # noqa: E402
+from jaxpar.training.build import build  # noqa: E402
 
 # Large enough that the weights, not the activations, dominate a device's memory.
 MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "512", "model.block_size": "64",
@@ -32,15 +31,12 @@ MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "512", "mode
 def measure(stage: int, overrides: dict, n_steps: int) -> dict:
     cfg = load_config(None, {**MODEL, **parse_mesh_spec("dp=4"), **overrides, "train.zero": str(stage)})
     data = load_dataset(cfg.data, cfg.model.block_size)
-    vocab, mesh = data.tokenizer.vocab_size, build_mesh(cfg)
-    with jax.set_mesh(mesh):
-        model = build_model(cfg, vocab, plan=plan_execution(cfg, mesh))  # as jaxpar.train builds it
-        tx = steps.make_optimizer(cfg, model)
-        shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
-        state = steps.init_state(cfg, model, tx, shardings)
-        loader = BatchLoader(data.train, "train", 0, cfg.train.batch_size, 1, cfg.model.block_size, mesh)
-        compiled = steps.make_train_step(cfg, model, tx, shardings, plan, loader.sharding) \
-            .lower(state, loader(0)).compile()
+    built = build(cfg, build_mesh(cfg), data.tokenizer)  # as jaxpar.train builds it
+    with jax.set_mesh(built.mesh):
+        state = built.init_state()
+        loader = BatchLoader(data, "train", 0, cfg.train.batch_size, built.plan.microbatches,
+                             cfg.model.block_size, built.mesh)
+        compiled = built.train_step(loader.sharding).lower(state, loader(0)).compile()
         memory = compiled.memory_analysis()
         row = {"stage": stage,
                "params_per_device": steps.bytes_per_device(state.params),

@@ -37,10 +37,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxpar.core.config import load_config
-    from jaxpar.data.loader import load_dataset, model_vocab
-    from jaxpar.models.transformer import build_model
+    from jaxpar.data.loader import load_dataset
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training import step as steps
+    from jaxpar.training.build import build
     from jaxpar.training.checkpoint import Checkpoints, make_meta
     from jaxpar.training.checksums import item_checksums, mismatches
     from jaxpar.training.resume import restore_train_state
@@ -50,13 +49,9 @@ def main() -> None:
     cfg = load_config(args.config, {"train.batch_size": "1", "train.grad_accum": "1", "train.zero": "0",
                                     "data.path": "", "data.mix": "", "data.document_mask": "false"})
     tokenizer = load_dataset(cfg.data, 1).tokenizer
-    vocab = model_vocab(cfg, tokenizer)
-    mesh = build_mesh(cfg, jax.devices()[:1])
-    with jax.set_mesh(mesh), tempfile.TemporaryDirectory() as folder:
-        model = build_model(cfg, vocab)
-        tx = steps.make_optimizer(cfg, model, mesh)
-        shardings, _ = steps.state_shardings(cfg, model, mesh, tx)
-        state = steps.init_state(cfg, model, tx, shardings)
+    built = build(cfg, build_mesh(cfg, jax.devices()[:1]), tokenizer)
+    with jax.set_mesh(built.mesh), tempfile.TemporaryDirectory() as folder:
+        state = built.init_state()
         jax.block_until_ready(state)
         both = {"params": state.params, "opt_state": state.opt_state}
         checksum_s = timed(lambda: item_checksums(both), args.repeats)
@@ -67,8 +62,8 @@ def main() -> None:
             ckpt.save(step[0], state.params, state.opt_state, make_meta(cfg, tokenizer, step[0]))
             ckpt.wait()
         save_s = timed(save, args.repeats)
-        restore_s = timed(lambda: jax.block_until_ready(restore_train_state(
-            ckpt, cfg, tokenizer, tx, shardings)[0]), args.repeats)
+        restore_s = timed(lambda: jax.block_until_ready(restore_train_state(ckpt, built, tokenizer)[0]),
+                          args.repeats)
         sums = item_checksums(both)
         verify_s = timed(lambda: mismatches(both, sums), args.repeats)
     n_bytes = sum(x.nbytes for x in jax.tree.leaves(both))

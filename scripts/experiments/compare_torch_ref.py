@@ -27,9 +27,8 @@ from jaxpar.core.config import load_config, parse_overrides
 from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.data.loader import BatchLoader, load_dataset
 from jaxpar.models.flops import flops_per_token, measure_matmul_peak
-from jaxpar.models.transformer import abstract_model
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, resolve_mesh_shape
-from jaxpar.training import step as steps
+from jaxpar.training.build import build
 
 DEFAULT_REF = Path(__file__).resolve().parents[3] / "shared" / "bench" / "torch_ref.py"
 DTYPES = ("float32", "bfloat16")
@@ -115,21 +114,18 @@ def main():
 
     force_host_devices(cfg.mesh)
     dataset = load_dataset(cfg.data, m.block_size)
-    vocab = dataset.tokenizer.vocab_size
+    vocab = dataset.tokenizer.vocab_size  # torch_ref's; jaxpar's wte may pad past it (model.vocab_size)
     sizes = resolve_mesh_shape(cfg, len(jax.devices()))
     mesh = build_mesh(cfg, jax.devices()[:math.prod(sizes.values())])
     # each framework's own matmul peak, outside the mesh context (it runs on one device)
     peaks = (measure_matmul_peak(jax.devices()[0], "float32"), torch_matmul_peak()) if args.speed else None
+    built = build(cfg, mesh, dataset.tokenizer)  # jaxpar.train's step, its execution plan included
     with jax.set_mesh(mesh):
-        net, _, _ = abstract_model(cfg, vocab)
-        tx = steps.make_optimizer(cfg, net)
-        shardings, plan = steps.state_shardings(cfg, net, mesh, tx)
-        state = steps.init_state(cfg, net, tx, shardings)
-        microbatches = steps.microbatches_for(cfg, mesh)
-        train = BatchLoader(dataset.train, "train", t.seed, t.batch_size, microbatches, m.block_size, mesh)
-        val = BatchLoader(dataset.val, "val", t.seed, t.batch_size, microbatches, m.block_size, mesh)
-        train_step = steps.make_train_step(cfg, net, tx, shardings, plan, train.sharding)
-        eval_step = steps.make_eval_step(cfg, net, shardings.params, val.sharding)
+        state = built.init_state()
+        microbatches = built.plan.microbatches
+        train = BatchLoader(dataset, "train", t.seed, t.batch_size, microbatches, m.block_size, mesh)
+        val = BatchLoader(dataset, "val", t.seed, t.batch_size, microbatches, m.block_size, mesh)
+        train_step, eval_step = built.train_step(train.sharding), built.eval_step(val.sharding)
 
         model = ref.CharGPT(vocab, m.block_size, m.n_layer, m.n_head, m.n_embd, bias=m.bias)
         copy_weights(model, jax.device_get(state.params), vocab)

@@ -14,8 +14,9 @@ import sys
 import jax
 
 from jaxpar.core.config import load_config, parse_overrides
+from jaxpar.data.loader import load_dataset
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.planning.placement import compile_abstract_step
+from jaxpar.training.build import build
 
 DOT = re.compile(r"= (\w+)\[[^=]* dot\(%([\w.\-]+), %([\w.\-]+)\)")
 SPEC = re.compile(r"[a-z]+,[a-z]+->[a-z]+")
@@ -51,7 +52,8 @@ def main(argv: list[str]) -> None:
     config = argv[argv.index("--config") + 1] if "--config" in argv else None
     rest = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
     cfg = load_config(config, parse_overrides(rest))
-    hlo = compile_abstract_step(cfg, 65, build_mesh(cfg, jax.devices()[:1])).as_text()
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+    hlo = build(cfg, build_mesh(cfg, jax.devices()[:1]), tokenizer).compile_abstract().as_text()
     print("| einsum | pass | dot | run by | count |\n|---|---|---|---|---|")
     for (spec, where, dtypes, runner), n in sorted(census(hlo).items()):
         print(f"| `{spec}` | {where} | {dtypes} | {runner} | {n} |")

@@ -27,13 +27,12 @@ def data_collectives(ops: list[dict], dp: int) -> dict[str, tuple[int, float]]:
 
 def main(argv: list[str]) -> None:
     from jaxpar.core.config import load_config, parse_overrides
-    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.data.loader import load_dataset
     from jaxpar.parallel import hlo
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning.hardware import parse_target, target_devices
-    from jaxpar.planning.placement import compile_abstract_step
     from jaxpar.planning.plan import enumerate_candidates
-    from jaxpar.training.step import microbatches_for
+    from jaxpar.training.build import build
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--config", None), ("--target", "cpu:2"), ("--layouts", "dp=2"),
@@ -43,7 +42,7 @@ def main(argv: list[str]) -> None:
     cfg = load_config(args.config, parse_overrides(rest))
     target = parse_target(args.target)
     devices = target_devices(target)
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     zeros = tuple(int(z) for z in args.zero.split(","))
     kinds = ("all-reduce", "reduce-scatter", "all-gather")
     print(f"{cfg.model.family}, batch {cfg.train.batch_size} x {cfg.model.block_size}, {args.target}")
@@ -52,10 +51,10 @@ def main(argv: list[str]) -> None:
     for c in enumerate_candidates(cfg, len(devices), args.layouts, zeros, args.micro_batch, ("none",)):
         if c.status == "skipped":
             continue
-        mesh = build_mesh(c.cfg, devices)
-        passes = microbatches_for(c.cfg, mesh)
+        built = build(c.cfg, build_mesh(c.cfg, devices), tokenizer)
+        passes = built.plan.microbatches
         try:
-            ops = hlo.collective_ops(compile_abstract_step(c.cfg, vocab, mesh).as_text())
+            ops = hlo.collective_ops(built.compile_abstract().as_text())
         except Exception as error:  # the compiler refuses a step that cannot fit
             ops, cells = None, [str(error).strip().splitlines()[0][:90]] + [""] * (len(kinds) - 1)
         if ops is not None:

@@ -39,10 +39,11 @@ def loader_for(cfg):
 
     from jaxpar.data.loader import BatchLoader, load_dataset
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.step import microbatches_for
+    from jaxpar.training.build import build
     mesh = build_mesh(cfg, jax.devices()[:requested_devices(cfg.mesh)])
     dataset = load_dataset(cfg.data, cfg.model.block_size)
-    return BatchLoader(dataset, "train", cfg.train.seed, cfg.train.batch_size, microbatches_for(cfg, mesh),
+    passes = build(cfg, mesh, dataset.tokenizer).plan.microbatches  # the trainer's passes a step
+    return BatchLoader(dataset, "train", cfg.train.seed, cfg.train.batch_size, passes,
                        cfg.model.block_size, mesh), dataset
 
 

@@ -21,11 +21,11 @@ import argparse
 import re
 
 from jaxpar.core.config import load_config, parse_overrides
-from jaxpar.data.loader import load_dataset, model_vocab
+from jaxpar.data.loader import load_dataset
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.planning.hardware import parse_target, target_devices
-from jaxpar.planning.placement import compile_abstract_step
+from jaxpar.training.build import build
 
 
 def minimum_bytes(cfg, ep: int) -> float:
@@ -37,9 +37,8 @@ def minimum_bytes(cfg, ep: int) -> float:
     return 4 * m.n_layer * tokens * m.experts_per_token * m.n_embd * width * (ep - 1) / ep
 
 
-def check(cfg, devices, vocab: int) -> dict:
-    mesh = build_mesh(cfg, devices)
-    compiled = compile_abstract_step(cfg, vocab, mesh)
+def check(cfg, devices, tokenizer) -> dict:
+    compiled = build(cfg, build_mesh(cfg, devices), tokenizer).compile_abstract()
     text = compiled.as_text()
     ops = hlo.collective_ops(text)
     dense = sum(op["bytes"] * op["count"] for op in ops if op["kind"] == "all-to-all")
@@ -70,8 +69,7 @@ def main():
                      "model.n_experts": "8", "model.moe_gemm": "ragged_dot", "model.dtype": "bfloat16", "train.batch_size": str(4 * target.chips),
                      "model.block_size": "256", **parse_overrides(rest)}
         cfg = load_config(args.config, overrides)
-        vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-        r = check(cfg, devices, vocab)
+        r = check(cfg, devices, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
         print(f"| {dispatch} | {r['ragged_all_to_all']} ({r['ragged_buffer_bytes'] / 2**20:,.2f} MiB) | "
               f"{r['all_to_all']} | {r['grouped_gemm']} ({r['gemm_dots']}) | "
               f"{r['a2a_bytes'] / 2**20:,.2f} MiB | {minimum_bytes(cfg, 8) / 2**20:,.2f} MiB | "

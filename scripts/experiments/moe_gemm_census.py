@@ -38,22 +38,21 @@ def routed_flops_per_chip(cfg, chips: int) -> float:
 
 
 def report(cfg, target_name: str) -> None:
-    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.data.loader import load_dataset
     from jaxpar.parallel import hlo
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning import roofline
     from jaxpar.planning.hardware import chip_for, parse_target, target_devices
-    from jaxpar.planning.placement import compile_abstract_step
-    from jaxpar.training.execution import plan_execution
+    from jaxpar.training.build import build
     target = parse_target(target_name)
     devices = target_devices(target)
     mesh = build_mesh(cfg, devices)
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-    compiled = compile_abstract_step(cfg, vocab, mesh)
+    built = build(cfg, mesh, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    compiled = built.compile_abstract()
     model = roofline.Roofline(compiled.as_text(), chip_for(target, devices, cfg.model.dtype), len(devices))
     step = model.step()
     runs = hlo.multiplicities(model.lines, model.entry)
-    plan = plan_execution(cfg, mesh).describe()["moe"]
+    plan = built.plan.describe()["moe"]
     print(f"{target_name}, mesh {dict(mesh.shape)}: grouped GEMM {plan['grouped_gemm']}, dispatch {plan['dispatch']}")
     print(f"\n| runs | GFLOP a run | op | result | from |\n|{'---|' * 5}")
     expert = 0.0

@@ -16,37 +16,34 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices: nothing runs here
 
 
-def compile_update(cfg, vocab: int, devices: list):
-    """jit(update)(grads, opt_state, params) -> (params, opt_state), compiled from shapes."""
+def compile_update(cfg, tokenizer, devices: list):
+    """jit(update)(grads, opt_state, params) -> (params, opt_state), compiled from shapes: the
+    optimizer, the model and the ZeRO plan that jaxpar.train builds (jaxpar.training.build)."""
     import jax
     import optax
 
-    from jaxpar.models.transformer import build_model
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training import step as steps
-    mesh = build_mesh(cfg, devices)
-    model = build_model(cfg, vocab)
-    tx = steps.make_optimizer(cfg, model, mesh)
-    shardings, plan = steps.state_shardings(cfg, model, mesh, tx)
-    shapes = model.shapes()
+    from jaxpar.training.build import build
+    built = build(cfg, build_mesh(cfg, devices), tokenizer)
+    tx, zero_plan, state = built.tx, built.zero, built.abstract_state()
+    shapes = built.model.shapes()
     on = lambda tree, where: jax.tree.map(  # noqa: E731
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, where)
-    state = on(jax.eval_shape(tx.init, shapes), shardings.opt_state)
 
     def update(grads, opt_state, params):
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    step = jax.jit(update, out_shardings=(plan.params, shardings.opt_state))
-    with jax.set_mesh(mesh):
-        return step.lower(on(shapes, plan.grads), state, on(shapes, plan.params)).compile()
+    step = jax.jit(update, out_shardings=(zero_plan.params, built.shardings.opt_state))
+    with jax.set_mesh(built.mesh):
+        return step.lower(on(shapes, zero_plan.grads), state.opt_state, on(shapes, zero_plan.params)).compile()
 
 
-def row(cfg, vocab: int, target, devices: list, layout: str, split: bool) -> str:
+def row(cfg, tokenizer, target, devices: list, layout: str, split: bool) -> str:
     from jaxpar.parallel import hlo
     from jaxpar.planning import roofline
     from jaxpar.planning.hardware import chip_for
-    text = compile_update(cfg, vocab, devices).as_text()
+    text = compile_update(cfg, tokenizer, devices).as_text()
     cost = roofline.estimate(text, chip_for(target, devices, cfg.model.dtype), len(devices))
     moved = hlo.collectives(text)
     cells = ", ".join(f"{kind} {c['count']} x, {c['bytes'] / 2**20:,.1f} MiB" for kind, c in moved.items()) or "-"
@@ -61,7 +58,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--zero", default="1")
     args, rest = parser.parse_known_args(argv)
     from jaxpar.core.config import load_config, parse_overrides
-    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.data.loader import load_dataset
     from jaxpar.parallel.mesh import parse_mesh_spec
     from jaxpar.planning.hardware import parse_target, target_devices
     target = parse_target(args.target)
@@ -73,9 +70,9 @@ def main(argv: list[str]) -> None:
             overrides = {**parse_overrides(rest), **parse_mesh_spec(layout), "optimizer.name": "muon",
                          "optimizer.ns_split": str(split).lower(), "train.zero": args.zero}
             cfg = load_config(args.config, {k: str(v) for k, v in overrides.items()})
-            vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+            tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
             size = math.prod(int(n) for n in parse_mesh_spec(layout).values())
-            print(row(cfg, vocab, target, every[:size], layout, split), flush=True)
+            print(row(cfg, tokenizer, target, every[:size], layout, split), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,16 @@ Needs the tpu extra (libtpu's compile-only devices); nothing runs on a TPU.
 import re
 
 from jaxpar.core.config import load_config
-from jaxpar.data.loader import load_dataset, model_vocab
+from jaxpar.data.loader import load_dataset
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.planning.hardware import parse_target, target_devices
-from jaxpar.planning.placement import compile_abstract_step
+from jaxpar.training.build import build
 
 cfg = load_config("tiny", {"mesh.cp": "4", "mesh.dp": "2", "model.block_size": "256", "model.dtype": "bfloat16"})
 devices = target_devices(parse_target("tpu:v5e-8"))
 mesh = build_mesh(cfg, devices)
-vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
-text = compile_abstract_step(cfg, vocab, mesh).as_text()
+tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+text = build(cfg, mesh, tokenizer).compile_abstract().as_text()
 print("collective-permute-start:", text.count("collective-permute-start("), "done:", text.count("collective-permute-done("),
       "sync collective-permute(:", len(re.findall(r"= [^ ]+ collective-permute\(", text)))
 bodies = re.findall(r"\n(%?[\w.-]*while[\w.-]*body[\w.-]*) ", text)

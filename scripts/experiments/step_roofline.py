@@ -28,17 +28,17 @@ def main() -> None:
 
 
 def report(cfg, target_name: str, top: int) -> None:
-    from jaxpar.data.loader import load_dataset, model_vocab
+    from jaxpar.data.loader import load_dataset
     from jaxpar.parallel import hlo
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning import roofline
     from jaxpar.planning.hardware import chip_for, parse_target, target_devices
-    from jaxpar.planning.placement import compile_abstract_step
+    from jaxpar.training.build import build
     target = parse_target(target_name)
     devices = target_devices(target)
-    vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     chip = chip_for(target, devices, cfg.model.dtype)
-    text = compile_abstract_step(cfg, vocab, build_mesh(cfg, devices)).as_text()
+    text = build(cfg, build_mesh(cfg, devices), tokenizer).compile_abstract().as_text()
     model = roofline.Roofline(text, chip, len(devices))
     step = model.step()
     print(f"{target_name} ({chip.kind}): step >= {1e3 * step.seconds:,.1f} ms; ops {1e3 * (step.seconds - step.exposed_comm_s):,.1f} ms "
