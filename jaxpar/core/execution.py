@@ -164,6 +164,7 @@ class ExecutionPlan:
                 **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.moe_gemm
                                     + (f" ({self.moe_gemm_note})" if self.moe_gemm_note else "")}}
                    if self.experts else {}),
+                "micro_batch": self.micro_batch, "passes": self.microbatches,
                 "accumulation": self.accumulation, "remat": self.remat,
                 "activations_recomputed": self.recompute_activations, "weights_regathered": self.regather_weights,
                 "rules": {name: axes for name, axes in self.rules.items() if axes is not None},

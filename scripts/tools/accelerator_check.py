@@ -39,8 +39,8 @@ def kernel_errors(kernel: str, dtype) -> list[float]:
 
 def data_reductions(micro_batch: int, batch: int) -> str:
     """'count x, MiB' of one step's all-reduces and reduce-scatters, all devices on dp."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    from grad_reductions import data_collectives  # scripts/experiments/grad_reductions.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from grad_reductions import data_collectives  # scripts/tools/grad_reductions.py
 
     from jaxpar.core.config import load_config
     from jaxpar.data.loader import load_dataset

@@ -5,9 +5,9 @@ Gradients are summed on each device and reduced once a step (jaxpar.training.ste
 accumulate_locally), so the all-reduce / reduce-scatter columns do not grow with the passes.
 ZeRO-3's all-gathers of the weights do: every pass needs every layer's weights.
 
-    python scripts/experiments/grad_reductions.py --config tiny --target cpu:2 --layouts "dp=2" \
+    python scripts/tools/grad_reductions.py --config tiny --target cpu:2 --layouts "dp=2" \
         --zero 0,2,3 --micro-batch 1,4 --train.batch_size=8
-    python scripts/experiments/grad_reductions.py --config gpt2 --target tpu:v5e-8 --layouts "dp=8" \
+    python scripts/tools/grad_reductions.py --config gpt2 --target tpu:v5e-8 --layouts "dp=8" \
         --zero 0,2 --micro-batch 1,64 --train.batch_size=512
 """
 

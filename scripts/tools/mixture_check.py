@@ -2,7 +2,7 @@
 data.mix_block rows over the first STEPS steps, and one fingerprint of all the batches' tokens per
 mesh (the same on every mesh, or the order is not a pure function of seed, split and step).
 
-    python scripts/experiments/mixture_check.py --steps 200 --meshes dp=1 dp=2,tp=2 dp=4 -- \\
+    python scripts/tools/mixture_check.py --steps 200 --meshes dp=1 dp=2,tp=2 dp=4 -- \\
         --config tiny --data.mix=a=DIR_A:0.6,b=DIR_B:0.3,c=DIR_C:0.1
 
 The arguments after `--` are jaxpar.train's (the config and its overrides). A process builds only

@@ -2,7 +2,7 @@
 (jaxpar.planning.roofline), and its dearest ops, each with its runs per step, FLOPs, bytes and the
 JAX operation it came from.
 
-    python scripts/experiments/step_roofline.py --target gpu:h100-8 --config gpt2 --mesh.dp=8 \\
+    python scripts/tools/step_roofline.py --target gpu:h100-8 --config gpt2 --mesh.dp=8 \\
         --train.batch_size=512 --train.micro_batch=64 [--top 20]
 """
 
