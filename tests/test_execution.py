@@ -39,6 +39,25 @@ def test_the_accumulation_path_is_decided_before_tracing(spec, overrides, accumu
     assert plan_of(spec, **overrides).accumulation == accumulation
 
 
+def test_a_step_refuses_a_batch_of_more_passes_than_its_plan_says():
+    """A model made without its step's plan (one pass) would take the first of a batch's passes
+    alone and leave the others' rows out: its gradient function refuses the batch while tracing.
+    The control: the model that build() makes for the same config takes it."""
+    from jaxpar.models.transformer import build_model
+    from jaxpar.training.build import build
+    from jaxpar.training.passes import make_grad_fn
+    cfg = tiny_config(**{"train.grad_accum": 2})
+    built = build(cfg, build_mesh(cfg, jax.devices()[:1]), vocab=65)
+    assert built.plan.microbatches == 2
+    batch = jax.ShapeDtypeStruct((2, cfg.train.batch_size // 2, cfg.model.block_size), jnp.int32)
+    shapes = built.model.shapes()
+    grads_of = make_grad_fn(built.model, 0, built.zero.grads)
+    with jax.set_mesh(built.mesh):
+        jax.eval_shape(grads_of, shapes, batch, batch, 0)
+        with pytest.raises(ValueError, match="the plan says one pass and the batch holds 2"):
+            jax.eval_shape(make_grad_fn(build_model(cfg, 65), 0, built.zero.grads), shapes, batch, batch, 0)
+
+
 def test_the_plan_says_what_runs_and_where():
     """The pipeline's schedule and how its gradients leave a stage; the CPU's choices; the rule
     table with sequence parallelism; a mixture's dispatch only where experts are split."""

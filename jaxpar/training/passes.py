@@ -72,6 +72,9 @@ def make_grad_fn(model: Transformer, seed: int, grad_shardings: dict):
         step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
         passes = inputs.shape[0]
         if plan.accumulation == ONE_PASS:  # its loss and gradients as they are
+            if passes != 1:  # a plan made for other passes would leave rows out, silently
+                raise ValueError(f"the plan says one pass and the batch holds {passes}: build the model "
+                                 "with its step's plan (jaxpar.training.build)")
             metrics, grads = one_pass(params, inputs[0], targets[0], step_key, 0)
             return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
         if plan.accumulation == REDUCED_ONCE:
