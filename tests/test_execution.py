@@ -112,6 +112,12 @@ def test_the_planner_compiles_a_tpu_targets_mixture_with_the_tpus_dispatch():
     assert plan_execution(cfg, mesh).moe_mode == "ragged"
     text = build(cfg, mesh, vocab=65).compile_abstract().as_text()
     assert "ragged-all-to-all(" in text  # the rows; the counts that size them go by a small all-to-all
+    from jaxpar.parallel import hlo
+    from jaxpar.planning.estimate import collective_seconds
+    dispatch = hlo.collectives(text)["ragged-all-to-all"]  # counted, with its bytes, as the plan lists them
+    assert dispatch["count"] == 8 and dispatch["bytes"] > 0, dispatch  # 2 layers, out and back, forward and backward
+    ops = [op for op in hlo.collective_ops(text) if op["kind"] == "ragged-all-to-all"]
+    assert collective_seconds(ops, hardware.chip_for(hardware.parse_target("tpu:v5e-8"), mesh.devices.flat, "bfloat16"), 8) > 0
 
 
 def test_the_plan_runs_tokamax_for_mixtures_on_gpus_and_says_when_it_cannot(monkeypatch):

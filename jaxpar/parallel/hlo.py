@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from jaxpar.core.errors import UserError
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
 # `%name = <result shape> <op>(` where <op> may carry an async `-start` suffix.
 OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
@@ -132,8 +132,10 @@ def collective_ops(hlo_text: str) -> list[dict]:
         for line in lines:
             if not (op := collective_of(line, name)):
                 continue
-            if channel := CHANNEL.search(line):  # XLA:TPU runs one async collective as pieces in
-                # several fusions (start, continuations, done), each naming the op and its channel
+            # XLA:TPU runs one async collective as pieces in several fusions (start, continuations,
+            # done), each naming the op and its channel. The MoE dispatch's ragged-all-to-alls are
+            # each its own op, though XLA gives them one channel.
+            if (channel := CHANNEL.search(line)) and op[0] != "ragged-all-to-all":
                 seen = channels.get(channel.group(1), (op, 0))[1]
                 channels[channel.group(1)] = (op, max(seen, runs[name]))
             else:

@@ -31,6 +31,9 @@ SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a gr
     "all-reduce": lambda n: 2 * (n - 1) / n,
     "all-gather": lambda n: (n - 1) / n,
     "all-to-all": lambda n: (n - 1) / n,
+    # Its result is the whole receive buffer, sized for every row routed here (dropless): the bytes
+    # sent are at most the all-to-all's of that buffer, and the same under balanced routing.
+    "ragged-all-to-all": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: n - 1,
 }
 

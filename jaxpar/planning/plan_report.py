@@ -12,7 +12,7 @@ MODEL_TEXT = roofline.__doc__.split("\n", 2)[2].strip()  # the docstring past it
 LISTED = 20  # layouts past the compile cap shown in plan.md (all are in plan.json)
 NOT_COMPILED = {"error": "failed to compile", "skipped": "skipped as the trainer would refuse them"}
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
-         "collective-permute": "CP", "all-to-all": "A2A"}
+         "collective-permute": "CP", "all-to-all": "A2A", "ragged-all-to-all": "RA2A"}
 
 
 def ranked(candidates: list) -> list:
