@@ -128,9 +128,10 @@ def module_for(m: ModelConfig):
 def load_hf_params(hf_dir, m: ModelConfig, vocab_size: int, param_shardings: dict) -> dict:
     """The model in hf_dir as jaxpar's params (the model's pure dict), each leaf made in its
     sharding from the slices its devices hold. m is the cfg.model that apply_hf_config set."""
-    module, shapes = module_for(m), Transformer(m, vocab_size).shapes()
+    module, model = module_for(m), Transformer(m, vocab_size)
+    shapes, declared = model.shapes(), dict(in_order(model.declared))
     tensors, path = open_weights(hf_dir)
-    readers = module.readers(tensors, m, vocab_size, declared_params(m, vocab_size), path)  # all checked first
+    readers = module.readers(tensors, m, vocab_size, declared, path)  # all checked first
     return jax.tree_util.tree_map_with_path(
         lambda p, s, where: jax.make_array_from_callback(s.shape, where, readers[tuple(k.key for k in p)]),
         shapes, param_shardings)
