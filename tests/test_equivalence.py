@@ -44,12 +44,6 @@ def test_rolled_layer_scan_matches_unrolled(one_device):
     assert_same_training(train("tp=2", **{"model.unroll_layers": "false"}), one_device)
 
 
-@pytest.mark.parametrize("spec, zero", [("dp=1", 0), ("dp=2,tp=2", 3), ("tp=2,pp=2", 1)])
-def test_full_remat_matches_no_remat(one_device, spec, zero):
-    """model.remat=full reruns each layer in the backward: the same math, the same training."""
-    assert_same_training(train(spec, **{"model.remat": "full", "train.zero": zero}), one_device)
-
-
 @pytest.mark.parametrize("spec, zero", [pytest.param("tp=2", 0, marks=pytest.mark.slow),  # inside dp=2,tp=2
                                         ("dp=2,tp=2", 0), ("tp=2,pp=2", 0), ("dp=2,tp=2", 3)])
 def test_sequence_parallel_matches_one_device(one_device_evaluated, spec, zero):

@@ -1,6 +1,6 @@
 """The Llama family under every layout trains as one device does: configs/tiny_llama.toml (GQA 4/2,
 SwiGLU, RMSNorm, llama3 RoPE scaling, an untied lm_head) on data, tensor (with 2 KV heads split over
-tp=2) and sequence parallelism, ZeRO-3, gradient accumulation, full remat, all four pipeline
+tp=2) and sequence parallelism, ZeRO-3, gradient accumulation, all four pipeline
 schedules (GPipe, 1F1B and ZB-H1 on pp=2, interleaved on pp=4), and two processes.
 
 Tolerances, as tests/test_equivalence.py's: losses within rtol 1e-5; each final param within 1e-5
@@ -35,7 +35,6 @@ SLOW = pytest.mark.slow
     ("pp=2", {"pipeline.schedule": "1f1b"}),
     pytest.param("pp=2", {"pipeline.schedule": "gpipe"}, marks=SLOW),
     pytest.param("pp=2", {"pipeline.schedule": "zb-h1"}, marks=SLOW),
-    ("dp=2,tp=2", {"model.remat": "full"}),
 ])
 def test_llama_layout_matches_one_device(one_device, spec, overrides):
     assert_same_training(train(spec, evaluate=True, config=LLAMA, **overrides), one_device)

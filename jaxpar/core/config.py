@@ -39,6 +39,9 @@ SEED_MAX = 2**32 - 1
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule: see jaxpar.parallel.orders
 
 
+OFFLOADS = ("none", "optimizer")  # train.offload
+
+
 @dataclass
 class TrainConfig:
     steps: int = 2000
@@ -56,6 +59,9 @@ class TrainConfig:
     # (FSDP); 0 is plain data parallelism. 1 is the default: it saves memory at no extra
     # communication (an all-reduce is a reduce-scatter plus an all-gather).
     zero: int = 1
+    # "optimizer": the optimizer's state kept in host memory (pinned_host), sharded as ZeRO says,
+    # moved to the device for the update and back. "none": in device memory.
+    offload: str = "none"
     eval_every: int = 250  # 0 disables evaluation
     eval_batches: int = 20
     log_every: int = 1
@@ -261,6 +267,8 @@ def validate(cfg: Config) -> None:
                         "no negative seed, and JAX's keys keep 32 bits; choose one in that range")
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
+    if t.offload not in OFFLOADS:
+        raise UserError(f"train.offload must be one of {', '.join(OFFLOADS)}, got '{t.offload}'")
     sizes = [getattr(cfg.mesh, axis.key) for axis in AXES]
     for axis, size in zip(AXES, sizes):
         if size != -1 and size < 1:

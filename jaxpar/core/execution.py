@@ -48,7 +48,8 @@ class ExecutionPlan:
     moe_gemm_note: str | None = None  # why `auto` runs a dearer GEMM than the platform has
     moe_dispatch: str = registry.ALL_TO_ALL  # all_to_all or ragged, where experts are split over 'expert'
     accumulation: str = ONE_PASS
-    remat: str = "none"  # model.remat
+    remat: str = "none"  # model.remat, a policy of jaxpar.core.remat
+    offload: str = "none"  # train.offload: "optimizer" keeps the optimizer's state in host memory
     regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
     microbatches: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
     micro_batch: int = 0  # train.micro_batch resolved (`auto` too): the most rows a device takes a pass; 0: no limit
@@ -165,7 +166,7 @@ class ExecutionPlan:
                                     + (f" ({self.moe_gemm_note})" if self.moe_gemm_note else "")}}
                    if self.experts else {}),
                 "micro_batch": self.micro_batch, "passes": self.microbatches,
-                "accumulation": self.accumulation, "remat": self.remat,
+                "accumulation": self.accumulation, "remat": self.remat, "offload": self.offload,
                 "activations_recomputed": self.recompute_activations, "weights_regathered": self.regather_weights,
                 "rules": {name: axes for name, axes in self.rules.items() if axes is not None},
                 **({"pipeline": self.pipeline} if self.pipeline else {})}

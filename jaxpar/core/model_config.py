@@ -13,9 +13,9 @@ from dataclasses import dataclass, fields
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.kernel_registry import ATTENTION, AUTO, DOCUMENTS, KERNELS, check_name, model_facts
+from jaxpar.core.remat import REMAT_KINDS, policy_of  # noqa: F401
 
 DEFAULT_FAMILY = "gpt2"  # the default config's, nanoGPT's
-REMAT_KINDS = ("none", "full")
 
 FAMILY_CONFIGS: dict[str, type["ModelConfig"]] = {}  # model.family -> its config class
 
@@ -41,8 +41,8 @@ class ModelConfig:
     vocab_size: int = 0
     dtype: str = "float32"  # compute dtype; master weights and optimizer state stay float32
     unroll_layers: bool = True  # unroll the layer scan: faster steps, longer compiles for deep models
-    # "full": keep only each layer's input and rerun the layer in the backward pass (jax.checkpoint):
-    # activation memory of one layer instead of all, for about a third more FLOPs.
+    # What each layer keeps for the backward pass, a policy of jaxpar.core.remat: none, full (the
+    # layer's input alone, about a third more FLOPs), attention, dots_except_widest, full_offloaded.
     remat: str = "none"
     # The lm_head and loss over this many pieces of the sequence, each piece's float32 logits
     # recomputed in the backward pass: the whole batch's logits (rows x seq x vocab x 4 bytes) are
@@ -174,8 +174,7 @@ def validate_model(m: ModelConfig) -> None:
     if m.loss_chunks < 1 or m.block_size % m.loss_chunks:
         raise UserError(f"model.loss_chunks={m.loss_chunks} must be a positive divisor of "
                         f"model.block_size={m.block_size}")
-    if m.remat not in REMAT_KINDS:
-        raise UserError(f"model.remat must be one of {', '.join(REMAT_KINDS)}, got '{m.remat}'")
+    policy_of(m.remat)  # a registered policy (jaxpar.core.remat)
     if m.dtype not in ("float32", "bfloat16"):
         raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
     if not 0 <= m.dropout < 1:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.remat import RERUN_LAYER, RERUN_MLP, RERUN_WIDEST, policy_of
 from jaxpar.models.registry import family_of
 
 # Dense peak FLOP/s per device from vendor data sheets, by compute dtype. On GPUs, float32 matmuls
@@ -47,22 +48,64 @@ def recompute_flops_per_token(cfg: ModelConfig) -> int:
     return 2 * block_params + 4 * cfg.n_layer * cfg.n_embd * cfg.block_size
 
 
+def routed_and_shared(cfg: ModelConfig) -> int:
+    """The experts each token passes through in a sparse layer: its k routed and any shared."""
+    return cfg.experts_per_token + getattr(cfg, "n_shared_experts", 0)
+
+
+def mlp_rerun_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOPs of the MLPs' forward that `attention` reruns (2 x their matmul params per token): a
+    dense layer's first matmul (GELU's C x F, SwiGLU's gate and up, C x 2F; the last one's output
+    feeds only the residual add, which its backward does not read), a sparse layer's router and
+    its k routed and any shared experts (three C x F_e each: the routing weights' gradient reads
+    the experts' outputs)."""
+    C, sparse = cfg.n_embd, sum(cfg.sparse_layers)
+    dense = (cfg.n_layer - sparse) * (1 if cfg.family == "gpt2" else 2) * C * cfg.mlp_width
+    if not sparse:
+        return 2 * dense
+    experts = cfg.n_experts * C + routed_and_shared(cfg) * 3 * C * cfg.expert_width
+    return 2 * (dense + sparse * experts)
+
+
+def widest_rerun_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOPs of the widest matmul's forward, which `dots_except_widest` reruns: GPT-2's MLP in
+    (C x F), SwiGLU's fused gate and up (C x 2F), and the experts' (k routed and any shared)."""
+    C, sparse = cfg.n_embd, sum(cfg.sparse_layers)
+    dense = (cfg.n_layer - sparse) * (1 if cfg.family == "gpt2" else 2) * C * cfg.mlp_width
+    if not sparse:
+        return 2 * dense
+    return 2 * (dense + sparse * routed_and_shared(cfg) * 2 * C * cfg.expert_width)
+
+
+RERUNS = {RERUN_LAYER: recompute_flops_per_token, RERUN_MLP: mlp_rerun_flops_per_token,
+          RERUN_WIDEST: widest_rerun_flops_per_token}  # by a policy's `reruns`
+
+
+def policy_rerun_flops_per_token(cfg: ModelConfig) -> int:
+    """FLOPs per token that model.remat's policy reruns in the backward (its `reruns`)."""
+    rerun = RERUNS.get(policy_of(cfg.remat).reruns)  # None: RERUN_NOTHING
+    return rerun(cfg) if rerun else 0
+
+
 def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, pp: int, schedule: str = "1f1b") -> int:
-    """Model FLOPs plus what is run again: each layer's forward once more under remat=full, and
-    once more in a pipeline's backward (which reruns its stage from the saved input).
+    """Model FLOPs plus what is run again: what model.remat's policy reruns (each layer's forward
+    under full and full_offloaded, the MLPs' under attention, the widest matmul's under
+    dots_except_widest), and each layer's forward once more in a pipeline's backward (which
+    reruns its stage from the saved input, the policy's reruns within it).
 
     ZB-H1 reruns more: B (the input gradient) and W (the weight gradient) are each a vjp from the
     saved input, so the forward runs three times, and W also recomputes the input gradients
-    inside the stage (the chain to each layer's weights), about one more forward's FLOPs.
+    inside the stage (the chain to each layer's weights), about one more forward's FLOPs; the
+    policy's reruns happen in B and in W.
     """
-    remat = cfg.remat == "full"
     if pp == 1:
-        reruns = remat
+        stage_reruns, policy_reruns = 0, 1
     elif schedule == "zb-h1":
-        reruns = 3 + 2 * remat
+        stage_reruns, policy_reruns = 3, 2
     else:
-        reruns = 1 + remat
-    return flops_per_token(cfg, vocab_size) + reruns * recompute_flops_per_token(cfg)
+        stage_reruns, policy_reruns = 1, 1
+    return (flops_per_token(cfg, vocab_size) + stage_reruns * recompute_flops_per_token(cfg)
+            + policy_reruns * policy_rerun_flops_per_token(cfg))
 
 
 def datasheet_peak(kind: str, dtype: str) -> float | None:

@@ -9,7 +9,9 @@ from functools import cached_property
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.core import remat
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.models import lead
@@ -164,7 +166,8 @@ class Transformer:
         # Recomputation needs a rolled scan: unrolled, XLA:CPU schedules the reruns early and keeps
         # every layer's activations all the same (the tiny model at block 128: 34 MB of temporaries
         # with remat or without; rolled, 10 MB with remat).
-        unroll = cfg.unroll_layers and not self.plan.regather_weights and cfg.remat == "none" and cache is None
+        unroll = (cfg.unroll_layers and not self.plan.regather_weights and not remat.policy_of(cfg.remat).checkpointed
+                  and cache is None)
         kv = None if cache is None else (cache.k, cache.v)
         stacks = self.stacks()
         if set(stacks.values()) == {"layers"}:
@@ -182,12 +185,14 @@ class Transformer:
 
         def step(x, layer):
             p, key, kv = layer
+            x = checkpoint_name(x, remat.LAYER_INPUT)  # the name full_offloaded keeps in host memory
             x, losses, kv = family.block(plan, x, p, layer_axes, key, None if kv is None else KVCache(*kv, cache.pos),
                                          doc_starts)
             return x, (losses, None if kv is None else (kv.k, kv.v))
 
-        if cfg.remat == "full":  # save each layer's input alone; the backward reruns the layer
-            return jax.checkpoint(step, prevent_cse=False)
+        policy = remat.policy_of(cfg.remat)
+        if policy.checkpointed and cache is None:  # keep what the policy names; the backward reruns the rest
+            return jax.checkpoint(step, prevent_cse=False, policy=policy.jax_policy())
         if plan.regather_weights:
             # A rolled scan gathers one layer at a time, in the forward and again in the backward.
             return jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))

@@ -35,8 +35,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.core import kernel_registry as registry
+from jaxpar.core import remat
 from jaxpar.core.axes import EXPERT
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
@@ -137,7 +139,8 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.
         gemm, put, take = tiles.gemm, tiles.put, tiles.take
     else:
         gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=local.gemm, interpret=local.interpret)
-    h = gemm(put(x.astype(dtype)), local.gate_up.reshape(E_l, C, 2 * F).astype(dtype))
+    x = checkpoint_name(put(x.astype(dtype)), remat.EXPERTS_IN)  # names a recompute policy may keep
+    h = checkpoint_name(gemm(x, local.gate_up.reshape(E_l, C, 2 * F).astype(dtype)), remat.HIDDEN)
     h = (jax.nn.silu(h[..., :F].astype(dtype)) * h[..., F:].astype(dtype)).astype(dtype)
     return take(gemm(h, local.out.astype(dtype)))
 
@@ -270,6 +273,7 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
         B, T, C = h.shape
         x = h.reshape(B * T, C)
         logits, probs, weights, experts = routing(x, router, *balance or (None,))
+        weights, experts = checkpoint_name((weights, experts), remat.ROUTER)
         dropped, sent, room = jnp.zeros((B,), jnp.float32), experts, B * T * k
         if factor:  # a dropped assignment's weight is 0, and it is not sent: the token keeps the others
             keep = within_capacity(experts, B, capacity(cfg, seq_len))
@@ -278,6 +282,7 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
             room = min(room, B * gate_up.shape[0] * capacity(cfg, seq_len))  # a destination's most
         local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret)
         y = experts_of_device(jnp.repeat(x, k, axis=0), sent.reshape(-1), local, ep, mode, room)
+        y = checkpoint_name(y, remat.EXPERTS_OUT)  # back from the experts: no exchange reruns for it
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)
         if summed_over:
             y = jax.lax.psum(y, summed_over)

@@ -44,11 +44,16 @@ class Built:
     def plan(self) -> ExecutionPlan:
         return self.model.plan
 
+    @property
+    def offload(self) -> bool:
+        """The optimizer's state kept in host memory (train.offload=optimizer)."""
+        return self.cfg.train.offload == "optimizer"
+
     def train_step(self, rows=None):
         """The jitted train step (jaxpar.training.step); `rows`: the batch's sharding."""
         rows = rows or batch_sharding(self.mesh)
         return steps.make_train_step(self.model, self.tx, self.shardings, self.zero, rows,
-                                     self.cfg.optimizer, self.cfg.train.seed)
+                                     self.cfg.optimizer, self.cfg.train.seed, self.offload)
 
     def eval_step(self, rows=None):
         return steps.make_eval_step(self.model, self.shardings.params, rows or batch_sharding(self.mesh))
@@ -92,7 +97,8 @@ def assemble(cfg: Config, mesh: Mesh, vocab: int, eot_id: int | None, platform: 
     shapes = model.shapes()
     zero_plan = zero.zero_plan(cfg.train.zero, shardings_for(model.axes(), shapes, mesh), shapes, mesh)
     tx = optimizer_for(cfg.optimizer, model, mesh, zero_plan)
-    return Built(cfg, mesh, model, tx, steps.state_shardings(zero_plan, tx, shapes, mesh), zero_plan)
+    shardings = steps.state_shardings(zero_plan, tx, shapes, mesh, cfg.train.offload == "optimizer")
+    return Built(cfg, mesh, model, tx, shardings, zero_plan)
 
 
 def optimizer_for(o: OptimizerConfig, model: Transformer, mesh=None, zero_plan: zero.ZeroPlan | None = None):

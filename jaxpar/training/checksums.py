@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.core.remat import HOST
+
 # murmur3's 32-bit finaliser constants, and a seed for each lane.
 _M1, _M2 = np.uint32(0x85EBCA6B), np.uint32(0xC2B2AE35)
 _SEEDS = (np.uint32(0x9E3779B9), np.uint32(0x7F4A7C15))
@@ -52,11 +54,20 @@ def _digest(x) -> jax.Array:
 _digests = jax.jit(lambda leaves: [_digest(x) for x in leaves])
 
 
+def digests_of(leaves: list) -> list:
+    """Each array's digest: those in device memory in one pass; those kept in host memory
+    (train.offload) one at a time on the device, so no more than one of them is there at once."""
+    on_host = [getattr(x, "sharding", None) is not None and x.sharding.memory_kind == HOST for x in leaves]
+    digests = iter(_digests([x for x, host in zip(leaves, on_host) if not host]))
+    return [_digests([jax.device_put(x, x.sharding.with_memory_kind("device"))])[0] if host else next(digests)
+            for x, host in zip(leaves, on_host)]
+
+
 def item_checksums(items: dict) -> dict[str, dict[str, str]]:
     """{item name: {an array's path in the item: its checksum as 16 hex digits}}, every array of
     every item (a checkpoint's params and optimizer state) in one pass and one fetch."""
     flat = {name: jax.tree_util.tree_flatten_with_path(tree)[0] for name, tree in items.items()}
-    digests = iter(jax.device_get(_digests([leaf for pairs in flat.values() for _, leaf in pairs])))
+    digests = iter(jax.device_get(digests_of([leaf for pairs in flat.values() for _, leaf in pairs])))
     return {name: {jax.tree_util.keystr(path): "".join(f"{int(d):08x}" for d in next(digests)) for path, _ in pairs}
             for name, pairs in flat.items()}
 

@@ -9,8 +9,10 @@ kernel that training ran.
 """
 
 from jaxpar.core import kernel_registry as registry
+from jaxpar.core import remat
 from jaxpar.core.axes import CONTEXT, DATA, PIPE, pipeline_microbatches
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig
+from jaxpar.core.errors import UserError
 from jaxpar.core.execution import (
     EACH_PASS_REDUCED,
     ONE_PASS,
@@ -45,14 +47,25 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
                   attention_note=note, remat=m.remat, regather_weights=cfg.train.zero == 3, **experts)
     if not for_training:
         return ExecutionPlan(**common)
+    check_host_memory(cfg.train.offload, m.remat, mesh, platform)
     rows = cfg.train.micro_batch if micro_batch is None else micro_batch
     if rows == MICRO_BATCH_AUTO:
         raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
     schedule = schedule_of(cfg, mesh)
     passes = microbatches(cfg.train, split_ways(mesh, "batch"), schedule, rows)
-    return ExecutionPlan(**common, accumulation=accumulation(cfg, mesh, passes, schedule), microbatches=passes,
+    return ExecutionPlan(**common, offload=cfg.train.offload, accumulation=accumulation(cfg, mesh, passes, schedule), microbatches=passes,
                          micro_batch=rows, schedule=schedule, stage_grads=stage_grads(cfg, mesh, schedule),
                          ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
+
+
+def check_host_memory(offload: str, policy: str, mesh, platform: str) -> None:
+    """Offloading (train.offload, or a model.remat policy that offloads) needs the devices' host
+    memory kind (pinned_host); a UserError where it is missing."""
+    asked = [f"train.offload={offload}"] * (offload != "none")
+    asked += [f"model.remat={policy}"] * bool(remat.policy_of(policy).offloads)
+    if asked and not remat.has_host_memory(mesh.devices.flat):
+        raise UserError(f"{' and '.join(asked)} keeps arrays in host memory ({remat.HOST}), which the {platform} "
+                        f"devices here do not have; use train.offload=none and a remat policy without offload")
 
 
 def num_microbatches(t: TrainConfig, dp: int, micro_batch: int | None = None) -> int:

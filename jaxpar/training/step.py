@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.optimizer_config import OptimizerConfig
+from jaxpar.core.remat import HOST
 from jaxpar.models.transformer import Transformer
 from jaxpar.nn.params import BALANCE
 from jaxpar.nn.routing import rebalanced
@@ -34,10 +35,11 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def state_shardings(zero_plan: zero.ZeroPlan, tx, shapes: dict, mesh) -> TrainState:
+def state_shardings(zero_plan: zero.ZeroPlan, tx, shapes: dict, mesh, offload: bool = False) -> TrainState:
     """The TrainState's NamedShardings: params where the ZeRO plan keeps them at rest (the rule
     table's, then ZeRO-3 adds 'data'); the optimizer's param-shaped state follows the plan's
-    `moments`; the step count and other scalars are replicated."""
+    `moments`; the step count and other scalars are replicated. `offload`: the optimizer's state
+    in host memory (train.offload=optimizer), split the same way."""
     replicated = NamedSharding(mesh, P())
     # A param-shaped leaf (AdamW's moments, Lion's) follows the plan; a factored one (Adafactor's
     # row and column means) is small, and replicated; a group's masked-out params (Muon's
@@ -50,7 +52,12 @@ def state_shardings(zero_plan: zero.ZeroPlan, tx, shapes: dict, mesh) -> TrainSt
     opt_state = optax.tree_map_params(tx, where, jax.eval_shape(tx.init, shapes), zero_plan.moments, shapes,
                                       transform_non_params=lambda _: replicated,
                                       is_leaf=lambda node: isinstance(node, optax.MaskedNode))
-    return TrainState(replicated, zero_plan.params, opt_state)
+    return TrainState(replicated, zero_plan.params, in_memory(opt_state, HOST) if offload else opt_state)
+
+
+def in_memory(shardings, kind: str):
+    """The same shardings in another memory kind of the devices ('device', 'pinned_host')."""
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
 
 def init_state(model: Transformer, tx, shardings: TrainState, seed: int) -> TrainState:
@@ -63,11 +70,11 @@ def init_state(model: Transformer, tx, shardings: TrainState, seed: int) -> Trai
 
 
 def make_train_step(model: Transformer, tx, shardings: TrainState, zero_plan: zero.ZeroPlan, batch_sharding,
-                    optimizer: OptimizerConfig, seed: int):
+                    optimizer: OptimizerConfig, seed: int, offload: bool = False):
     """jit(step)(state, (inputs, targets)) -> (state, metrics); state is donated. Metrics: the
     cross-entropy `loss`, each auxiliary loss, and `grad_norm`. The model carries its execution
     plan (jaxpar.training.execution); `optimizer`: the [optimizer] keys clipping reads; `seed`:
-    the run's, dropout's keys drawn from it.
+    the run's, dropout's keys drawn from it; `offload`: the optimizer's state lives in host memory.
 
     inputs/targets are (microbatches, rows, block_size); gradients are averaged over the
     microbatches, so the update equals one step on the whole global batch.
@@ -80,7 +87,10 @@ def make_train_step(model: Transformer, tx, shardings: TrainState, zero_plan: ze
         grads = without_balance(routed, roles)
         grad_norm = optax.tree.norm(grads)
         clipped = optimizers.clip(grads, grad_norm, optimizer)
-        updates, opt_state = tx.update(clipped, state.opt_state, state.params)
+        opt_state = state.opt_state
+        if offload:  # streamed in from host memory for the update; out_shardings send it back
+            opt_state = jax.device_put(opt_state, in_memory(shardings.opt_state, "device"))
+        updates, opt_state = tx.update(clipped, opt_state, state.params)
         params = optax.apply_updates(state.params, updates)  # zero for the biases, their gradients zero
         params = jax.tree.map(lambda p, r, role: rebalanced(p, r, rate) if role == BALANCE else p,
                               params, routed, roles)

@@ -19,7 +19,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.core import remat
 from jaxpar.core.config import ModelConfig
 from jaxpar.models.deepseek.mtp import declare_mtp, mtp_losses
 from jaxpar.models.llama import rope
@@ -77,7 +79,8 @@ def latent_attention(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_st
         q = layer.dot("nr,rhd->nhd", q_latent.astype(dtype), p["q_b"]["kernel"])
     else:
         q = layer.dot("nc,chd->nhd", h, p["q"]["kernel"])
-    latent_and_rope = layer.dot("nc,cr->nr", h, p["kv_a"]["kernel"])
+    q = checkpoint_name(q, remat.QKV)
+    latent_and_rope = checkpoint_name(layer.dot("nc,cr->nr", h, p["kv_a"]["kernel"]), remat.QKV)
     latent = rms_norm(latent_and_rope[:, :-Dr], p["kv_a_norm"], cfg.norm_eps).astype(dtype).reshape(B, 1, T, -1)
     cos, sin = rope.angles(cfg, Dr, token_positions(plan, T, cache, doc_starts))
     q = heads_first(plan, q.astype(dtype), B, T, QKV)
@@ -93,8 +96,9 @@ def latent_attention(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_st
         cache = cache.write(latent, k_rope)
         y = cached_attention(q, KVCache(*keys_and_values(layer, cache.k, cache.v, q.shape[-1]), cache.pos), doc_starts)
     Dv = cfg.v_head_dim
-    y = plan.constrain(y[..., :Dv].reshape(B * T, H, Dv), ("tokens", "heads", "head_dim"))
-    return layer.residual(x, layer.dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), keys[1]), cache
+    y = checkpoint_name(plan.constrain(y[..., :Dv].reshape(B * T, H, Dv), ("tokens", "heads", "head_dim")),
+                        remat.CONTEXT)
+    return layer.residual(x, layer.dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), keys[1], remat.ATTENTION_OUT), cache
 
 
 def keys_and_values(layer: Layer, latent: jax.Array, k_rope: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:

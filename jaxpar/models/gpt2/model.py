@@ -9,7 +9,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.core import remat
 from jaxpar.core.config import ModelConfig
 from jaxpar.models.family import Family
 from jaxpar.nn.layers import (
@@ -96,8 +98,8 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
     def matmul_input(x, ln):  # an all-gather of the sequence under sequence parallelism
         return gather_stream(plan, layer_norm(x, ln).astype(dtype))
 
-    def add_to_stream(x, y, p_out, key):  # a row-parallel output: summed into the stream's layout
-        return x + dropout(add_bias(to_stream(plan, y, (B, T, C)), p_out), rate, key)
+    def add_to_stream(x, y, p_out, key, name):  # a row-parallel output: summed into the stream's layout
+        return x + dropout(checkpoint_name(add_bias(to_stream(plan, y, (B, T, C)), p_out), name), rate, key)
 
     def dot(spec, a, w):
         return project(spec, a, w, dtype, plan.cpu_matmuls)
@@ -106,16 +108,19 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
     if "bias" in p["qkv"]:
         qkv = qkv + exact_qkv_bias(p["qkv"]["bias"])
     qkv = plan.constrain(qkv.astype(dtype).reshape(B, T, *qkv.shape[1:]), ("batch", "seq", "qkv", "heads", "head_dim"))
+    qkv = checkpoint_name(qkv, remat.QKV)  # the names a recompute policy may keep: jaxpar.core.remat
     # Split, not indexed: the backward joins the three gradients (a concatenate) instead of adding
     # three zero-padded copies of the whole qkv.
     q, k, v = (plan.constrain(part[:, :, 0].transpose(0, 2, 1, 3), ("batch", "heads", "seq", "head_dim"))
                for part in jnp.split(qkv, 3, axis=2))
     y, cache = attention(plan, q, k, v, rate, keys[0], cache, doc_starts)
     y = plan.constrain(y.reshape(B * T, *q.shape[1:2], q.shape[3]), ("tokens", "heads", "head_dim"))
-    x = add_to_stream(x, dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"], keys[1])
-    h = dot("nc,cf->nf", matmul_input(x, p["ln_2"]), p["mlp_in"]["kernel"])
-    h = plan.constrain(recomputed(plan, gelu, cfg.gelu)(add_bias(h, p["mlp_in"]).astype(dtype)), ("tokens", "mlp"))
-    x = add_to_stream(x, dot("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"], keys[2])
+    y = checkpoint_name(y, remat.CONTEXT)
+    x = add_to_stream(x, dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"], keys[1], remat.ATTENTION_OUT)
+    h = dot("nc,cf->nf", checkpoint_name(matmul_input(x, p["ln_2"]), remat.MLP_INPUT), p["mlp_in"]["kernel"])
+    h = checkpoint_name(add_bias(h, p["mlp_in"]).astype(dtype), remat.HIDDEN)
+    h = plan.constrain(recomputed(plan, gelu, cfg.gelu)(h), ("tokens", "mlp"))
+    x = add_to_stream(x, dot("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"], keys[2], remat.MLP_OUT)
     return plan.constrain(x, STREAM), cache
 
 

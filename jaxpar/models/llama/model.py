@@ -11,7 +11,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.core import remat
 from jaxpar.core.config import ModelConfig
 from jaxpar.models.family import Family
 from jaxpar.models.llama import rope
@@ -125,12 +127,13 @@ class Layer:
     def dot(self, spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
         return project(spec, a, w, self.dtype, self.plan.cpu_matmuls)
 
-    def residual(self, x: jax.Array, y: jax.Array, key) -> jax.Array:
+    def residual(self, x: jax.Array, y: jax.Array, key, name: str) -> jax.Array:
+        """x + y, y summed into the stream's layout and named for the recompute policies."""
         B, T, C = x.shape
-        return x + dropout(to_stream(self.plan, y, (B, T, C)), self.cfg.dropout, key)
+        return x + dropout(checkpoint_name(to_stream(self.plan, y, (B, T, C)), name), self.cfg.dropout, key)
 
     def swiglu_mlp(self, h: jax.Array, gate_up: dict, out: dict) -> jax.Array:
-        h = self.dot("nc,czf->nzf", h, gate_up["kernel"])
+        h = checkpoint_name(self.dot("nc,czf->nzf", h, gate_up["kernel"]), remat.HIDDEN)
         h = self.plan.constrain(recomputed(self.plan, swiglu, self.dtype)(h), ("tokens", "mlp"))
         return self.dot("nf,cf->nc", h, out["kernel"])
 
@@ -138,16 +141,16 @@ class Layer:
         """The dense SwiGLU MLP, or the mixture of experts (with shared experts beside it where
         declared) -> (x after the residual, the router's losses)."""
         B, T, C = x.shape
-        p, cfg, h = self.p, self.cfg, self.normed(x, self.p["mlp_norm"])
+        p, cfg, h = self.p, self.cfg, checkpoint_name(self.normed(x, self.p["mlp_norm"]), remat.MLP_INPUT)
         if "router" not in p:
-            return self.residual(x, self.swiglu_mlp(h, p["gate_up"], p["mlp_out"]), key), {}
+            return self.residual(x, self.swiglu_mlp(h, p["gate_up"], p["mlp_out"]), key, remat.MLP_OUT), {}
         y, losses = moe.moe_mlp(self.plan, h.reshape(B, T, C), p, cfg, self.dtype, not decoding)
         for logged in ("moe_load", "moe_dropped", "moe_bias"):  # summed over the routed layers: their mean
             if logged in losses:
                 losses[logged] = losses[logged] / cfg.routed_layers
         if "shared_gate_up" in p:  # experts every token passes through
             y = y + self.swiglu_mlp(h, p["shared_gate_up"], p["shared_out"]).reshape(B, T, C)
-        return self.residual(x, y, key), losses
+        return self.residual(x, y, key, remat.MLP_OUT), losses
 
 
 def attention_part(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_starts=None):
@@ -158,8 +161,8 @@ def attention_part(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_star
     plan, cfg, p, dtype = layer.plan, layer.cfg, layer.p, layer.dtype
     B, T, _ = x.shape
     h = layer.normed(x, p["attn_norm"])
-    q = layer.dot("nc,chd->nhd", h, p["q"]["kernel"]).astype(dtype)
-    kv = layer.dot("nc,cskd->nskd", h, p["kv"]["kernel"]).astype(dtype)
+    q = checkpoint_name(layer.dot("nc,chd->nhd", h, p["q"]["kernel"]).astype(dtype), remat.QKV)
+    kv = checkpoint_name(layer.dot("nc,cskd->nskd", h, p["kv"]["kernel"]).astype(dtype), remat.QKV)
     # A token's true position: in a context ring's layout too, and after the cache's.
     k, v = (part[:, 0] for part in jnp.split(kv, 2, 1))
     if cfg.qk_norm != "none":  # over (head_dim,) or (heads, head_dim) of the (tokens, heads, head_dim)
@@ -169,9 +172,9 @@ def attention_part(layer: Layer, x: jax.Array, keys: tuple, cache=None, doc_star
     q = rope.apply(heads_first(plan, q, B, T, ("batch", "heads", "seq", "head_dim")), cos, sin)
     k, v = (heads_first(plan, a, B, T, ("batch", "kv_heads", "seq", "head_dim")) for a in (k, v))
     y, cache = attention(plan, q, rope.apply(k, cos, sin), v, cfg.dropout, keys[0], cache, doc_starts)
-    y = layer.dot("nhd,hdc->nc", plan.constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
-                  p["attn_out"]["kernel"])
-    return layer.residual(x, y, keys[1]), cache
+    y = checkpoint_name(plan.constrain(y.reshape(B * T, *q.shape[1:2], -1), ("tokens", "heads", "head_dim")),
+                        remat.CONTEXT)
+    return layer.residual(x, layer.dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), keys[1], remat.ATTENTION_OUT), cache
 
 
 def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key, cache=None, doc_starts=None,
