@@ -12,8 +12,10 @@ import pytest
 from conftest import tiny_config
 from helpers import exits_with_one_line
 
+from jaxpar.core.config import OFFLOADS
 from jaxpar.core.errors import UserError
 from jaxpar.core.out_lock import RunLock
+from jaxpar.core.remat import REMAT_KINDS, kept_widths
 from jaxpar.models import flops
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import resolve_mesh_shape
@@ -315,3 +317,89 @@ def test_a_second_plan_into_a_locked_out_is_refused(capsys, tmp_path):
         exits_with_one_line(capsys, "jaxpar.plan", lambda: plan_cpu8(tmp_path, "dp=3"),
                             f"--out '{tmp_path}' is in use by another jaxpar command")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("config, remat, reruns", [
+    ("tiny", "none", 0),
+    ("tiny", "full", 2 * 2 * 12 * 32 * 32 + 4 * 2 * 32 * 32),  # the blocks' 2N and attention, 2 layers
+    ("tiny", "full_offloaded", 2 * 2 * 12 * 32 * 32 + 4 * 2 * 32 * 32),
+    ("tiny", "attention", 2 * 2 * 32 * 128),  # GELU MLP's in, C x 4C (its out's output is read by nothing)
+    ("tiny", "dots_except_widest", 2 * 2 * 32 * 128),  # its widest: the MLP's in
+    ("tiny_moe", "attention", 2 * 2 * (4 * 32 + 2 * 3 * 32 * 32)),  # router, and k=2 SwiGLU experts
+    ("tiny_moe", "dots_except_widest", 2 * 2 * 2 * 2 * 32 * 32),  # the k experts' gate and up
+])
+def test_each_recompute_policy_adds_the_flops_it_reruns(config, remat, reruns):
+    m = tiny_config(config, **{"model.remat": remat}).model
+    assert flops.hardware_flops_per_token(m, 65, pp=1) - flops.flops_per_token(m, 65) == reruns
+    # A pipeline's backward reruns its stage from the saved input, the policy's reruns within it.
+    piped = flops.hardware_flops_per_token(m, 65, pp=2) - flops.flops_per_token(m, 65)
+    assert piped == flops.recompute_flops_per_token(m) + reruns
+
+
+def test_a_policy_keeps_its_registered_bytes_and_offloading_keeps_the_layer_input_off_the_device():
+    from jaxpar.planning.placement import activation_bytes
+    m = {r: tiny_config(**{"model.remat": r}).model for r in ("none", "full", "full_offloaded", "attention")}
+    rows, s, h, layers, vocab = 4, 32, 32, 2, 65
+    logits = activation_bytes(m["none"], vocab, rows, 1, layers=0)
+    per_layer = activation_bytes(m["none"], vocab, rows, 1, layers=1) - logits  # none's, all it saves
+    assert activation_bytes(m["full"], vocab, rows, 1) == logits + layers * 4 * s * rows * h + per_layer
+    assert activation_bytes(m["full_offloaded"], vocab, rows, 1) == logits + per_layer
+    kept = sum(kept_widths(m["attention"])[n] for n in ("layer_input", "qkv", "context", "attention_out"))
+    assert activation_bytes(m["attention"], vocab, rows, 1) == logits + layers * s * rows * kept + per_layer
+
+
+def test_remat_and_offload_auto_enumerate_every_registered_choice(tmp_path):
+    from jaxpar.planning.plan import parse_args, train_command
+    cfg, _, args, overrides = parse_args(["--config", "tiny", "--target", "cpu:8", "--remat", "auto",
+                                          "--offload", "auto", "--out", str(tmp_path / "plan")])
+    assert args.remat == list(REMAT_KINDS) and args.offload == list(OFFLOADS)
+    found = enumerate_candidates(cfg, 8, "dp=8", (1,), "1", args.remat, None, args.offload)
+    assert {(c.layout["remat"], c.layout["offload"]) for c in found} == {(r, o) for r in REMAT_KINDS for o in OFFLOADS}
+    assert {c.status for c in found} == {"pending"}
+    c = next(c for c in found if c.layout["remat"] == "attention" and c.layout["offload"] == "optimizer")
+    assert (c.cfg.model.remat, c.cfg.train.offload) == ("attention", "optimizer")
+    assert train_command("tiny", overrides, c).endswith("--model.remat=attention --train.offload=optimizer")
+    _, _, default, _ = parse_args(["--config", "tiny", "--target", "cpu:8", "--out", str(tmp_path / "plan")])
+    assert (default.remat, default.offload) == (["none", "full"], ["none"])
+    with pytest.raises(UserError, match="--remat takes values from none, full, attention"):
+        parse_args(["--config", "tiny", "--target", "cpu:8", "--remat", "selective"])
+
+
+def test_offload_where_the_devices_have_no_host_memory_is_one_line(capsys, monkeypatch, tmp_path):
+    from jaxpar.planning import layouts as planner
+    target, devices = parse_target("cpu:8"), jax.devices()[:8]
+    assert planner.host_memory_choices(target, devices, ["full_offloaded"], ["optimizer"], set()) == (
+        ["full_offloaded"], ["optimizer"])  # CPU devices have pinned_host
+    monkeypatch.setattr(planner, "has_host_memory", lambda devices: False)
+    # auto leaves the offloading choices out; asked for by name, they are refused.
+    assert planner.host_memory_choices(target, devices, list(REMAT_KINDS), list(OFFLOADS), {"remat", "offload"}) == (
+        [r for r in REMAT_KINDS if r != "full_offloaded"], ["none"])
+    exits_with_one_line(capsys, "jaxpar.plan", lambda: main(
+        ["--config", "tiny", "--target", "cpu:8", "--layouts", "dp=8", "--zero", "1", "--remat", "none",
+         "--offload", "optimizer", "--out", str(tmp_path / "plan")]),
+        "--target cpu:8: its devices have no pinned_host memory kind", "so optimizer cannot run there")
+    assert not (tmp_path / "plan").exists()
+
+
+def test_host_transfers_of_offloaded_state_add_to_the_step():
+    """An offloaded optimizer state crosses the host link twice a step (in for the update, out
+    again); full_offloaded's layer inputs go out in the forward and back in the backward."""
+    host_chip = Chip(**{**CHIP.__dict__, "host_bytes_per_s": 1e9})
+    n_params = 10_000
+    base = {"dp": 2, "tp": 1, "pp": 1, "zero": 1, "micro_batch": 0, "remat": "none", "offload": "none"}
+    for layout, moved in [(base, 0),
+                          ({**base, "offload": "optimizer"}, 2 * 2 * 4 * n_params / 2),  # AdamW: 2 copies, / dp
+                          ({**base, "remat": "full"}, 0),
+                          ({**base, "remat": "full_offloaded"}, 2 * 4 * 32 * 2 * 4 * 32)]:  # rows, seq, layers, 4C
+        cfg = layout_config(tiny_config(), layout)  # 8 rows: 4 a device
+        state = estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, layout)
+        host = estimate.host_transfer_bytes(cfg.model, cfg.train.batch_size, layout, state)
+        assert host == moved, layout
+        t = estimate.step_time(cfg, 65, layout, host_chip, comm_s=0.0, bubble=0.0, host_bytes=host)
+        assert t["host_s"] == moved / 1e9
+        assert t["step_s"] == pytest.approx(t["flops_per_chip"] / CHIP.peak_flops + moved / 1e9)
+    cfg = layout_config(tiny_config(), base)
+    assert estimate.guess_memory(cfg, 65, n_params, {**base, "offload": "optimizer"}, 4, 1) == pytest.approx(
+        estimate.guess_memory(cfg, 65, n_params, base, 4, 1) - estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, base))
+    with pytest.raises(UserError, match="no host link figure"):
+        estimate.host_seconds(1.0, CHIP)

@@ -145,3 +145,51 @@ def test_megablox_kernels_count_their_grouped_flops():
     shapes = {o.name: o.shape for o in comps[entry]}
     assert op_flops(ops["gmm.1"], comps, shapes) == {"bf16": 2 * 512 * 64 * 96}
     assert op_flops(ops["tgmm.1"], comps, shapes) == {"bf16": 2 * 512 * 64 * 96}
+
+
+GROUPED = """ENTRY %main (g: s32[4], x: bf16[512,64], w: bf16[4,64,96], d: f32[512,96], v: bf16[64,96]) -> f32[512,96] {
+  %g = s32[4]{0} parameter(0)
+  %x = bf16[512,64]{1,0} parameter(1)
+  %w = bf16[4,64,96]{2,1,0} parameter(2)
+  %d = f32[512,96]{1,0} parameter(3)
+  %v = bf16[64,96]{1,0} parameter(4)
+  %gmm.1 = f32[512,96]{1,0} custom-call(%g, %x, %w), custom_call_target="tpu_custom_call"
+  %tgmm.1 = bf16[4,64,96]{2,1,0} custom-call(%g, %x, %d), custom_call_target="tpu_custom_call"
+  %ragged-dot-none.2 = f32[512,96]{1,0} custom-call(%g, %x, %w), custom_call_target="tpu_custom_call"
+  %rd = f32[512,96]{1,0} ragged-dot(%x, %w, %g), lhs_contracting_dims={1}, rhs_contracting_dims={1}, lhs_ragged_dims={0}, rhs_group_dims={0}
+  ROOT %dense = f32[512,96]{1,0} dot(%x, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_grouped_gemms_are_charged_at_the_routed_rows():
+    """A dispatch's buffer of ep x the routed rows (here 8): the grouped GEMMs (Megablox's gmm and
+    tgmm, XLA:TPU's ragged-dot kernel, an HLO ragged-dot) are charged an eighth of its FLOPs and
+    of their rows' bytes, the groups' matrices whole; a dense dot is charged all of its own."""
+    one = 2 * 512 * 64 * 96
+    fast = Chip(**{**CHIP.__dict__, "hbm_bytes_per_s": 1e18})  # every op FLOP-bound
+    whole, routed = (roofline.estimate(GROUPED, fast, 1, routed_share=share) for share in (1.0, 1 / 8))
+    assert whole["hlo_flops_per_chip"] == 5 * one and whole["unrouted_flops_per_chip"] == 0
+    assert routed["hlo_flops_per_chip"] == pytest.approx(4 * one / 8 + one)
+    assert routed["unrouted_flops_per_chip"] == pytest.approx(4 * one * 7 / 8)
+    assert routed["step_s"] == pytest.approx((4 * one / 8 + one) / 100e12)
+    rows = 512 * 64 * 2 + 512 * 96 * 4  # gmm: x in, its result out
+    gmm_bytes = 16 + rows / 8 + 4 * 64 * 96 * 2
+    by_share = {share: roofline.Roofline(GROUPED, fast, 1, share) for share in (1.0, 1 / 8)}
+    gmm = next(o for o in by_share[1.0].comps[by_share[1.0].entry] if o.name == "gmm.1")
+    shapes = {o.name: o.shape for o in by_share[1.0].comps[by_share[1.0].entry]}
+    assert by_share[1.0].op_cost(gmm, shapes).bytes == 16 + rows + 4 * 64 * 96 * 2
+    assert by_share[1 / 8].op_cost(gmm, shapes).bytes == pytest.approx(gmm_bytes)
+
+
+def test_the_dispatch_buffer_is_ep_times_the_routed_rows_or_what_a_capacity_leaves():
+    from conftest import tiny_config
+
+    from jaxpar.planning.estimate import dispatch_rows_factor
+    m = tiny_config("tiny_moe").model  # 4 experts, 2 a token, 32 tokens a sequence
+    assert dispatch_rows_factor(m, "local", 1) == 1
+    assert dispatch_rows_factor(m, "ragged", 4) == dispatch_rows_factor(m, "replicated", 4) == 4
+    capped = tiny_config("tiny_moe", **{"model.moe_capacity_factor": 2.0}).model
+    # room: 1 expert a device x capacity ceil(2 x 32 x 2 / 4) = 32 rows a sequence, of its 64 assignments
+    assert dispatch_rows_factor(capped, "ragged", 4) == 4 * 32 / 64
+    assert dispatch_rows_factor(tiny_config().model, "local", 1) == 1  # no experts

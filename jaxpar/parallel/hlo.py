@@ -171,6 +171,11 @@ def memory_summary(compiled) -> dict:
     # donated outputs reuse their argument buffers
     sizes["peak_memory_bytes"] = (sizes["argument_bytes"] + sizes["output_bytes"]
                                   - sizes["alias_bytes"] + sizes["temp_bytes"])
+    # Host memory (pinned_host: offloaded state): a compile-only TPU's device figures leave it
+    # out, and these hold it. XLA:CPU keeps every memory kind in one and gives 0 here.
+    if hasattr(memory, "host_argument_size_in_bytes"):
+        sizes["host_memory_bytes"] = (memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+                                      - memory.host_alias_size_in_bytes + memory.host_temp_size_in_bytes)
     return sizes
 
 

@@ -3,12 +3,15 @@ time guesses that order its compiles.
 
 A compiled layout's step time is `jaxpar.planning.roofline`'s: every op at the longer of its FLOPs
 at peak and its bytes at HBM bandwidth, plus the collectives' time that XLA's schedule does not
-overlap. It is an upper bound on speed.
+overlap, its experts' grouped GEMMs at their routed rows (`dispatch_rows_factor`). It is an upper
+bound on speed, but for one term added to both estimates: the host transfers of offloaded state
+(`host_transfer_bytes`: the optimizer's under train.offload=optimizer, the layer inputs under
+model.remat=full_offloaded) at the chip's host link, as if nothing overlapped them.
 
 The guess that orders compiles is simpler and has no HLO:
     compute  = FLOPs per chip / the chip's peak
     comms    = sum over collectives of the bytes each chip sends / the ring's bandwidth
-    step     = max(compute, comms) / (1 - pipeline bubble)
+    step     = max(compute, comms) / (1 - pipeline bubble) + host transfers
 Both time a collective over a group of n chips as one bidirectional ring (two links' bandwidth);
 each chip sends 2(n-1)/n of an all-reduce's bytes, (n-1)/n of an all-gather's or all-to-all's
 result, n-1 times a reduce-scatter's shard; a collective-permute sends its bytes over one link.
@@ -21,8 +24,11 @@ import math
 
 from jaxpar.core.axes import AXES, batch_ways, layers_per_stage
 from jaxpar.core.axis_costs import StepShape
-from jaxpar.core.config import Config
+from jaxpar.core.config import Config, ModelConfig
+from jaxpar.core.errors import UserError
+from jaxpar.core.remat import policy_of
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
+from jaxpar.nn.routing import capacity
 from jaxpar.planning.hardware import Chip
 from jaxpar.planning.placement import activation_bytes
 from jaxpar.training.optimizers import OPTIMIZERS
@@ -36,6 +42,20 @@ SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a gr
     "ragged-all-to-all": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: n - 1,
 }
+
+
+def dispatch_rows_factor(m, mode: str, ep: int) -> float:
+    """How many times a device's routed rows (its tokens x k, under balanced routing) the experts'
+    grouped GEMMs are given (jaxpar.nn.moe): the dispatch's receive buffer has `room` rows from
+    each of ep sources, room being every assignment a source has (dropless) or, under a capacity
+    factor, at most its sequences x E_l x capacity; with the tokens whole on every device of
+    'expert' (replicated), each runs all of them for its E/ep experts. 1 without a dispatch."""
+    if not m.n_experts or mode == "local":
+        return 1.0
+    if mode == "replicated" or not getattr(m, "moe_capacity_factor", 0):
+        return float(ep)
+    S, k = m.block_size, m.experts_per_token  # a capacity factor is refused on a context ring
+    return ep * min(1.0, m.n_experts // ep * capacity(m, S) / (S * k))
 
 
 def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:
@@ -68,28 +88,45 @@ def devices_of(layout: dict) -> int:
     return math.prod(axis_sizes(layout).values())
 
 
-def compiled_step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, roof: dict, bubble: float) -> dict:
+def flop_terms(cfg: Config, vocab: int, layout: dict) -> dict:
+    """FLOPs per chip and step: the hardware's (the model's plus what reruns: model.remat's policy
+    and a pipeline's backward, jaxpar.models.flops) and the model's, and their ratio."""
+    devices, tokens = devices_of(layout), cfg.train.batch_size * cfg.model.block_size
+    stages = ways(axis_sizes(layout), "layers")
+    hardware = hardware_flops_per_token(cfg.model, vocab, stages, cfg.pipeline.schedule) * tokens / devices
+    model = flops_per_token(cfg.model, vocab) * tokens / devices
+    return {"flops_per_chip": hardware, "model_flops_per_chip": model, "rerun_flops_per_chip": hardware - model,
+            "flops_over_model": hardware / model}
+
+
+def speed(m: ModelConfig, batch_size: int, vocab: int, layout: dict, chip: Chip, step_s: float) -> dict:
+    """tokens/s and the MFU bound of a step of step_s seconds over batch_size sequences."""
+    tokens = batch_size * m.block_size
+    return {"step_s": step_s, "tokens_per_s": tokens / step_s,
+            "mfu": flops_per_token(m, vocab) * tokens / step_s / (devices_of(layout) * chip.peak_flops)}
+
+
+def compiled_step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, roof: dict, bubble: float,
+                       host_bytes: float = 0.0) -> dict:
     """A compiled layout's estimate from its roofline (`roofline.estimate`): tokens/s and MFU at
-    most. A pipeline's bubble is in the roofline already (idle ticks wait for the busy stages)."""
-    devices = devices_of(layout)
-    tokens = cfg.train.batch_size * cfg.model.block_size
-    stages = ways(axis_sizes(layout), "layers")
-    flops_per_chip = hardware_flops_per_token(cfg.model, vocab, stages, cfg.pipeline.schedule) * tokens / devices
-    return {**roof, "flops_per_chip": flops_per_chip, "bubble": bubble, "tokens_per_s": tokens / roof["step_s"],
-            "mfu": flops_per_token(cfg.model, vocab) * tokens / roof["step_s"] / (devices * chip.peak_flops)}
+    most. A pipeline's bubble is in the roofline already (idle ticks wait for the busy stages).
+    The host transfers of offloaded state (`host_transfer_bytes`) are added whole, as if nothing
+    overlapped them: where the step hides them behind its ops, it runs faster than this bound."""
+    host_s = host_seconds(host_bytes, chip)
+    return {**roof, **flop_terms(cfg, vocab, layout), "bubble": bubble, "host_bytes": host_bytes, "host_s": host_s,
+            **speed(cfg.model, cfg.train.batch_size, vocab, layout, chip, roof["step_s"] + host_s)}
 
 
-def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float) -> dict:
-    """The cheap guess for one layout: seconds of compute, comms and the step, tokens/s and MFU."""
-    devices = devices_of(layout)
-    tokens = cfg.train.batch_size * cfg.model.block_size
-    stages = ways(axis_sizes(layout), "layers")
-    flops_per_chip = hardware_flops_per_token(cfg.model, vocab, stages, cfg.pipeline.schedule) * tokens / devices
-    compute_s = flops_per_chip / chip.peak_flops
-    step_s = max(compute_s, comm_s) / (1 - bubble)
-    return {"flops_per_chip": flops_per_chip, "compute_s": compute_s, "comm_s": comm_s,
-            "bubble": bubble, "step_s": step_s, "tokens_per_s": tokens / step_s,
-            "mfu": flops_per_token(cfg.model, vocab) * tokens / step_s / (devices * chip.peak_flops)}
+def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float,
+              host_bytes: float = 0.0) -> dict:
+    """The cheap guess for one layout: seconds of compute, comms, host transfers and the step,
+    tokens/s and MFU."""
+    flops = flop_terms(cfg, vocab, layout)
+    compute_s = flops["flops_per_chip"] / chip.peak_flops
+    host_s = host_seconds(host_bytes, chip)
+    step_s = max(compute_s, comm_s) / (1 - bubble) + host_s
+    return {**flops, "compute_s": compute_s, "comm_s": comm_s, "bubble": bubble, "host_bytes": host_bytes,
+            "host_s": host_s, **speed(cfg.model, cfg.train.batch_size, vocab, layout, chip, step_s)}
 
 
 def weights_per_chip(n_params: int, expert_params: int, sizes: dict[str, int]) -> float:
@@ -98,19 +135,50 @@ def weights_per_chip(n_params: int, expert_params: int, sizes: dict[str, int]) -
     return (n_params - expert_params + expert_params / ways(sizes, "experts")) / ways(sizes, "weights")
 
 
+def optimizer_state_bytes(optimizer: str, n_params: int, layout: dict, expert_params: int = 0) -> float:
+    """Bytes per chip of the optimizer's param-sized state (its registry entry's `state_copies`),
+    float32, split as the layout's ZeRO stage splits it."""
+    sizes = axis_sizes(layout)
+    share, shards = weights_per_chip(n_params, expert_params, sizes), ways(sizes, "state")
+    return 4 * share * OPTIMIZERS[optimizer].state_copies * (1 / shards if layout["zero"] >= 1 else 1)
+
+
 def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
                  in_flight: int, expert_params: int = 0) -> float:
-    """Bytes per chip, roughly: float32 params, grads and the optimizer's param-sized state (its
-    registry entry's `state_copies`) split as the layout splits them, plus the saved activations
-    of `in_flight` passes (placement.activation_bytes)."""
+    """Device bytes per chip, roughly: float32 params, grads and the optimizer's state
+    (`optimizer_state_bytes`; none under train.offload=optimizer, whose state is in host memory:
+    the compile decides what its update brings in) split as the layout splits them, plus the
+    saved activations of `in_flight` passes (placement.activation_bytes)."""
     sizes, zero = axis_sizes(layout), layout["zero"]
     share, shards = weights_per_chip(n_params, expert_params, sizes), ways(sizes, "state")
-    copies = OPTIMIZERS[cfg.optimizer.name].state_copies
-    state = 4 * share * ((1 / shards if zero >= 3 else 1) + (1 / shards if zero >= 2 else 1)
-                         + copies * (1 / shards if zero >= 1 else 1))
+    state = 4 * share * ((1 / shards if zero >= 3 else 1) + (1 / shards if zero >= 2 else 1))
+    if layout.get("offload", "none") == "none":
+        state += optimizer_state_bytes(cfg.optimizer.name, n_params, layout, expert_params)
     saved = activation_bytes(cfg.model, vocab, rows_per_pass, ways(sizes, "width"),
                              layers=layers_per_stage(cfg.model, ways(sizes, "layers")), cp=ways(sizes, "sequence"))
     return state + saved * in_flight
+
+
+def host_transfer_bytes(m: ModelConfig, batch_size: int, layout: dict, state_bytes: float) -> float:
+    """Bytes a chip moves over its host link in a step: an offloaded optimizer state
+    (`state_bytes` of it) in for the update and out again, and the layer inputs that
+    model.remat's policy keeps in host memory (full_offloaded), out in the forward and back in
+    the backward, for every row the chip runs."""
+    sizes = axis_sizes(layout)
+    moved = 2 * state_bytes if layout.get("offload", "none") == "optimizer" else 0.0
+    split = ways(sizes, "width") if m.sequence_parallel else 1
+    tokens = batch_size / batch_ways(sizes) * m.block_size / ways(sizes, "sequence")
+    layers = layers_per_stage(m, ways(sizes, "layers"))
+    return moved + 2 * tokens * layers * policy_of(m.remat).host_bytes_per_token(m, split)
+
+
+def host_seconds(host_bytes: float, chip: Chip) -> float:
+    """The host transfers' time over the chip's host link, none of it overlapped."""
+    if not host_bytes:
+        return 0.0
+    if not chip.host_bytes_per_s:
+        raise UserError(f"{chip.kind} has no host link figure to time its offload by; plan without offload")
+    return host_bytes / chip.host_bytes_per_s
 
 
 def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int,

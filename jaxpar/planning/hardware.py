@@ -33,33 +33,49 @@ class Chip:
     cores_per_chip: int  # v4 and v5p accelerator types count TensorCores, two per chip
     torus_dims: int
     source: str
+    # The link between the chip and its host's memory (pinned_host), one direction: what an
+    # offloaded optimizer state or layer input crosses. None: not known (nothing offloads).
+    host_bytes_per_s: float | None = None
 
 
 # One table, every figure from the source given beside it; the peaks are jaxpar.models.flops' data-sheet
-# table's (bf16 here; chip_for picks the compute dtype's).
+# table's (bf16 here; chip_for picks the compute dtype's). Google publishes no TPU's host link: the
+# TPUs' is a conservative 15 GB/s a direction, the PCIe figure of "How to Scale Your Model" (part 2,
+# whose worked example gives a v6e 1.5e10 bytes/s; it puts the TPUs' PCIe at 16-32 GB/s).
+TPU_HOST_LINK = 15e9
 CHIPS = {
     # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16; 16 GB HBM2 at 819 GB/s, of which XLA:TPU gives
     # a program 15.75 GiB ("exceeds available HBM (15.75G)"); ICI 1600 Gbps over 4 ports, i.e.
     # 50 GB/s per port and direction.
     "v5e": Chip("TPU v5e", 15.75 * GiB,
-                datasheet_peak("TPU v5e", "bfloat16"), 819e9, 50e9, 1, 2, "cloud.google.com/tpu/docs/v5e; XLA:TPU"),
+                datasheet_peak("TPU v5e", "bfloat16"), 819e9, 50e9, 1, 2, "cloud.google.com/tpu/docs/v5e; XLA:TPU",
+                TPU_HOST_LINK),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16; 95 GiB HBM at 2765 GB/s; 1200 GB/s
     # bidirectional ICI per chip over a 3-D torus's 6 ports, i.e. 100 GB/s per port and direction.
     "v5p": Chip("TPU v5p", 95 * GiB,
-                datasheet_peak("TPU v5p", "bfloat16"), 2765e9, 100e9, 2, 3, "cloud.google.com/tpu/docs/v5p"),
+                datasheet_peak("TPU v5p", "bfloat16"), 2765e9, 100e9, 2, 3, "cloud.google.com/tpu/docs/v5p", TPU_HOST_LINK),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16; 32 GB HBM at 1640 GB/s; 800 GB/s bidirectional
     # ICI per chip over 4 ports, i.e. 100 GB/s per port and direction.
     "v6e": Chip("TPU v6e", 32 * GiB,
-                datasheet_peak("TPU v6e", "bfloat16"), 1640e9, 100e9, 1, 2, "cloud.google.com/tpu/docs/v6e"),
+                datasheet_peak("TPU v6e", "bfloat16"), 1640e9, 100e9, 1, 2, "cloud.google.com/tpu/docs/v6e", TPU_HOST_LINK),
     # cloud.google.com/tpu/docs/v4: 275 TFLOPs bf16, 32 GiB HBM at 1200 GB/s; ICI 45 GB/s per link
     # and direction (Austin et al., "How to Scale Your Model", part 2, TPU specs table).
     "v4": Chip("TPU v4", 32 * GiB,
-               datasheet_peak("TPU v4", "bfloat16"), 1200e9, 45e9, 2, 3, "cloud.google.com/tpu/docs/v4; scaling book"),
+               datasheet_peak("TPU v4", "bfloat16"), 1200e9, 45e9, 2, 3, "cloud.google.com/tpu/docs/v4; scaling book",
+               TPU_HOST_LINK),
     # NVIDIA H100 SXM5 data sheet: 989 TFLOPS dense bf16, 80 GB HBM3 at 3.35 TB/s (XLA counts
     # 79.1 GiB usable), NVLink 900 GB/s per GPU, both directions: 450 GB/s each way through NVSwitch,
-    # taken here as two links of 225 GB/s so that the ring model gives a ring the full 450.
+    # taken here as two links of 225 GB/s so that the ring model gives a ring the full 450. The host
+    # link is PCIe Gen5 x16 (the data sheet's "PCIe Gen5: 128 GB/s", both directions): 64 GB/s each way.
     "h100": Chip("NVIDIA H100 SXM", 84929347584,
-                 datasheet_peak("NVIDIA H100 SXM", "bfloat16"), 3.35e12, 225e9, 1, 0, "nvidia.com H100 data sheet"),
+                 datasheet_peak("NVIDIA H100 SXM", "bfloat16"), 3.35e12, 225e9, 1, 0, "nvidia.com H100 data sheet",
+                 64e9),
+    # NVIDIA H200 SXM data sheet: 141 GB HBM3e at 4.8 TB/s, the H100's 989 TFLOPS dense bf16, NVLink
+    # and PCIe. Not a planning target (no compile-only H200 here): scripts/tools/gpu_check.py's bound
+    # for a step measured on one.
+    "h200": Chip("NVIDIA H200 SXM", 141e9,
+                 datasheet_peak("NVIDIA H200", "bfloat16"), 4.8e12, 225e9, 1, 0, "nvidia.com H200 data sheet (SXM)",
+                 64e9),
 }
 GPU_KINDS = ("h100",)
 # What XLA:GPU compiles for (stream_executor.GpuTargetConfigProto): the H100 SXM5's figures from
@@ -224,9 +240,10 @@ def chip_for(target: Target, devices: list, dtype: str) -> Chip:
     from jaxpar.models.flops import measure_matmul_peak
     from jaxpar.parallel.hlo import host_available_bytes
     n, bandwidth = target.chips, measured_copy_bandwidth(devices[0])
+    # Host memory is the devices' own memory here: an offload is a copy at the copy's bandwidth.
     return Chip(f"host CPU / {n}", (host_available_bytes() or 0) / n,
                 measure_matmul_peak(devices[0], dtype) / n, bandwidth / n, bandwidth / (2 * n), 1, 1,
-                f"measured here: {dtype} matmul peak, RAM available and a copy's bandwidth, / {n}")
+                f"measured here: {dtype} matmul peak, RAM available and a copy's bandwidth, / {n}", bandwidth / n)
 
 
 def target_devices(target: Target) -> list:

@@ -2,8 +2,9 @@
 
 `parse` gives every computation's instructions in schedule order; `op_flops` counts a dot's,
 a convolution's (XLA:TPU writes small batched dots as dilated convolutions: only the positions
-that land on real input count, as in XLA's own cost analysis), a cuBLAS call's and a fused
-attention kernel's FLOPs, and a fusion's as the sum of the ops inside it.
+that land on real input count, as in XLA's own cost analysis), a ragged dot's and the experts'
+grouped-GEMM kernels', a cuBLAS call's and a fused attention kernel's FLOPs, and a fusion's as the
+sum of the ops inside it.
 """
 
 import dataclasses
@@ -138,19 +139,42 @@ def gemm_flops(op: Op, shapes: dict) -> float:
 
 # jaxpar.nn.tokamax_kernels's kernels, forward and backward: tokamax names its ops' arguments in the metadata
 TOKAMAX_RAGGED_DOTS = re.compile(r"tokamax:.*ragged_dot_dimension_numbers")
+# XLA:TPU's kernels: Megablox's gmm and tgmm, and jax.lax.ragged_dot's own (its forward and input
+# gradient; "ragged-dot-metadata" beside it only lays out the groups).
+TPU_GROUPED = re.compile(r"(t?gmm|ragged-dot(?!-metadata)[\w-]*)(\.|$)")
+
+
+def is_grouped_gemm(op: Op) -> bool:
+    """Whether an op is the experts' grouped GEMM: rows sorted by group, each group by its own
+    matrix, skipping the rows past the groups (an HLO ragged-dot, or a kernel's custom call)."""
+    if op.opcode == "ragged-dot":
+        return True
+    target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
+    if op.opcode != "custom-call" or not target:
+        return False
+    if target.group(1) == "__gpu$xla.gpu.triton":
+        return bool(TOKAMAX_RAGGED_DOTS.search(op.attrs))
+    return target.group(1) == "tpu_custom_call" and bool(TPU_GROUPED.match(op.name))
 
 
 def grouped_gemm_flops(op: Op, shapes: dict) -> float:
     """Megablox's gmm (lhs (m, k) by groups of rhs -> (m, n)) and tgmm (lhs (k, m), rhs (m, n) ->
-    (groups, k, n)), and tokamax's Triton ragged dots on GPUs (lhs (m, k) -> (m, n), or the
-    weights' gradient (groups, k, n)): 2 m k n, over every row it is given (a dispatch's buffer
-    counted as full, so up to ep times the routed rows' FLOPs)."""
-    target = re.search(r'custom_call_target="([^"]+)"', op.attrs)
-    triton = target and target.group(1) == "__gpu$xla.gpu.triton" and TOKAMAX_RAGGED_DOTS.search(op.attrs)
-    if not triton and ((target and target.group(1) != "tpu_custom_call") or not re.match(r"t?gmm(\.|$)", op.name)):
+    (groups, k, n)), XLA:TPU's ragged-dot kernel (as gmm), and tokamax's Triton ragged dots on GPUs
+    (lhs (m, k) -> (m, n), or the weights' gradient (groups, k, n)): 2 m k n, over every row it is
+    given (a dispatch's buffer counted as full, so up to ep times the routed rows' FLOPs; the
+    roofline charges the routed share)."""
+    if op.opcode != "custom-call" or not is_grouped_gemm(op):
         return 0.0
     floats = float_operands(op, shapes)
     return 2.0 * math.prod(dims(floats[0][1])) * dims(op.shape)[-1] if floats else 0.0
+
+
+def ragged_dot_flops(op: Op, shapes: dict) -> float:
+    """An HLO ragged-dot's: each lhs element meets one group's matrix, so 2 x the lhs's elements
+    x the rhs's free dims (neither contracted, grouped nor batched)."""
+    lhs, rhs = dims(shapes.get(op.operands[0], "")), dims(shapes.get(op.operands[1], ""))
+    bound = {d for key in ("rhs_contracting_dims", "rhs_group_dims", "rhs_batch_dims") for d in numbers(op.attrs, key)}
+    return 2.0 * math.prod(lhs) * math.prod(n for d, n in enumerate(rhs) if d not in bound)
 
 
 def op_flops(op: Op, comps: dict, shapes: dict) -> dict[str, float]:
@@ -160,6 +184,8 @@ def op_flops(op: Op, comps: dict, shapes: dict) -> dict[str, float]:
         return {dtype: dot_flops(op, shapes)}
     if op.opcode == "convolution":
         return {dtype: convolution_flops(op, shapes)}
+    if op.opcode == "ragged-dot":
+        return {dtype: ragged_dot_flops(op, shapes)}
     if op.opcode == "custom-call":
         flops = (gemm_flops(op, shapes) if "__cublas$" in op.attrs else
                  attention_flops(op, shapes) or grouped_gemm_flops(op, shapes))

@@ -1,11 +1,13 @@
 """The layouts jaxpar.plan searches: every split of a target's devices over the mesh's planned axes
-(jaxpar.core.axes), or the meshes a user lists, each as {axis key: size}."""
+(jaxpar.core.axes), or the meshes a user lists, each as {axis key: size}; and the recompute
+policies and offloads it tries with each."""
 
 import itertools
 import math
 
 from jaxpar.core.axes import AXES
 from jaxpar.core.errors import UserError
+from jaxpar.core.remat import HOST, POLICIES, has_host_memory
 from jaxpar.parallel.mesh import infer_axis, parse_mesh_spec
 
 
@@ -48,3 +50,26 @@ def int_list(text: str, flag: str) -> list[int]:
         return sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
         raise UserError(f"{flag} takes comma-separated integers, got {text!r}") from None
+
+
+def choices(asked: str, known: tuple[str, ...], flag: str) -> list[str]:
+    """A flag's comma-separated values, each one of `known`, or all of them for auto."""
+    if asked.strip() == "auto":
+        return list(known)
+    values = [v.strip() for v in asked.split(",") if v.strip()]
+    if not values or set(values) - set(known):
+        raise UserError(f"{flag} takes values from {', '.join(known)} (or auto), got {asked!r}")
+    return values
+
+
+def host_memory_choices(target, devices: list, remats: list, offloads: list, auto: set) -> tuple[list, list]:
+    """The policies and offloads to try on these devices: those that keep state in host memory
+    only where the devices have that memory kind (left out of an `auto`, else refused)."""
+    if has_host_memory(devices):
+        return remats, offloads
+    offloading = [r for r in remats if POLICIES[r].offloads] + [o for o in offloads if o != "none"]
+    asked = [v for v in offloading if ("remat" if v in POLICIES else "offload") not in auto]
+    if asked:
+        raise UserError(f"--target {target.name}: its devices have no {HOST} memory kind to offload to, "
+                        f"so {', '.join(asked)} cannot run there; plan without it")
+    return [r for r in remats if not POLICIES[r].offloads], ["none"]

@@ -10,6 +10,7 @@ import jax
 
 from jaxpar.core.axes import CONTEXT, PIPE, TENSOR, pipelined_layers
 from jaxpar.core.config import Config, ModelConfig
+from jaxpar.core.remat import policy_of
 from jaxpar.core.sharding import split_ways
 from jaxpar.data.loader import load_dataset
 from jaxpar.models.decode import cache_bytes_per_token
@@ -32,15 +33,19 @@ def activation_bytes(m: ModelConfig, vocab_size: int, rows_per_pass: int, tp: in
     token and layer (for GPT-2, Korthikanti et al. (2022), eq. 2 with tensor parallelism,
     s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes per layer for 2-byte activations; eq. 4, 10/t for the
     first term, with sequence parallelism), scaled to the compute dtype, plus the float32 logits.
-    Under model.remat=full a layer keeps its float32 input alone, and one layer's activations live
-    while it reruns. `layers`: those this device runs (default: all). Context parallelism splits
-    every activation along the sequence: 1/cp of it (the ring's K/V blocks in flight aside)."""
-    s, h = m.block_size, m.n_embd
+    Under a checkpointed model.remat policy (jaxpar.core.remat) a layer keeps the device bytes its
+    registry entry declares (`full`: its float32 input alone; `full_offloaded`: nothing, its input
+    is in host memory), and one layer's activations live while it reruns. `layers`: those this
+    device runs (default: all). Context parallelism splits every activation along the sequence:
+    1/cp of it (the ring's K/V blocks in flight aside)."""
+    s = m.block_size
     layers = m.n_layer if layers is None else layers
     scale = 4 / 2 if m.dtype == "float32" else 1
     split = tp if m.sequence_parallel else 1  # eq. 4: LayerNorm, dropout and residual split too
     per_layer = s * rows_per_pass * family_of(m).activation_units(tp, split) * scale
-    saved = layers * per_layer if m.remat == "none" else layers * 4 * s * rows_per_pass * h + per_layer
+    policy = policy_of(m.remat)
+    kept = s * rows_per_pass * policy.bytes_per_token(m, tp, split) if policy.checkpointed else per_layer
+    saved = layers * kept + (per_layer if policy.checkpointed else 0)
     logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
     return int((saved + logits) / cp)
 
@@ -94,10 +99,12 @@ def compiled_rows(built: Built) -> list[str]:
     if not memory:
         return []
     peak = memory["peak_memory_bytes"]  # the figure jaxpar.plan reports
+    host = memory.get("host_memory_bytes")  # offloaded state, where XLA counts it apart
     return ["", "compiled train step, per device (XLA memory_analysis):",
             f"  arguments {mib(memory['argument_bytes'])}, outputs {mib(memory['output_bytes'])} "
             f"(aliased with arguments: {mib(memory['alias_bytes'])}), temporaries {mib(memory['temp_bytes'])}",
-            f"  peak per device: {mib(peak)} ({peak:,d} bytes)"]
+            f"  peak per device: {mib(peak)} ({peak:,d} bytes)"] + (
+                [f"  host memory (pinned_host) per device: {mib(host)}"] if host else [])
 
 
 def dry_run(cfg: Config, devices=None) -> str:
@@ -116,9 +123,10 @@ def dry_run(cfg: Config, devices=None) -> str:
         estimate = {
             "params": expected_bytes_per_device(zero_plan.params, shapes),
             "gradients": expected_bytes_per_device(zero_plan.grads, shapes),
-            f"optimizer state ({cfg.optimizer.name})": expected_bytes_per_device(shardings.opt_state, abstract_opt),
-            **activation_estimate(built, rows_per_pass),
         }
+        optimizer = {f"optimizer state ({cfg.optimizer.name}{', in host memory' if built.offload else ''})":
+                     expected_bytes_per_device(shardings.opt_state, abstract_opt)}
+        estimate = {**estimate, **({} if built.offload else optimizer), **activation_estimate(built, rows_per_pass)}
         passes = (f"rows a pass on each device: {rows_per_pass}, {micro} passes a step "
                   f"(train.micro_batch={execution.micro_batch})")
         heads, k_width, v_width = model.family.cache_widths()
@@ -127,5 +135,7 @@ def dry_run(cfg: Config, devices=None) -> str:
         rows += ["", passes, cache, "", "peak memory per device, by part:"]
         rows += [f"  {name:30s} {mib(n):>14s}" for name, n in estimate.items()]
         rows.append(f"  {'total':30s} {mib(sum(estimate.values())):>14s}")
+        if built.offload:  # not the device's
+            rows += [f"  {name:30s} {mib(n):>14s}" for name, n in optimizer.items()]
         rows += compiled_rows(built)
     return "\n".join(rows)

@@ -10,6 +10,7 @@ collectives (jaxpar.planning.roofline): an upper bound on speed. Writes plan.md,
 
 import copy
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -17,21 +18,25 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.axes import AXES, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
-from jaxpar.core.config import MICRO_BATCH_AUTO, REMAT_KINDS, Config, load_config, valid_keys, validate
+from jaxpar.core.config import MICRO_BATCH_AUTO, OFFLOADS, Config, load_config, valid_keys, validate
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
+from jaxpar.core.remat import HOST, REMAT_KINDS
 from jaxpar.parallel.mesh import resolve_mesh_shape
-from jaxpar.planning.hardware import parse_target
-from jaxpar.planning.layouts import int_list, parse_layouts
+from jaxpar.planning.hardware import parse_target, target_devices
+from jaxpar.planning.layouts import choices, host_memory_choices, int_list, parse_layouts
 
 DEFAULT_MAX_COMPILES = 32
+# Today's two: every policy doubles the compiles, and `none` and `full` bracket the memory; `auto`
+# tries them all.
+DEFAULT_REMATS = ("none", "full")
 # XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
 OUT_OF_HBM = re.compile(r"\(([\d.]+)G\) exceeds available HBM")
 
 
 @dataclasses.dataclass
 class Candidate:
-    layout: dict  # dp, tp, pp, zero, micro_batch, remat
+    layout: dict  # dp, tp, pp, zero, micro_batch, remat, offload
     cfg: Config
     status: str = "pending"  # skipped | not compiled | error | out of memory | compiled
     reason: str = ""  # why skipped, or the compile error's first line
@@ -65,18 +70,21 @@ def layout_config(cfg: Config, layout: dict) -> Config:
     for axis in AXES:
         setattr(c.mesh, axis.key, layout.get(axis.key, 1))
     c.train.zero, c.train.micro_batch, c.model.remat = layout["zero"], layout["micro_batch"], layout["remat"]
+    c.train.offload = layout.get("offload", "none")
     return c
 
 
 def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros=(0, 1, 2, 3),
-                         micro: str = "auto", remats=REMAT_KINDS, fixed: dict | None = None) -> list[Candidate]:
-    """Every layout asked for; those the trainer would refuse are 'skipped' with its reason."""
+                         micro: str = "auto", remats=DEFAULT_REMATS, fixed: dict | None = None,
+                         offloads=("none",)) -> list[Candidate]:
+    """Every layout asked for, with each recompute policy and offload; those the trainer would
+    refuse are 'skipped' with its reason."""
     found = []
     for sizes in parse_layouts(layouts, devices, fixed):
-        for zero in zeros:
+        for zero, offload in itertools.product(zeros, offloads):
             for micro_batch in micro_batch_options(cfg, batch_ways(sizes), sizes[PIPE_AXIS.key], micro):
                 for remat in remats:
-                    layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat}
+                    layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat, "offload": offload}
                     c = Candidate(layout, layout_config(cfg, layout))
                     try:
                         validate(c.cfg)
@@ -105,7 +113,9 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
     rows = cfg.train.batch_size // passes // dp
     ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows, expert_params)
     comm_s = estimate.collective_seconds(ops, chip, estimate.devices_of(lay))
-    time = estimate.step_time(cfg, vocab, lay, chip, comm_s, bubble)
+    state = estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, lay, expert_params)
+    host = estimate.host_transfer_bytes(cfg.model, cfg.train.batch_size, lay, state)
+    time = estimate.step_time(cfg, vocab, lay, chip, comm_s, bubble, host)
     return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight, expert_params),
             "rows_per_pass": rows, **time}
 
@@ -124,6 +134,7 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
         ops = hlo.collective_ops(text)
         summary = {**hlo.memory_summary(compiled), "collectives": hlo.totals(ops)}
         bubble = pipeline.summary(built.model)["bubble_fraction"]
+        factor = estimate.dispatch_rows_factor(c.cfg.model, built.plan.moe_mode, c.layout.get("ep", 1))
     except Exception as error:  # a layout XLA cannot compile is listed, not fatal
         c.reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         needs = OUT_OF_HBM.search(c.reason)  # the TPU compiler refuses a step that cannot fit
@@ -131,10 +142,11 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
         if needs:
             c.compiled = {"needs_bytes": float(needs.group(1)) * 2**30}
         return
-    roof = roofline.estimate(text, chip, len(devices))
+    roof = roofline.estimate(text, chip, len(devices), routed_share=1 / factor)
     attention = built.plan.describe()["attention"]
-    c.compiled = {**summary, "attention": attention, "collective_ops": ops,
-                  **estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble)}
+    step = estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble, c.guess.get("host_bytes", 0.0))
+    c.compiled = {**summary, "attention": attention, "collective_ops": ops, "dispatch_rows_factor": factor, **step,
+                  "hlo_over_model": step["hlo_flops_per_chip"] / step["model_flops_per_chip"]}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
     c.status = "compiled"
 
@@ -162,7 +174,7 @@ def take_turns(ordered: list[Candidate]) -> list[Candidate]:
 
 def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
     """The `jaxpar.train` command line that runs layout c."""
-    set_here = {f"mesh.{key}" for key in KEYS} | {"train.zero", "train.micro_batch", "model.remat"}
+    set_here = {f"mesh.{key}" for key in KEYS} | {"train.zero", "train.micro_batch", "model.remat", "train.offload"}
     parts = ["python -m jaxpar.train"] + ([f"--config {config}"] if config else [])
     parts += [f"--{k}={v}" for k, v in overrides.items() if k not in set_here]
     lay = c.layout
@@ -171,6 +183,8 @@ def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
         parts.append(f"--train.micro_batch={lay['micro_batch']}")
     if lay["remat"] != "none":
         parts.append(f"--model.remat={lay['remat']}")
+    if lay.get("offload", "none") != "none":
+        parts.append(f"--train.offload={lay['offload']}")
     return " ".join(parts)
 
 
@@ -194,8 +208,12 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
     parser.add_argument("--micro-batch", default="auto", help="train.micro_batch values to try; "
                         "auto: powers of two up to the rows each device holds")
-    parser.add_argument("--remat", default=",".join(REMAT_KINDS), help="model.remat values to try "
-                        "(default none,full)")
+    parser.add_argument("--remat", default=",".join(DEFAULT_REMATS), help="model.remat policies to try, "
+                        f"from {', '.join(REMAT_KINDS)}, or auto: all of them (default "
+                        f"{','.join(DEFAULT_REMATS)}: each policy is another compile of every layout)")
+    parser.add_argument("--offload", default="none", help=f"train.offload values to try, from {', '.join(OFFLOADS)}, "
+                        f"or auto: all of them (default none). Offloading (and full_offloaded) needs a {HOST} "
+                        "memory kind on the target's devices: auto leaves it out where they have none")
     parser.add_argument("--max-compiles", type=int, default=DEFAULT_MAX_COMPILES,
                         help=f"compile at most this many layouts, the most promising first "
                         f"(default {DEFAULT_MAX_COMPILES})")
@@ -212,9 +230,8 @@ def parse_args(argv: list[str]):
     overrides = parse_overrides(rest)
     cfg = load_config(args.config, overrides)
     target = parse_target(args.target)
-    remats = [r.strip() for r in args.remat.split(",") if r.strip()]
-    if not remats or set(remats) - set(REMAT_KINDS):
-        raise UserError(f"--remat takes values from {', '.join(REMAT_KINDS)}, got {args.remat!r}")
+    remats = choices(args.remat, REMAT_KINDS, "--remat")
+    offloads = choices(args.offload, OFFLOADS, "--offload")
     zeros = int_list(args.zero, "--zero")
     if not zeros or set(zeros) - {0, 1, 2, 3}:
         raise UserError(f"--zero takes stages from 0,1,2,3, got {args.zero!r}")
@@ -237,21 +254,21 @@ def parse_args(argv: list[str]):
                         f"sizes whose product divides {target.chips}")
     out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
     check_output_dir(out)
-    args.zero, args.remat, args.out, args.fixed = zeros, remats, out, fixed
+    args.auto = {flag for flag in ("remat", "offload") if getattr(args, flag) == "auto"}
+    args.zero, args.remat, args.offload, args.out, args.fixed = zeros, remats, offloads, out, fixed
     return cfg, target, args, overrides
 
 
-def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
-    """Every candidate layout, ranked and compiled as far as --max-compiles allows; the report in
-    args.out (which the caller holds locked)."""
+def plan(cfg: Config, target, args, overrides: dict, devices: list) -> list[Candidate]:
+    """Every candidate layout, ranked and compiled as far as --max-compiles allows, for the
+    target's `devices`; the report in args.out (which the caller holds locked)."""
     from tqdm import tqdm
 
     from jaxpar.data.loader import load_dataset, model_ids
     from jaxpar.models.transformer import build_model
     from jaxpar.nn.params import in_order
-    from jaxpar.planning.hardware import chip_for, target_devices
+    from jaxpar.planning.hardware import chip_for
     from jaxpar.planning.plan_report import write_report
-    devices = target_devices(target)
     tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
     vocab, eot_id = model_ids(cfg, tokenizer)  # a bad vocabulary or document_mask fails before any compile
     chip = chip_for(target, devices, cfg.model.dtype)
@@ -259,7 +276,7 @@ def plan(cfg: Config, target, args, overrides: dict) -> list[Candidate]:
     n_params = sum(math.prod(param.shape) for param in declared)
     expert_params = sum(math.prod(param.shape) for param in declared if "experts" in param.axes)
     candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
-                                      args.remat, args.fixed)
+                                      args.remat, args.fixed, args.offload)
     for c in candidates:
         if c.status == "pending":
             c.guess = guess(c, vocab, n_params, chip, expert_params)
@@ -285,8 +302,10 @@ def main(argv: list[str] | None = None) -> None:
                 jax.config.update("jax_platforms", "cpu")
             except RuntimeError:
                 pass
+        devices = target_devices(target)  # before the lock: a refused offload leaves no --out behind
+        args.remat, args.offload = host_memory_choices(target, devices, args.remat, args.offload, args.auto)
         with RunLock(args.out):  # one writer per --out
-            plan(cfg, target, args, overrides)
+            plan(cfg, target, args, overrides, devices)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,15 @@ def ranked(candidates: list) -> list:
 def layout_cell(c) -> str:
     lay = c.layout
     micro = f" mb={lay['micro_batch']}" if lay[PIPE_AXIS.key] == 1 else ""
-    remat = " remat" if lay["remat"] != "none" else ""
-    return f"{c.mesh_spec()} z{lay['zero']}{micro}{remat}"
+    remat = f" remat={lay['remat']}" if lay["remat"] != "none" else ""
+    offload = f" offload={lay['offload']}" if lay.get("offload", "none") != "none" else ""
+    return f"{c.mesh_spec()} z{lay['zero']}{micro}{remat}{offload}"
+
+
+def memory_cell(r: dict) -> str:
+    """Device memory, and the host memory beside it where the step keeps state there."""
+    host = r.get("host_memory_bytes", 0)
+    return f"{r['peak_memory_bytes'] / GiB:,.3f}" + (f" (+{host / GiB:,.3f} host)" if host else "")
 
 
 def collectives_cell(collectives: dict) -> str:
@@ -45,15 +52,17 @@ def mlp_text(m) -> str:
 
 
 def table(rows: list, with_rank: bool = True) -> list[str]:
-    head = (["#"] if with_rank else []) + ["layout", "HBM/chip GiB", "TFLOP/chip", "collectives "
-            "per step (count, MiB)", "ops ms", "exposed comms ms", "bubble", "step ms ≥", "tokens/s ≤", "MFU ≤"]
+    head = (["#"] if with_rank else []) + ["layout", "HBM/chip GiB", "TFLOP/chip", "× model FLOPs", "collectives "
+            "per step (count, MiB)", "ops ms", "exposed comms ms", "host ms", "bubble", "step ms ≥", "tokens/s ≤",
+            "MFU ≤"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rank, c in enumerate(rows, 1):
         r = c.compiled
         cells = ([str(rank)] if with_rank else []) + [
-            layout_cell(c), f"{r['peak_memory_bytes'] / GiB:,.3f}", f"{r['flops_per_chip'] / 1e12:,.1f}",
+            layout_cell(c), memory_cell(r), f"{r['flops_per_chip'] / 1e12:,.1f}", f"{r['flops_over_model']:.2f}",
             collectives_cell(r["collectives"]), f"{1e3 * r['compute_s']:,.1f}",
-            f"{1e3 * r['exposed_comm_s']:,.1f}", f"{r['bubble']:.2f}", f"{1e3 * r['step_s']:,.1f}",
+            f"{1e3 * r['exposed_comm_s']:,.1f}", f"{1e3 * r['host_s']:,.1f}", f"{r['bubble']:.2f}",
+            f"{1e3 * r['step_s']:,.1f}",
             f"{r['tokens_per_s']:,.0f}", f"{100 * r['mfu']:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -78,7 +87,9 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
            f"({m.kv_heads} KV), {mlp_text(m)}, block {m.block_size}, "
            f"{m.dtype}, attention kernel {attention}; batch {cfg.train.batch_size} sequences. Chip: {chip.kind}, "
            f"{chip.hbm_bytes / GiB:,.1f} GiB, {chip.peak_flops / 1e12:,.0f} TFLOP/s, "
-           f"{chip.link_bytes_per_s / 1e9:,.0f} GB/s per link and direction ({chip.source}).", "",
+           f"{chip.link_bytes_per_s / 1e9:,.0f} GB/s per link and direction"
+           + (f", {chip.host_bytes_per_s / 1e9:,.0f} GB/s to its host" if chip.host_bytes_per_s else "")
+           + f" ({chip.source}).", "",
            f"## Ranked: {len(best)} compiled layouts that fit", ""] + table(best)
     too_big = [c for c in candidates if c.status == "compiled" and not c.fits]
     refused = [c for c in candidates if c.status == "out of memory"]
@@ -102,14 +113,36 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
     if any(c.status == "skipped" for c in candidates):
         out += ["", "## Skipped (the trainer would refuse them)", ""] + skipped_lines(candidates)
     out += ["", "## How the estimate is made", "", "HBM per chip is XLA's memory_analysis of the "
-            "compiled step (arguments + outputs - donated + temporaries). TFLOP per chip are the "
-            "model's (jaxpar.models.flops, plus recomputation); MFU divides the model's FLOPs by the "
+            "compiled step (arguments + outputs - donated + temporaries), host memory (pinned_host) "
+            "apart. TFLOP per chip are the model's (jaxpar.models.flops, plus what model.remat's "
+            "policy and a pipeline rerun: × model FLOPs); MFU divides the model's FLOPs by the "
             "estimated step. Collectives and their replica groups come from the compiled HLO, each "
             "loop's body counted once per iteration. The step time is a roofline of the compiled "
             "step (jaxpar.planning.roofline), so tokens/s and MFU are upper bounds:", "", MODEL_TEXT]
+    out += routing_note(candidates) + host_note(candidates)
     if best:
         out += ["", "## Run the best layout", "", "```", command(best[0]), "```"]
     return "\n".join(out) + "\n"
+
+
+def routing_note(candidates: list) -> list[str]:
+    """One line where the experts' grouped GEMMs were charged at their routed rows."""
+    factors = sorted({c.compiled["dispatch_rows_factor"] for c in candidates
+                      if c.compiled.get("dispatch_rows_factor", 1) > 1})
+    if not factors:
+        return []
+    return ["", ("The experts' grouped GEMMs are charged at the routed rows (tokens x k), assuming balanced "
+                 f"routing: the dispatch buffers hold {' or '.join(f'{f:g}' for f in factors)} times as many "
+                 "rows, which the memory figures count and the kernels skip.")]
+
+
+def host_note(candidates: list) -> list[str]:
+    """One line where a layout moves state to and from host memory."""
+    if not any(c.compiled.get("host_s") for c in candidates):
+        return []
+    return ["", ("host ms: the offloaded state's transfers over the host link (optimizer state in and out, "
+                 "full_offloaded's layer inputs out and back), added whole to the step as if nothing "
+                 "overlapped them: where XLA hides them the step can beat this bound.")]
 
 
 def candidate_json(c, command) -> dict:

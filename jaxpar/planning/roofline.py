@@ -7,10 +7,14 @@ tick waits for its slowest stage), and a collective costs the ring model's time
 (`estimate.collective_seconds`) less the ops XLA scheduled between its start and its done. The step
 is the sum. FLOPs are the dots' and convolutions' (wherever they are fused) and the fused attention
 kernels' (from their shapes); bytes are a fused op's operands and results, counting only the
-slice a dynamic-slice reads and the update an in-place dynamic-update-slice writes. Every term
-is a lower bound on its op's time, so the step is an upper bound on speed: it leaves out kernel
-launch and loop overheads, caches, layouts that pad a tile, and collectives slower than the
-model.
+slice a dynamic-slice reads and the update an in-place dynamic-update-slice writes. The experts'
+grouped GEMMs (Megablox's, tokamax's, a ragged dot) are charged at the routed rows, each token's k,
+assuming balanced routing: a dispatch's receive buffer has room for up to ep times them (dropless),
+which memory holds but the kernels skip. Every term is a lower bound on its op's time, so the step
+is an upper bound on speed: it leaves out kernel launch and loop overheads, caches, layouts that
+pad a tile, uneven routing, and collectives slower than the model. The planner adds the host
+transfers of offloaded state (jaxpar.planning.estimate) whole, as if nothing overlapped them:
+there the bound may be slower than a step that hides them.
 """
 
 import dataclasses
@@ -19,7 +23,7 @@ import re
 from jaxpar.models.flops import datasheet_peak
 from jaxpar.parallel import hlo
 from jaxpar.planning.estimate import collective_seconds
-from jaxpar.planning.hlo_ops import Op, called, op_flops, parse
+from jaxpar.planning.hlo_ops import FLOAT_ARRAY, Op, called, dims, is_grouped_gemm, op_flops, parse
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
         "replica-id", "opt-barrier", "optimization-barrier", "add-dependency", "copy-start", "copy-done",
@@ -35,6 +39,7 @@ class Cost:
     compute_bound_s: float = 0.0  # the part of `seconds` where FLOPs, not bytes, set an op's time
     comm_s: float = 0.0  # communication alone, as if nothing overlapped it
     exposed_comm_s: float = 0.0
+    uncharged_flops: float = 0.0  # the grouped GEMMs' FLOPs over their buffers' unrouted rows
 
     def add(self, other: "Cost", times: float = 1.0) -> None:
         for field in dataclasses.fields(self):
@@ -98,12 +103,23 @@ def op_bytes(op: Op, comps: dict, shapes: dict) -> float:
     return sum(hlo.shape_bytes(shapes.get(n, "")) for n in op.operands) + hlo.shape_bytes(op.shape)
 
 
-class Roofline:
-    """The step's cost on one chip of `devices`; computations are costed once and memoised."""
+def routed_bytes(op: Op, shapes: dict, share: float) -> float:
+    """A grouped GEMM's bytes with its rows (its 2-D arrays: the rows in, the rows out) at the
+    routed share; its groups' matrices (3-D) and integer metadata whole."""
+    arrays = [shapes.get(n, "") for n in op.operands] + [op.shape]
+    return sum(hlo.shape_bytes(a) * (share if len(dims(a)) == 2 and FLOAT_ARRAY.match(a) else 1.0)
+               for a in arrays)
 
-    def __init__(self, hlo_text: str, chip, devices: int):
+
+class Roofline:
+    """The step's cost on one chip of `devices`; computations are costed once and memoised.
+    `routed_share`: the share of a grouped GEMM's rows that are routed (jaxpar.planning.estimate's
+    `dispatch_rows_factor`, inverted): the experts' kernels skip the rest."""
+
+    def __init__(self, hlo_text: str, chip, devices: int, routed_share: float = 1.0):
         self.comps, self.lines, self.entry = parse(hlo_text)
         self.chip, self.devices, self.memo = chip, devices, {}
+        self.routed_share = routed_share
 
     def peak(self, dtype: str) -> float:
         sheet = datasheet_peak(self.chip.kind, "float32" if dtype in ("f32", "f64") else "bfloat16")
@@ -170,16 +186,22 @@ class Roofline:
         if op.opcode in FREE:
             return Cost()
         flops = op_flops(op, self.comps, shapes)
+        size, uncharged = op_bytes(op, self.comps, shapes), 0.0
+        if self.routed_share != 1.0 and is_grouped_gemm(op):  # charged at the routed rows
+            uncharged = sum(flops.values()) * (1 - self.routed_share)
+            flops = {dtype: f * self.routed_share for dtype, f in flops.items()}
+            size = routed_bytes(op, shapes, self.routed_share)
         compute = sum(f / self.peak(dtype) for dtype, f in flops.items())
-        size = op_bytes(op, self.comps, shapes)
         memory = size / self.chip.hbm_bytes_per_s
         return Cost(flops=sum(flops.values()), bytes=size, seconds=max(compute, memory),
-                    compute_bound_s=compute if compute >= memory else 0.0)
+                    compute_bound_s=compute if compute >= memory else 0.0, uncharged_flops=uncharged)
 
 
-def estimate(hlo_text: str, chip, devices: int) -> dict:
-    """The roofline of a compiled step on one chip: FLOPs and bytes it counts, and seconds."""
-    cost = Roofline(hlo_text, chip, devices).step()
+def estimate(hlo_text: str, chip, devices: int, routed_share: float = 1.0) -> dict:
+    """The roofline of a compiled step on one chip: FLOPs and bytes it counts, and seconds; the
+    grouped GEMMs' FLOPs over unrouted rows apart (`routed_share`, see Roofline)."""
+    cost = Roofline(hlo_text, chip, devices, routed_share).step()
     return {"hlo_flops_per_chip": cost.flops, "hbm_bytes_per_chip": cost.bytes,
             "compute_s": cost.seconds - cost.exposed_comm_s, "compute_bound_s": cost.compute_bound_s,
-            "comm_s": cost.comm_s, "exposed_comm_s": cost.exposed_comm_s, "step_s": cost.seconds}
+            "comm_s": cost.comm_s, "exposed_comm_s": cost.exposed_comm_s, "step_s": cost.seconds,
+            "unrouted_flops_per_chip": cost.uncharged_flops}
