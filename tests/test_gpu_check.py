@@ -1,6 +1,8 @@
 """scripts/tools/gpu_check.py, the GPU comparison's one command, at tiny shapes on this CPU: every
-section runs and writes its table; its trace reader, on a made-up GPU trace, counts each kernel
-once (the control: the same kernels repeated on the trace's "XLA Ops" line and on the host)."""
+section runs and writes its table, the measured steps beside the plan's roofline bound (the control:
+a device without planning figures gets its reason); its trace reader, on a made-up GPU trace,
+counts each kernel once (the control: the same kernels repeated on the trace's "XLA Ops" line and
+on the host)."""
 
 import gzip
 import importlib.util
@@ -17,13 +19,19 @@ def gpu_check():
     return module
 
 
-def test_the_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
-    found = gpu_check().main(["--tiny", "--out", str(tmp_path)])
+def test_the_gpu_check_runs_every_section_at_tiny_shapes(tmp_path, monkeypatch):
+    module = gpu_check()
+    found = module.main(["--tiny", "--out", str(tmp_path)])
     assert found["errors"] == {}
     runs = found["speed"] + found["preset"]
     assert [r["run"] for r in runs] == ["tiny, batch 2, one pass", "tiny, batch 4, one pass",
                                         "tiny, as shipped", "tiny, one pass of 8 rows"]
     assert all(r["tokens_per_s_median"] > 0 and r["step_time_ms_median"] > 0 for r in runs)
+    # Beside each measured step, the plan's roofline bound on this device's planning chip, the
+    # measured host's here (on a CPU the bound may be far off, so only its presence is checked).
+    assert all(r["bound_chip"].startswith("host CPU") and r["bound_ms"] > 0 and r["measured_over_bound"] > 0
+               and r["bound_compute_bound_ms"] >= 0 and r["bound_exposed_comm_ms"] == 0 for r in found["speed"])
+    assert "bound_ms" not in found["preset"][0]
     assert [(r["experts"], r["gemm"]) for r in found["gemm"]] == [
         (e, g) for e in (8, 64) for g in ("dense", "blocks", "ragged_dot")]  # blocks: the CPU plan's
     assert all(r["forward_backward_ms"] > 0 for r in found["gemm"])
@@ -31,7 +39,24 @@ def test_the_gpu_check_runs_every_section_at_tiny_shapes(tmp_path):
     assert found["kernels"]["steps"] == 2  # a CPU trace has no device streams: no kernels
     assert "ENTRY" in (tmp_path / "tiny_b2.hlo.txt").read_text()
     assert (tmp_path / "gpu_check.md").read_text().startswith("device: cpu")
+    assert "| tiny, batch 4, one pass | host CPU / 1 |" in (tmp_path / "gpu_check.md").read_text()
     assert json.loads((tmp_path / "gpu_check.json").read_text())["gemm"][0]["rows"] == 256
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["speed"][1]["bound_ms"] == found["speed"][1]["bound_ms"]
+    # The control: a device the planner has no figures for gets its reason, not a bound.
+    from jaxpar.planning import bound
+    monkeypatch.setattr(bound, "chip_of", lambda devices, dtype: None)
+    row = {"run": "tiny, batch 2, one pass", **module.bound_of(module.TINY, 2, 1.0)}  # the compile is kept
+    assert "bound_ms" not in row and module.bound_table([row]) == [("\ntiny, batch 2, one pass: no bound: "
+                                                                    "no planning chip for a cpu")]
+
+
+def test_the_bound_takes_the_planning_chip_of_the_device_kind():
+    """H100 SXM from the planner's table, H200 SXM from its data sheet; other parts get none."""
+    from jaxpar.planning.bound import chip_here
+    chips = {kind: chip_here("gpu", kind, 1, "bfloat16") for kind in
+             ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB")}
+    assert [c and (c.kind, c.hbm_bytes_per_s, c.peak_flops) for c in chips.values()] == [
+        ("NVIDIA H100 SXM", 3.35e12, 989e12), ("NVIDIA H200 SXM", 4.8e12, 989e12), None, None, None]
 
 
 def test_its_trace_reader_counts_each_gpu_kernel_once(tmp_path):

@@ -3,9 +3,12 @@
     python scripts/tools/gpu_check.py --out DIR                          # on an NVIDIA GPU
     JAX_PLATFORMS=cpu python scripts/tools/gpu_check.py --tiny --out DIR  # tiny shapes: the suite's smoke test
 
-It prints one table, and writes it to DIR/gpu_check.md and DIR/gpu_check.json:
+It prints its tables, and writes them to DIR/gpu_check.md and DIR/gpu_check.json:
 1. GPT-2 124M (the `gpt2` preset: block 1024, bfloat16) at batch 16 and 64 in one pass a step:
-   the median step, tokens/s, MFU and the device's peak memory so far.
+   the median step, tokens/s, MFU and the device's peak memory so far; and beside each step the
+   plan's roofline bound (jaxpar.planning.roofline over the same step compiled, with this device's
+   planning chip: H100 or H200 SXM on a GPU, the measured host on a CPU), measured / bound, and
+   the bound's compute-bound and exposed-communication parts.
 2. The small GPU recipe (`shakespeare_char`) as shipped, and in one pass of its 64 rows.
 3. The experts' grouped GEMM that the execution plan runs here, the blocked GEMM and XLA's
    `ragged_dot`, against one dense dot of the same rows, at 8 and 64 experts, forward and
@@ -67,11 +70,44 @@ def train(config: str, steps: int, out_dir=None, profile=None, **overrides) -> d
     return run_once(config, steps, out_dir, profile, **overrides).info["summary"]
 
 
+@functools.cache
+def compiled_step(config: str, batch: int, steps: int):
+    """(config, the train step compiled from shapes) as run_once trains it at `batch` rows in one
+    pass: the same config, mesh and batch sharding, so the same program."""
+    from jaxpar.core.config import load_config
+    from jaxpar.data.loader import load_dataset
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.training.build import build
+    keys = {"mesh.dp": "1", "train.steps": str(steps), "train.eval_every": "0", "ckpt.every": "0",
+            "train.batch_size": str(batch), "train.micro_batch": str(batch)}
+    cfg = load_config(config, keys)
+    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
+    return cfg, build(cfg, build_mesh(cfg, jax.devices()[:1]), tokenizer).compile_abstract()
+
+
+def bound_of(shape, batch: int, measured_ms: float) -> dict:
+    """The plan's roofline bound for the step measured at `batch` (jaxpar.planning.bound), beside
+    it; where there is none (a device the planner has no figures for), the reason."""
+    from jaxpar.planning.bound import chip_of, step_bound
+    cfg, compiled = compiled_step(shape.config, batch, shape.steps[batch])
+    devices = jax.devices()[:1]
+    chip = chip_of(devices, cfg.model.dtype)
+    if chip is None:
+        return {"bound_error": f"no planning chip for a {devices[0].device_kind}"}
+    found = step_bound(compiled.as_text(), chip, len(devices))
+    return {**found, "measured_over_bound": measured_ms / found["bound_ms"] if found["bound_ms"] else None}
+
+
 def speed_rows(shape) -> list[dict]:
     rows = []
     for batch in shape.batches:
         summary = train(shape.config, shape.steps[batch], **{"train.batch_size": batch, "train.micro_batch": batch})
-        rows.append({"run": f"{shape.config}, batch {batch}, one pass", **summary, "peak_gib": peak_memory_gib()})
+        row = {"run": f"{shape.config}, batch {batch}, one pass", **summary, "peak_gib": peak_memory_gib()}
+        try:  # a bound that fails keeps the measurement
+            row.update(bound_of(shape, batch, summary["step_time_ms_median"]))
+        except Exception as error:  # noqa: BLE001
+            row["bound_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        rows.append(row)
     return rows
 
 
@@ -163,15 +199,23 @@ def kernel_rows(shape, work: Path) -> dict:
 
 
 def save_hlo(shape, path: Path) -> None:
-    """The compiled step's optimized HLO, as XLA hands it to the device, at the first batch."""
-    from jaxpar.core.config import load_config
-    from jaxpar.data.loader import load_dataset
-    from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    """The compiled step's optimized HLO, as XLA hands it to the device, at the first batch (the
+    step that the speed section measured and bounded: one compile serves both)."""
     batch = shape.batches[0]
-    cfg = load_config(shape.config, {"mesh.dp": "1", "train.batch_size": str(batch), "train.micro_batch": str(batch)})
-    tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer
-    path.write_text(build(cfg, build_mesh(cfg, jax.devices()[:1]), tokenizer).compile_abstract().as_text())
+    path.write_text(compiled_step(shape.config, batch, shape.steps[batch])[1].as_text())
+
+
+def bound_table(rows: list[dict]) -> list[str]:
+    """The measured steps beside the plan's bound, as markdown lines; a row without a bound gives
+    its reason below the table."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    bounded = [r for r in rows if "bound_ms" in r]
+    lines = ["", "| run | chip | measured ms | bound ms | measured / bound | compute-bound ms | exposed comm ms |",
+             "|---|---|---|---|---|---|---|"] if bounded else []
+    lines += [f"| {r['run']} | {r['bound_chip']} | {r['step_time_ms_median']:,.2f} | {r['bound_ms']:,.2f} | "
+              f"{fmt(r['measured_over_bound'], '.2f')}x | {r['bound_compute_bound_ms']:,.2f} | "
+              f"{r['bound_exposed_comm_ms']:,.2f} |" for r in bounded]
+    return lines + [f"\n{r['run']}: no bound: {r['bound_error']}" for r in rows if "bound_error" in r]
 
 
 def table(found: dict) -> str:
@@ -184,6 +228,7 @@ def table(found: dict) -> str:
         lines += ["", "| run | step ms | tokens/s | MFU | peak GiB |", "|---|---|---|---|---|"]
         lines += [f"| {r['run']} | {r['step_time_ms_median']:,.2f} | {r['tokens_per_s_median']:,.0f} | "
                   f"{r['mfu_median']:.1%} | {fmt(r['peak_gib'], '.2f')} |" for r in runs]
+        lines += bound_table(found.get("speed", []))
     if "gemm" in found:
         lines += ["", "| experts | GEMM | forward ms | forward + backward ms | max rel. diff from ragged_dot |",
                   "|---|---|---|---|---|"]
