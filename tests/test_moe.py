@@ -18,7 +18,7 @@ from jaxpar.core.model_config import model_config
 from jaxpar.inference import sample
 from jaxpar.models.llama import model as llama
 from jaxpar.models.transformer import build_model
-from jaxpar.nn import moe, routing
+from jaxpar.nn import grouped_gemm, moe, routing
 from jaxpar.train import run
 
 MOE = "tiny_moe"
@@ -80,7 +80,7 @@ def test_the_blocked_gemm_is_ragged_dot(group_sizes):
     keys = jax.random.split(jax.random.key(0), 3)
     x, w = jax.random.normal(keys[0], (77, 16)), jax.random.normal(keys[1], (4, 16, 8))
     sizes, cotangent = jnp.array(group_sizes, jnp.int32), jax.random.normal(keys[2], (77, 8))
-    gemms = (functools.partial(moe.blocked_gemm, block=8), functools.partial(jax.lax.ragged_dot,
+    gemms = (functools.partial(grouped_gemm.blocked_gemm, block=8), functools.partial(jax.lax.ragged_dot,
                                                                             preferred_element_type=jnp.float32))
     outputs = [jax.jit(lambda x, w, f=f: f(x, w, sizes))(x, w) for f in gemms]
     assert_close_at_scale(*outputs)
@@ -90,7 +90,7 @@ def test_the_blocked_gemm_is_ragged_dot(group_sizes):
         assert_close_at_scale(a, b)
     if sum(group_sizes):  # the control: the groups' matrices in another order
         with pytest.raises(AssertionError):
-            assert_close_at_scale(moe.blocked_gemm(x, w[::-1], sizes, 8), outputs[1])
+            assert_close_at_scale(grouped_gemm.blocked_gemm(x, w[::-1], sizes, 8), outputs[1])
 
 
 def test_the_loop_is_a_real_control():

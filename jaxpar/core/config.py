@@ -69,6 +69,11 @@ class TrainConfig:
     # A Hugging Face GPT-2 or Llama directory (config.json + safetensors) to start from instead of a
     # random init: the model shape comes from its config.json (see jaxpar.models.hf). Empty: random init.
     init_from: str = ""
+    # On a GPU, kernels tuned at plan time are kept here (jaxpar.nn.kernel_tuning); empty: the user's
+    # cache folder ($XDG_CACHE_HOME/jaxpar, else ~/.cache/jaxpar). choose_gemm_legs: measure each leg
+    # of the experts' grouped GEMM (forward, dlhs, drhs) on the GPU and run the fastest kernel of each.
+    kernel_cache: str = ""
+    choose_gemm_legs: bool = False
 
 
 # One field per mesh axis (jaxpar.core.axes), named by its --mesh key: dp, tp, pp, cp. Each is the

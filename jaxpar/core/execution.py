@@ -46,6 +46,10 @@ class ExecutionPlan:
     attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists, or planned a stand-in
     moe_gemm: str = registry.RAGGED_DOT  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
     moe_gemm_note: str | None = None  # why `auto` runs a dearer GEMM than the platform has
+    # Each leg's kernel (forward, dlhs, drhs) where measured (jaxpar.nn.kernel_tuning); (): all three moe_gemm
+    gemm_legs: tuple = ()
+    gemm_tuning: str = ""  # tokamax's grouped-GEMM configs tuned for this GPU at plan time (JSON)
+    tuning_note: str | None = None  # the one line of what was tuned at plan time, and what it cost
     moe_dispatch: str = registry.ALL_TO_ALL  # all_to_all or ragged, where experts are split over 'expert'
     accumulation: str = ONE_PASS
     remat: str = "none"  # model.remat, a policy of jaxpar.core.remat
@@ -84,7 +88,7 @@ class ExecutionPlan:
     @property
     def notes(self) -> tuple[str, ...]:
         """One line each where `auto` chose a slower path than the platform has, and why."""
-        return tuple(note for note in (self.attention_note, self.moe_gemm_note) if note)
+        return tuple(note for note in (self.attention_note, self.moe_gemm_note, self.tuning_note) if note)
 
     @property
     def interpret(self) -> bool:
@@ -158,12 +162,20 @@ class ExecutionPlan:
                              axis_names=frozenset(a for a in self.mesh.axis_names if a not in self.manual),
                              check_vma=False)
 
+    @property
+    def grouped_gemm(self) -> str | dict:
+        """The grouped GEMM as run.json prints it: the kernel (and why), or, where each leg's
+        kernel was chosen, {"forward": ..., "dlhs": ..., "drhs": ...}."""
+        if self.gemm_legs:
+            return dict(zip(("forward", "dlhs", "drhs"), self.gemm_legs, strict=True))
+        return self.moe_gemm + (f" ({self.moe_gemm_note})" if self.moe_gemm_note else "")
+
     def describe(self) -> dict:
         """What run.json and --dry-run print."""
         kernel = self.attention + (f" ({self.attention_note})" if self.attention_note else "")
+        tuned = {"kernel_tuning": self.tuning_note} if self.tuning_note else {}
         return {"platform": self.platform, "mesh": self.sizes, "attention": kernel,
-                **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.moe_gemm
-                                    + (f" ({self.moe_gemm_note})" if self.moe_gemm_note else "")}}
+                **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.grouped_gemm, **tuned}}
                    if self.experts else {}),
                 "micro_batch": self.micro_batch, "passes": self.microbatches,
                 "accumulation": self.accumulation, "remat": self.remat, "offload": self.offload,

@@ -42,90 +42,22 @@ from jaxpar.core import remat
 from jaxpar.core.axes import EXPERT
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import tokamax_kernels
+from jaxpar.nn.grouped_gemm import LEGS, Tiles, grouped_gemm, legged_gemm
 from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, within_capacity
 
 
 class Experts(NamedTuple):
     """A device's E_l experts and how they compute: their fused gate and up (E_l, C, 2, F) and
-    down (E_l, F, C) weights, the matmuls' dtype, the grouped GEMM (the plan's moe_gemm) and
-    whether Pallas interprets Megablox (off TPU)."""
+    down (E_l, F, C) weights, the matmuls' dtype, the grouped GEMM (the plan's moe_gemm), whether
+    Pallas interprets Megablox (off TPU), and each leg's kernel where the plan chose them
+    (forward, dlhs, drhs; (): all three `gemm`, the GEMM's own backward)."""
     gate_up: jax.Array
     out: jax.Array
     dtype: object
     gemm: str
     interpret: bool = True
-
-
-def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
-    """ragged_dot by the Megablox kernels (Pallas, TPU; interpreted elsewhere): their backward
-    takes the weights' gradient group by group (tgmm), where XLA:TPU's ragged_dot transpose is a
-    dense product over every group. Rows past the groups are zero, and so is their gradient."""
-    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
-    m, k, n = x.shape[0], x.shape[1], w.shape[-1]
-    tm = 128 if m >= 128 else -(-m // 8) * 8
-    rows = jnp.arange(-(-m // tm) * tm)
-    grouped = rows < jnp.sum(group_sizes)
-    x = jnp.where(grouped[:, None], jnp.pad(x, ((0, rows.shape[0] - m), (0, 0))), 0)
-    y = megablox.gmm(x, w, group_sizes, jnp.float32, (tm, min(k, 128), min(n, 128)), None, None, False, interpret)
-    return jnp.where(grouped[:, None], y, 0)[:m]
-
-
-BLOCK_ROWS = 64  # the blocked GEMM's tile of rows: at most G * 64 padded rows beyond the routed ones
-
-
-class Tiles(NamedTuple):
-    """Rows sorted by group, laid out in tiles of `block` rows, each tile of one group (padded
-    with zero rows): where each row goes (`to`; past the tiles: a row past the groups), and each
-    tile's group. Made once for the SwiGLU's two GEMMs."""
-    to: jax.Array
-    group: jax.Array
-    block: int
-
-    @classmethod
-    def of(cls, group_sizes: jax.Array, rows: int, block: int = BLOCK_ROWS) -> "Tiles":
-        G = group_sizes.shape[0]
-        count = rows // block + G  # a static bound: sum(ceil(size / block)) <= rows / block + G
-        ends = jnp.cumsum(group_sizes)
-        padded = (group_sizes + block - 1) // block * block
-        row = jnp.arange(rows)
-        group = jnp.searchsorted(ends, row, side="right")  # G: past the groups
-        g = jnp.minimum(group, G - 1)
-        to = jnp.where(group < G, jnp.cumsum(padded)[g] - padded[g] + row - (ends[g] - group_sizes[g]), count * block)
-        tile_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(count) * block, side="right")
-        return cls(to, jnp.minimum(tile_group, G - 1), block)
-
-    def put(self, x: jax.Array) -> jax.Array:
-        """(rows, K) -> (tiles, block, K)."""
-        count = self.group.shape[0]
-        tiles = jnp.zeros((count * self.block, x.shape[1]), x.dtype).at[self.to].set(x, mode="drop")
-        return tiles.reshape(count, self.block, -1)
-
-    def gemm(self, tiles: jax.Array, w: jax.Array) -> jax.Array:
-        """Each tile times its group's matrix of w (G, K, N): one batched GEMM, float32."""
-        return jnp.einsum("bmk,bkn->bmn", tiles, w[self.group], preferred_element_type=jnp.float32)
-
-    def take(self, tiles: jax.Array) -> jax.Array:
-        """(tiles, block, N) -> (rows, N); zeros for the rows past the groups."""
-        return tiles.reshape(-1, tiles.shape[-1]).at[self.to].get(mode="fill", fill_value=0)
-
-
-def blocked_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int = BLOCK_ROWS) -> jax.Array:
-    """ragged_dot at about the routed rows' cost, where XLA lowers ragged_dot to a product of every
-    row with every group's matrix (XLA:CPU, XLA:GPU): each group's rows padded to a multiple of
-    `block`, and each tile of rows times its own group's matrix, one batched GEMM. The padded
-    rows are at most G * block more than the routed ones; rows past the groups give zeros."""
-    tiles = Tiles.of(group_sizes, x.shape[0], block)
-    return tiles.take(tiles.gemm(tiles.put(x), w))
-
-
-def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
-    """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix
-    (ragged_dot, Megablox or tokamax's Triton kernel; the blocked GEMM's tiles are grouped_swiglu's)."""
-    if gemm == registry.MEGABLOX:
-        return megablox_gemm(x, w, group_sizes, interpret=interpret)
-    if gemm == registry.TOKAMAX:
-        return tokamax_kernels.ragged_dot(x, w, group_sizes)
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+    legs: tuple = ()
+    tuning: str = ""  # tokamax's configs tuned for this GPU at plan time (JSON; jaxpar.nn.kernel_tuning)
 
 
 def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.Array:
@@ -134,11 +66,14 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.
     laid out once for both (a padding row stays zero through the SwiGLU)."""
     E_l, C, _, F = local.gate_up.shape
     dtype, put, take = local.dtype, (lambda a: a), (lambda a: a)
-    if local.gemm == registry.BLOCKS:
+    legs = tuple(local.legs) or (local.gemm,) * len(LEGS)
+    if len(set(legs)) > 1 or local.tuning:  # else the one kernel's program, as it always was
+        gemm = lambda x, w: legged_gemm(x, w, group_sizes, legs, local.interpret, local.tuning)
+    elif legs[0] == registry.BLOCKS:
         tiles = Tiles.of(group_sizes, x.shape[0])
         gemm, put, take = tiles.gemm, tiles.put, tiles.take
     else:
-        gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=local.gemm, interpret=local.interpret)
+        gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=legs[0], interpret=local.interpret)
     x = checkpoint_name(put(x.astype(dtype)), remat.EXPERTS_IN)  # names a recompute policy may keep
     h = checkpoint_name(gemm(x, local.gate_up.reshape(E_l, C, 2 * F).astype(dtype)), remat.HIDDEN)
     h = (jax.nn.silu(h[..., :F].astype(dtype)) * h[..., F:].astype(dtype)).astype(dtype)
@@ -280,7 +215,7 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
             weights, dropped = weights * keep, 1 - keep.reshape(B, -1).mean(1)
             sent = jnp.where(keep, experts, cfg.n_experts)
             room = min(room, B * gate_up.shape[0] * capacity(cfg, seq_len))  # a destination's most
-        local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret)
+        local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret, plan.gemm_legs, plan.gemm_tuning)
         y = experts_of_device(jnp.repeat(x, k, axis=0), sent.reshape(-1), local, ep, mode, room)
         y = checkpoint_name(y, remat.EXPERTS_OUT)  # back from the experts: no exchange reruns for it
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)

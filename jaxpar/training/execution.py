@@ -10,7 +10,7 @@ kernel that training ran.
 
 from jaxpar.core import kernel_registry as registry
 from jaxpar.core import remat
-from jaxpar.core.axes import CONTEXT, DATA, PIPE, pipeline_microbatches
+from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, pipeline_microbatches
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import (
@@ -21,9 +21,10 @@ from jaxpar.core.execution import (
     STAGES_REDUCE,
     ExecutionPlan,
 )
+from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
 from jaxpar.models.registry import family_of
-from jaxpar.nn import kernels, moe
+from jaxpar.nn import kernel_tuning, kernels, moe
 from jaxpar.parallel.schedule import Schedule
 
 
@@ -43,6 +44,8 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
         gemm, gemm_note = moe.gemm_of(m, platform)
         experts = {"experts": True, "moe_gemm": gemm, "moe_gemm_note": gemm_note,
                    "moe_dispatch": registry.chosen(registry.MOE_DISPATCH, m.moe_dispatch, platform)}
+        if for_training:  # before the compile: on the host's own GPU, tuned for this step's shapes
+            experts |= tuned_gemm(cfg, mesh, platform, device, gemm, micro_batch)
     common = dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, attention=attention,
                   attention_note=note, remat=m.remat, regather_weights=cfg.train.zero == 3, **experts)
     if not for_training:
@@ -56,6 +59,18 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     return ExecutionPlan(**common, offload=cfg.train.offload, accumulation=accumulation(cfg, mesh, passes, schedule), microbatches=passes,
                          micro_batch=rows, schedule=schedule, stage_grads=stage_grads(cfg, mesh, schedule),
                          ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
+
+
+def tuned_gemm(cfg: Config, mesh, platform: str, device, gemm: str, micro_batch: int | None) -> dict:
+    """The plan's grouped GEMM tuned at plan time (jaxpar.nn.kernel_tuning.plan_tuning): nothing
+    off a GPU; its rows are a pass's on one device, dropless."""
+    if platform not in GPUS:
+        return {}
+    ep = mesh.shape.get(EXPERT, 1)
+    rows = cfg.train.micro_batch if micro_batch is None else micro_batch
+    rows = kernel_tuning.step_rows(cfg, rows if isinstance(rows, int) else 0, split_ways(mesh, "batch"), ep,
+                                   ep > 1)
+    return kernel_tuning.plan_tuning(cfg, platform, device, gemm, rows, ep, platform != "tpu")
 
 
 def check_host_memory(offload: str, policy: str, mesh, platform: str) -> None:

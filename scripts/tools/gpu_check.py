@@ -134,7 +134,7 @@ def timed(fn, *args, repeats: int = 10) -> float:
 def gemm_rows(shape) -> list[dict]:
     """The plan's grouped GEMM, the blocked GEMM and XLA's ragged_dot against one dense dot of the
     same rows; each one's largest difference from ragged_dot's output, relative to its largest."""
-    from jaxpar.nn import moe
+    from jaxpar.nn import grouped_gemm, moe
     gemm_here, note = moe.gemm_of(SimpleNamespace(moe_gemm="auto"), jax.default_backend())
     M, K, N = shape.gemm
     rows = []
@@ -145,8 +145,8 @@ def gemm_rows(shape) -> list[dict]:
         sizes = jnp.full((experts,), M // experts, jnp.int32)
         kinds = {"dense": lambda x, w, _: (x @ w[0]).astype(jnp.float32)}
         for gemm in dict.fromkeys((gemm_here, "blocks", "ragged_dot")):
-            kinds[gemm] = (moe.blocked_gemm if gemm == "blocks" else
-                           functools.partial(moe.grouped_gemm, gemm=gemm, interpret=jax.default_backend() != "tpu"))
+            kinds[gemm] = (grouped_gemm.blocked_gemm if gemm == "blocks" else
+                           functools.partial(grouped_gemm.grouped_gemm, gemm=gemm, interpret=jax.default_backend() != "tpu"))
         exact = jax.jit(kinds["ragged_dot"])(x, w, sizes)
         for kind, fn in kinds.items():
             loss = lambda x, w, s, fn=fn: jnp.sum(fn(x, w, s))
