@@ -147,13 +147,6 @@ def gemm_requests(cfg, kernel: str, rows: int, ep: int, legs=grouped_gemm.LEGS) 
             for k, n in ((C, 2 * F), (F, C)) for leg in legs]
 
 
-def step_rows(cfg, micro_batch: int, dp: int, ep: int, dispatched: bool) -> int:
-    """The grouped GEMM's rows on a device in a pass of cfg's step (its dropless bound)."""
-    t = cfg.train
-    sequences = micro_batch or t.batch_size // t.grad_accum // dp
-    return sequences * cfg.model.block_size * cfg.model.experts_per_token * (ep if dispatched else 1)
-
-
 def leg_inputs(request: Request, group_sizes=None, key=0):
     """(x, w, group_sizes, dy) of a request's shapes: random, the groups even unless given."""
     (M, K), (G, _, N) = request.shapes

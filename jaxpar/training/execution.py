@@ -44,8 +44,6 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
         gemm, gemm_note = moe.gemm_of(m, platform)
         experts = {"experts": True, "moe_gemm": gemm, "moe_gemm_note": gemm_note,
                    "moe_dispatch": registry.chosen(registry.MOE_DISPATCH, m.moe_dispatch, platform)}
-        if for_training:  # before the compile: on the host's own GPU, tuned for this step's shapes
-            experts |= tuned_gemm(cfg, mesh, platform, device, gemm, micro_batch)
     common = dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, attention=attention,
                   attention_note=note, remat=m.remat, regather_weights=cfg.train.zero == 3, **experts)
     if not for_training:
@@ -56,21 +54,24 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
         raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
     schedule = schedule_of(cfg, mesh)
     passes = microbatches(cfg.train, split_ways(mesh, "batch"), schedule, rows)
-    return ExecutionPlan(**common, offload=cfg.train.offload, accumulation=accumulation(cfg, mesh, passes, schedule), microbatches=passes,
-                         micro_batch=rows, schedule=schedule, stage_grads=stage_grads(cfg, mesh, schedule),
+    if m.n_experts:  # before the compile: on the host's own GPU, tuned for this step's shapes
+        common |= tuned_gemm(cfg, mesh, platform, device, common["moe_gemm"], passes)
+    return ExecutionPlan(**common, offload=cfg.train.offload, accumulation=accumulation(cfg, mesh, passes, schedule),
+                         microbatches=passes, micro_batch=rows, schedule=schedule,
+                         stage_grads=stage_grads(cfg, mesh, schedule),
                          ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
 
 
-def tuned_gemm(cfg: Config, mesh, platform: str, device, gemm: str, micro_batch: int | None) -> dict:
-    """The plan's grouped GEMM tuned at plan time (jaxpar.nn.kernel_tuning.plan_tuning): nothing
-    off a GPU; its rows are a pass's on one device, dropless."""
+def tuned_gemm(cfg: Config, mesh, platform: str, device, gemm: str, passes: int) -> dict:
+    """The plan's grouped GEMM tuned at plan time (jaxpar.nn.kernel_tuning.plan_tuning), nothing
+    off a GPU, for its rows on one device in one of the step's `passes`: the pass's tokens x
+    experts_per_token, times ep where the dispatch gathers every device's (dropless)."""
     if platform not in GPUS:
         return {}
     ep = mesh.shape.get(EXPERT, 1)
-    rows = cfg.train.micro_batch if micro_batch is None else micro_batch
-    rows = kernel_tuning.step_rows(cfg, rows if isinstance(rows, int) else 0, split_ways(mesh, "batch"), ep,
-                                   ep > 1)
-    return kernel_tuning.plan_tuning(cfg, platform, device, gemm, rows, ep, platform != "tpu")
+    sequences = cfg.train.batch_size // passes // split_ways(mesh, "batch")
+    rows = sequences * cfg.model.block_size * cfg.model.experts_per_token * ep
+    return kernel_tuning.plan_tuning(cfg, platform, device, gemm, rows, ep, interpret=False)
 
 
 def check_host_memory(offload: str, policy: str, mesh, platform: str) -> None:
