@@ -10,7 +10,7 @@ import jax
 
 from jaxpar.core.axes import CONTEXT, PIPE, TENSOR, pipelined_layers
 from jaxpar.core.config import Config, ModelConfig
-from jaxpar.core.remat import policy_of
+from jaxpar.core.remat import DEFAULT, POLICIES, policy_of
 from jaxpar.core.sharding import split_ways
 from jaxpar.data.loader import load_dataset
 from jaxpar.models.decode import cache_bytes_per_token
@@ -38,15 +38,14 @@ def activation_bytes(m: ModelConfig, vocab_size: int, rows_per_pass: int, tp: in
     is in host memory), and one layer's activations live while it reruns. `layers`: those this
     device runs (default: all). Context parallelism splits every activation along the sequence:
     1/cp of it (the ring's K/V blocks in flight aside)."""
-    s = m.block_size
+    tokens = m.block_size * rows_per_pass
     layers = m.n_layer if layers is None else layers
-    scale = 4 / 2 if m.dtype == "float32" else 1
     split = tp if m.sequence_parallel else 1  # eq. 4: LayerNorm, dropout and residual split too
-    per_layer = s * rows_per_pass * family_of(m).activation_units(tp, split) * scale
+    units = family_of(m).activation_units(tp, split)
+    per_layer = tokens * POLICIES[DEFAULT].bytes_per_token(m, tp, split, units)  # what autodiff keeps
     policy = policy_of(m.remat)
-    kept = s * rows_per_pass * policy.bytes_per_token(m, tp, split) if policy.checkpointed else per_layer
-    saved = layers * kept + (per_layer if policy.checkpointed else 0)
-    logits = rows_per_pass * s * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
+    saved = layers * tokens * policy.bytes_per_token(m, tp, split, units) + (per_layer if policy.checkpointed else 0)
+    logits = tokens * padded_vocab(vocab_size) // tp * 4 * 2  # and their gradient
     return int((saved + logits) / cp)
 
 
