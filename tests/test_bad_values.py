@@ -28,6 +28,9 @@ GPT2, LLAMA3, MIXTRAL = FIXTURES / "hf_gpt2_tiny", FIXTURES / "hf_llama_untied_l
     (["--train.beta2=1.5"], "train.beta2 must be in [0, 1), got 1.5"),
     (["--train.lr=1e-3", "--optimizer.lr=3e-4"], "train.lr and optimizer.lr are the same key (train.lr is its older "
      "name) and both are set on the command line; keep one"),
+    # An XLA option XLA does not know: found by a one-line compile when the plan is made.
+    (["--train.xla_options=xla_gpu_enable_cublaslt=true,xla_no_such_option=1"],
+     "train.xla_options: No such compile option: 'xla_no_such_option'; name an XLA DebugOptions field"),
 ])
 def test_bad_values_on_the_command_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny", "--mesh", "dp=8"] + argv, expected)
@@ -45,6 +48,9 @@ def test_bad_values_on_the_command_line(capsys, tmp_path, argv, expected):
     ("tiny_moe", {"model.router_aux_coef": "nan"}, "model.router_aux_coef must be a finite number, got nan"),
     ("tiny_llama", {"model.rope_type": "default", "model.rope_factor": "-1"},
      "model.rope_factor must be > 0 for llama3 rope scaling, got -1.0"),
+    ("tiny", {"model.logits_dtype": "bfloat16"}, "model.logits_dtype must be float32 or model.dtype (float32)"),
+    ("tiny", {"model.norm_kernel": "triton"}, "model.norm_kernel must be one of xla, pallas, got 'triton'"),
+    ("tiny", {"train.xla_options": "cublaslt"}, "train.xla_options takes NAME=VALUE pairs of XLA options (xla_...)"),
 ])
 def test_values_out_of_range_are_refused(config, overrides, expected):
     with pytest.raises(UserError) as error:

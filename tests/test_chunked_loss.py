@@ -25,9 +25,9 @@ TIGHT = 1e-6
 
 
 @functools.cache
-def loss_and_grads(chunks: int):
+def loss_and_grads(chunks: int, **keys):
     """(params -> (loss, grads)) of the tiny model on fixed rows, compiled once per chunking."""
-    cfg = tiny_config(**{"model.loss_chunks": chunks})
+    cfg = tiny_config(**{"model.loss_chunks": chunks, **keys})
     model = build_model(cfg, 65)
     rows = jnp.asarray(np.random.default_rng(0).integers(0, 65, (4, cfg.model.block_size + 1)), jnp.int32)
     return jax.jit(jax.value_and_grad(lambda p: model.loss(p, rows[:, :-1], rows[:, 1:])[0]))
@@ -47,6 +47,22 @@ def test_the_chunked_loss_is_the_whole_loss_on_one_device():
     # Control: params 1e-4 away fail the same comparison.
     _, moved = loss_and_grads(8)(jax.tree.map(lambda p: p * 1.0001, params))
     assert worst_error(moved, whole_grads) > TIGHT
+
+
+def test_bf16_logits_chunked_are_the_whole_loss_on_bf16_logits():
+    """model.logits_dtype=bfloat16 (nanoGPT's autocast logits): the head's output is bf16, and the
+    chunked loss over it is the whole loss over it (float32 softmax both ways) within the same
+    loss tolerance, the gradients within bf16's resolution (2^-7 of each tensor's largest: the two
+    paths round the logits' gradient to bf16 at different points)."""
+    bf16 = {"model.dtype": "bfloat16", "model.logits_dtype": "bfloat16"}
+    model = build_model(tiny_config(**bf16), 65)
+    params = model.init(0)
+    x = jnp.zeros((2, model.cfg.block_size, model.cfg.n_embd))
+    assert model.logits_of({k: params[k] for k in model.family.head_names}, x).dtype == jnp.bfloat16
+    whole, whole_grads = loss_and_grads(1, **bf16)(params)
+    loss, grads = loss_and_grads(8, **bf16)(params)
+    np.testing.assert_allclose(loss, whole, rtol=TIGHT)
+    assert worst_error(grads, whole_grads) < 2**-7
 
 
 # cp=2 repeats dp=2,tp=2's proof with the sequence split instead of the vocabulary: marked slow.

@@ -39,6 +39,18 @@ def test_the_accumulation_path_is_decided_before_tracing(spec, overrides, accumu
     assert plan_of(spec, **overrides).accumulation == accumulation
 
 
+def test_the_plans_xla_options_are_the_platforms_defaults_with_the_users_over_them(monkeypatch):
+    """train.xla_options reach the plan typed, over the platform's measured defaults, and
+    run.json's execution names them; without any the steps compile as plain jit does."""
+    from jaxpar.core import xla_options
+    assert plan_of("dp=1").compiler_options is None and "xla_options" not in plan_of("dp=1").describe()
+    monkeypatch.setitem(xla_options.PLATFORM_DEFAULTS, "cpu", {"xla_cpu_enable_fast_math": True,
+                                                                "xla_gpu_enable_cublaslt": True})
+    plan = plan_of("dp=2", **{"train.xla_options": "xla_cpu_enable_fast_math=false, xla_gpu_autotune_level=2"})
+    assert plan.describe()["xla_options"] == plan.compiler_options == {
+        "xla_cpu_enable_fast_math": False, "xla_gpu_enable_cublaslt": True, "xla_gpu_autotune_level": 2}
+
+
 def test_a_step_refuses_a_batch_of_more_passes_than_its_plan_says():
     """A model made without its step's plan (one pass) would take the first of a batch's passes
     alone and leave the others' rows out: its gradient function refuses the batch while tracing.

@@ -117,3 +117,12 @@ def test_kernels_lower_to_triton_for_gpus():
     grads = jax.grad(loss_of(lambda *a: add_layer_norm(*a, block_rows=32, interpret=False)), argnums=(0, 1, 2, 3))
     text = jax.jit(grads).trace(x, y, vec, vec).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
+
+
+def test_gpt2_with_the_fused_norm_trains_as_one_device_with_xlas():
+    """model.norm_kernel=pallas in the GPT-2 block, each device on its own rows of the stream (here
+    split over 'data', and over 'tensor' along the sequence by sequence parallelism), trains the
+    one-device run with XLA's norm at the equivalence tolerances."""
+    from helpers import assert_same_training, train
+    assert_same_training(train("dp=2,tp=2", **{"model.norm_kernel": "pallas", "model.sequence_parallel": "true"}),
+                         train())

@@ -30,6 +30,7 @@ from jaxpar.core.optimizer_config import (
     check_wsd,
     validate_optimizer,
 )
+from jaxpar.core.xla_options import parse as parse_xla_options
 
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
 MICRO_BATCH_AUTO = "auto"  # train.micro_batch: the device decides (jaxpar.training.micro_batch)
@@ -74,6 +75,7 @@ class TrainConfig:
     # of the experts' grouped GEMM (forward, dlhs, drhs) on the GPU and run the fastest kernel of each.
     kernel_cache: str = ""
     choose_gemm_legs: bool = False
+    xla_options: str = ""  # the steps' XLA options, NAME=VALUE,... over the platform's (jaxpar.core.xla_options)
 
 
 # One field per mesh axis (jaxpar.core.axes), named by its --mesh key: dp, tp, pp, cp. Each is the
@@ -274,6 +276,7 @@ def validate(cfg: Config) -> None:
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
     if t.offload not in OFFLOADS:
         raise UserError(f"train.offload must be one of {', '.join(OFFLOADS)}, got '{t.offload}'")
+    parse_xla_options(t.xla_options)
     sizes = [getattr(cfg.mesh, axis.key) for axis in AXES]
     for axis, size in zip(AXES, sizes):
         if size != -1 and size < 1:

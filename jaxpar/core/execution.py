@@ -54,6 +54,7 @@ class ExecutionPlan:
     accumulation: str = ONE_PASS
     remat: str = "none"  # model.remat, a policy of jaxpar.core.remat
     offload: str = "none"  # train.offload: "optimizer" keeps the optimizer's state in host memory
+    xla_options: tuple = ()  # (name, value) XLA compile options of the steps (jaxpar.core.xla_options)
     regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
     microbatches: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
     micro_batch: int = 0  # train.micro_batch resolved (`auto` too): the most rows a device takes a pass; 0: no limit
@@ -89,6 +90,11 @@ class ExecutionPlan:
     def notes(self) -> tuple[str, ...]:
         """One line each where `auto` chose a slower path than the platform has, and why."""
         return tuple(note for note in (self.attention_note, self.moe_gemm_note, self.tuning_note) if note)
+
+    @property
+    def compiler_options(self) -> dict | None:
+        """The steps' `jax.jit(compiler_options=...)`: None without options, as plain jit."""
+        return dict(self.xla_options) or None
 
     @property
     def interpret(self) -> bool:
@@ -179,6 +185,7 @@ class ExecutionPlan:
                    if self.experts else {}),
                 "micro_batch": self.micro_batch, "passes": self.microbatches,
                 "accumulation": self.accumulation, "remat": self.remat, "offload": self.offload,
+                **({"xla_options": dict(self.xla_options)} if self.xla_options else {}),
                 "activations_recomputed": self.recompute_activations, "weights_regathered": self.regather_weights,
                 "rules": {name: axes for name, axes in self.rules.items() if axes is not None},
                 **({"pipeline": self.pipeline} if self.pipeline else {})}

@@ -48,6 +48,9 @@ class ModelConfig:
     # recomputed in the backward pass: the whole batch's logits (rows x seq x vocab x 4 bytes) are
     # never held. 1: at once. It divides block_size.
     loss_chunks: int = 1
+    # The lm_head's output: float32, or bfloat16 as PyTorch autocast's (nanoGPT's) logits are, with
+    # model.dtype=bfloat16; the loss's softmax and log-sum-exp still run in float32 either way.
+    logits_dtype: str = "float32"
     # Megatron sequence parallelism: with tp > 1, the residual stream between the matmuls (LayerNorm,
     # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
     # activations shrink by tp. No effect at tp = 1.
@@ -177,6 +180,8 @@ def validate_model(m: ModelConfig) -> None:
     policy_of(m.remat)  # a registered policy (jaxpar.core.remat)
     if m.dtype not in ("float32", "bfloat16"):
         raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
+    if m.logits_dtype not in ("float32", m.dtype):
+        raise UserError(f"model.logits_dtype must be float32 or model.dtype ({m.dtype}), got '{m.logits_dtype}'")
     if not 0 <= m.dropout < 1:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.test_activation_l2 < 0:

@@ -183,11 +183,12 @@ def attend(plan, q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key, doc
     return plan.per_device(ring_of_shards, in_axes, Q_AXES)(*args).transpose(0, 2, 1, 3)
 
 
-def head_logits(plan, x: jax.Array, head: jax.Array, vocab_size: int, dtype) -> jax.Array:
-    """The lm_head (padded vocab, embed) on the normed (batch, seq, embed) stream: float32
-    logits, the vocabulary's padding rows masked so they can never be predicted."""
+def head_logits(plan, x: jax.Array, head: jax.Array, vocab_size: int, dtype, logits_dtype="float32") -> jax.Array:
+    """The lm_head (padded vocab, embed) on the normed (batch, seq, embed) stream: logits in
+    `logits_dtype` (model.logits_dtype; accumulated in float32 either way), the vocabulary's
+    padding rows masked so they can never be predicted."""
     x = plan.constrain(x, ("batch", "seq", "embed"))  # the whole sequence
-    logits = project("btc,vc->btv", x.astype(dtype), head.astype(dtype), dtype, plan.cpu_matmuls)
+    logits = project("btc,vc->btv", x.astype(dtype), head.astype(dtype), dtype, plan.cpu_matmuls).astype(logits_dtype)
     logits = plan.constrain(logits, ("batch", "seq", "vocab"))
     is_real = jnp.arange(logits.shape[-1]) < vocab_size
     return jnp.where(is_real, logits, -1e9)

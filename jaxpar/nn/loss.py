@@ -22,7 +22,7 @@ import numpy as np
 
 
 def token_losses(logits: jax.Array, targets: jax.Array, one_pass: bool = False) -> jax.Array:
-    """Each token's next-token cross-entropy; logits are float32."""
+    """Each token's next-token cross-entropy (taken in float32)."""
     return losses_and_softmax_terms(logits, targets, one_pass)[0]
 
 
@@ -43,7 +43,9 @@ def log_sum_exp_one_pass(x: jax.Array) -> jax.Array:
 def losses_and_softmax_terms(logits: jax.Array, targets: jax.Array,
                              one_pass: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(each token's cross-entropy, its log-sum-exp with the vocab axis kept, the one-hot target
-    mask): the loss, and what its logit gradient softmax - one-hot is made of."""
+    mask): the loss, and what its logit gradient softmax - one-hot is made of. Logits in a lower
+    dtype (model.logits_dtype) are taken in float32 here."""
+    logits = logits.astype(jnp.float32)
     log_z = log_sum_exp_one_pass(logits) if one_pass else jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     # A one-hot sum, not a gather: exact all the same, it splits over a vocab-parallel axis, and
     # XLA's partitioner crashes on this gather inside a pipeline stage with data and tensor axes.
@@ -94,7 +96,8 @@ def _forward(logits_of, chunks, one_pass, head, x, targets):
         losses, log_z, is_target = losses_and_softmax_terms(logits, targets, one_pass)
         total = total + jnp.sum(losses)
         # d(mean loss)/d(logits) = (softmax - one-hot) / tokens: the piece's logits alone give it.
-        piece_head_grad, x_grad = head_backward((jnp.exp(logits - log_z) - is_target) / scale)
+        logit_grad = (jnp.exp(logits.astype(jnp.float32) - log_z) - is_target) / scale
+        piece_head_grad, x_grad = head_backward(logit_grad.astype(logits.dtype))
         return (total, jax.tree.map(jnp.add, head_grad, piece_head_grad)), x_grad
 
     (total, head_grad), x_grads = jax.lax.scan(add_piece, (jnp.float32(0), jax.tree.map(jnp.zeros_like, head)),

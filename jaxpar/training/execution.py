@@ -9,7 +9,7 @@ kernel that training ran.
 """
 
 from jaxpar.core import kernel_registry as registry
-from jaxpar.core import remat
+from jaxpar.core import remat, xla_options
 from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, pipeline_microbatches
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig
 from jaxpar.core.errors import UserError
@@ -49,6 +49,8 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     if not for_training:
         return ExecutionPlan(**common)
     check_host_memory(cfg.train.offload, m.remat, mesh, platform)
+    options = xla_options.resolved(cfg.train.xla_options, platform)
+    xla_options.check(options)
     rows = cfg.train.micro_batch if micro_batch is None else micro_batch
     if rows == MICRO_BATCH_AUTO:
         raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
@@ -56,7 +58,7 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     passes = microbatches(cfg.train, split_ways(mesh, "batch"), schedule, rows)
     if m.n_experts:  # before the compile: on the host's own GPU, tuned for this step's shapes
         common |= tuned_gemm(cfg, mesh, platform, device, common["moe_gemm"], passes)
-    return ExecutionPlan(**common, offload=cfg.train.offload, accumulation=accumulation(cfg, mesh, passes, schedule),
+    return ExecutionPlan(**common, offload=cfg.train.offload, xla_options=options, accumulation=accumulation(cfg, mesh, passes, schedule),
                          microbatches=passes, micro_batch=rows, schedule=schedule,
                          stage_grads=stage_grads(cfg, mesh, schedule),
                          ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))

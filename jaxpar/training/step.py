@@ -97,7 +97,7 @@ def make_train_step(model: Transformer, tx, shardings: TrainState, zero_plan: ze
         return TrainState(state.step + 1, params, opt_state), {**metrics, "grad_norm": grad_norm}
 
     return jax.jit(step, in_shardings=(shardings, (batch_sharding, batch_sharding)),
-                   out_shardings=(shardings, None), donate_argnums=0)
+                   out_shardings=(shardings, None), donate_argnums=0, compiler_options=model.plan.compiler_options)
 
 
 def without_balance(tree: dict, roles: dict) -> dict:
@@ -121,7 +121,8 @@ def make_eval_step(model: Transformer, param_shardings, batch_sharding):
 
     evaluate_on_mesh = laid_out(evaluate, model.plan)
     return jax.jit(lambda params, batch: evaluate_on_mesh(params, *batch),
-                   in_shardings=(param_shardings, (batch_sharding, batch_sharding)))
+                   in_shardings=(param_shardings, (batch_sharding, batch_sharding)),
+                   compiler_options=model.plan.compiler_options)
 
 
 def bytes_per_device(tree) -> int:

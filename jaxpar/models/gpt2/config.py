@@ -6,6 +6,7 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import ModelConfig
 
 GELU_KINDS = ("exact", "tanh")
+NORM_KERNELS = ("xla", "pallas")
 
 
 @dataclass
@@ -15,6 +16,9 @@ class GPT2Config(ModelConfig):
     # The MLP's GELU: "exact" (erf) as nanoGPT's nn.GELU(), or "tanh", the approximation that
     # Hugging Face GPT-2 checkpoints were trained with (activation_function "gelu_new").
     gelu: str = "exact"
+    # The residual add after attention and the LayerNorm before the MLP: "xla" (separate fusions), or
+    # "pallas", one kernel forward and one backward (jaxpar.nn.fused_norm; interpret mode off GPUs).
+    norm_kernel: str = "xla"
 
     @property
     def mlp_width(self) -> int:
@@ -25,3 +29,5 @@ class GPT2Config(ModelConfig):
             raise UserError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
         if self.gelu not in GELU_KINDS:
             raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{self.gelu}'")
+        if self.norm_kernel not in NORM_KERNELS:
+            raise UserError(f"model.norm_kernel must be one of {', '.join(NORM_KERNELS)}, got '{self.norm_kernel}'")

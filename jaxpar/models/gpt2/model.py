@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.core import remat
 from jaxpar.core.config import ModelConfig
+from jaxpar.core.platform import GPUS
 from jaxpar.models.family import Family
 from jaxpar.nn.layers import (
     STREAM,
@@ -98,8 +99,8 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
     def matmul_input(x, ln):  # an all-gather of the sequence under sequence parallelism
         return gather_stream(plan, layer_norm(x, ln).astype(dtype))
 
-    def add_to_stream(x, y, p_out, key, name):  # a row-parallel output: summed into the stream's layout
-        return x + dropout(checkpoint_name(add_bias(to_stream(plan, y, (B, T, C)), p_out), name), rate, key)
+    def branch(y, p_out, key, name):  # a row-parallel output, summed into the stream's layout
+        return dropout(checkpoint_name(add_bias(to_stream(plan, y, (B, T, C)), p_out), name), rate, key)
 
     def dot(spec, a, w):
         return project(spec, a, w, dtype, plan.cpu_matmuls)
@@ -116,12 +117,32 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
     y, cache = attention(plan, q, k, v, rate, keys[0], cache, doc_starts)
     y = plan.constrain(y.reshape(B * T, *q.shape[1:2], q.shape[3]), ("tokens", "heads", "head_dim"))
     y = checkpoint_name(y, remat.CONTEXT)
-    x = add_to_stream(x, dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"], keys[1], remat.ATTENTION_OUT)
-    h = dot("nc,cf->nf", checkpoint_name(matmul_input(x, p["ln_2"]), remat.MLP_INPUT), p["mlp_in"]["kernel"])
+    y = branch(dot("nhd,hdc->nc", y, p["attn_out"]["kernel"]), p["attn_out"], keys[1], remat.ATTENTION_OUT)
+    if cfg.norm_kernel == "pallas":
+        x, normed = add_norm(plan, x, y, p["ln_2"], dtype)
+        h = gather_stream(plan, normed)
+    else:
+        x = x + y
+        h = matmul_input(x, p["ln_2"])
+    h = dot("nc,cf->nf", checkpoint_name(h, remat.MLP_INPUT), p["mlp_in"]["kernel"])
     h = checkpoint_name(add_bias(h, p["mlp_in"]).astype(dtype), remat.HIDDEN)
     h = plan.constrain(recomputed(plan, gelu, cfg.gelu)(h), ("tokens", "mlp"))
-    x = add_to_stream(x, dot("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"], keys[2], remat.MLP_OUT)
+    x = x + branch(dot("nf,cf->nc", h, p["mlp_out"]["kernel"]), p["mlp_out"], keys[2], remat.MLP_OUT)
     return plan.constrain(x, STREAM), cache
+
+
+def add_norm(plan, x: jax.Array, y: jax.Array, ln: dict, dtype) -> tuple[jax.Array, jax.Array]:
+    """(x + y, layer_norm(x + y) in dtype) by jaxpar.nn.fused_norm's kernel (model.norm_kernel =
+    "pallas"), each device on its own rows of the stream: a row's LayerNorm needs no other's."""
+    # Imported here: `python -m jaxpar.nn.fused_norm` (its benchmark) runs after jaxpar imports GPT-2.
+    from jaxpar.nn.fused_norm import add_layer_norm
+
+    def fused(x, y, scale, bias):
+        return add_layer_norm(x, y, scale, bias, out_dtype=dtype, interpret=plan.platform not in GPUS)
+    args = (x, y, ln["scale"], ln["bias"] if "bias" in ln else jnp.zeros_like(ln["scale"]))
+    if plan.mesh is None:
+        return fused(*args)
+    return plan.per_device(fused, (STREAM, STREAM, ("embed",), ("embed",)), (STREAM, STREAM))(*args)
 
 
 class GPT2(Family):
@@ -154,8 +175,9 @@ class GPT2(Family):
         return x, self.block_losses(x), cache
 
     def logits(self, plan, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
-        """Final LayerNorm and the tied lm_head: float32 logits over the padded vocab."""
-        return head_logits(plan, layer_norm(x, head["ln_f"]), head["wte"], vocab_size, self.dtype)
+        """Final LayerNorm and the tied lm_head: logits (model.logits_dtype) over the padded vocab."""
+        return head_logits(plan, layer_norm(x, head["ln_f"]), head["wte"], vocab_size, self.dtype,
+                           self.cfg.logits_dtype)
 
     def matmul_params(self, vocab_size: int) -> int:
         """N in 6N: qkv, attention out, MLP in and out per layer, and the lm_head over the real vocab."""

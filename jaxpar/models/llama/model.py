@@ -231,7 +231,7 @@ class Llama(Family):
 
     def logits(self, plan, head: dict, x: jax.Array, vocab_size: int) -> jax.Array:
         normed = rms_norm(x, head["norm"], self.cfg.norm_eps)
-        return head_logits(plan, normed, head[self.lm_head], vocab_size, self.dtype)
+        return head_logits(plan, normed, head[self.lm_head], vocab_size, self.dtype, self.cfg.logits_dtype)
 
     def matmul_params(self, vocab_size: int) -> int:
         """N in 6N: q, k and v (GQA's smaller K/V), attention out, SwiGLU's three matmuls (with
