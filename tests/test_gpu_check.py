@@ -21,7 +21,7 @@ def gpu_check():
 
 def test_the_gpu_check_runs_every_section_at_tiny_shapes(tmp_path, monkeypatch):
     module = gpu_check()
-    found = module.main(["--tiny", "--out", str(tmp_path)])
+    found = module.main(["--tiny", "--sweep", "--out", str(tmp_path)])
     assert found["errors"] == {}
     runs = found["speed"] + found["preset"]
     assert [r["run"] for r in runs] == ["tiny, batch 2, one pass", "tiny, batch 4, one pass",
@@ -42,6 +42,11 @@ def test_the_gpu_check_runs_every_section_at_tiny_shapes(tmp_path, monkeypatch):
     assert "| tiny, batch 4, one pass | host CPU / 1 |" in (tmp_path / "gpu_check.md").read_text()
     assert json.loads((tmp_path / "gpu_check.json").read_text())["gemm"][0]["rows"] == 256
     assert json.loads((tmp_path / "gpu_check.json").read_text())["speed"][1]["bound_ms"] == found["speed"][1]["bound_ms"]
+    # The sweep: a candidate trained beside the default (bf16), its loss within the sweep's tolerance.
+    rows = {r["candidate"]: r for r in found["sweep"]["rows"]}
+    assert list(rows) == ["default", "bf16 logits"] and all("error" not in r for r in rows.values())
+    assert rows["bf16 logits"]["loss_ok"] and rows["bf16 logits"]["speedup"] > 0
+    assert "| 2 | bf16 logits |" in (tmp_path / "gpu_check.md").read_text()
     # The control: a device the planner has no figures for gets its reason, not a bound.
     from jaxpar.planning import bound
     monkeypatch.setattr(bound, "chip_of", lambda devices, dtype: None)
@@ -86,3 +91,58 @@ def test_the_deepseek_gpu_check_measures_attention_at_latent_heads(tmp_path):
     rows = {r["kernel"]: r for r in found["attention"]}
     assert rows["xla"]["auto"] and all(rows[k][f"error_{n}"] < 1e-2 for k in ("xla", "tokamax") for n in ("out", "dq", "dk", "dv"))
     assert "cuDNN" in rows["cudnn"]["error"] and "cudnn" in (tmp_path / "gpu_deepseek.md").read_text()
+
+
+def test_the_sweep_keeps_the_faster_candidates_within_tolerance_and_its_budget():
+    """gpu_sweep.sweep with a stand-in for training: cuBLASLt and cuDNN's LayerNorm measure faster
+    and go together; bf16 logits measure faster too, but 3% off the default's loss (the control);
+    a failing candidate keeps its error; past the budget nothing runs."""
+    import time
+    from types import SimpleNamespace
+    sweep = gpu_check().gpu_sweep
+    calls = []
+
+    def run_once(config, steps, **keys):
+        options = keys.get("train.xla_options", "")
+        if "command_buffer" in options:
+            raise RuntimeError("No such compile option")
+        ms = 10 - ("cublaslt" in options) - 0.5 * ("cudnn_layer_norm" in options) - 2 * ("model.logits_dtype" in keys)
+        calls.append((keys["train.batch_size"], options))
+        return SimpleNamespace(info={"summary": {"step_time_ms_median": ms, "tokens_per_s_median": 1e3 / ms},
+                                     "compiled": {"peak_memory_bytes": 2**30}},
+                               losses={steps - 1: 3.0 * (1.03 if "model.logits_dtype" in keys else 1)})
+
+    names = ["default", "cuDNN LayerNorm", "cuBLASLt epilogues", "no command buffers", "bf16 logits"]
+    found = sweep.sweep(run_once, "gpt2", (16, 64), 20, names, time.monotonic() + 60)
+    rows = {(r["batch"], r["candidate"]): r for r in found["rows"]}
+    assert found["defaults"] == found["together"] == ["cuDNN LayerNorm", "cuBLASLt epilogues"]
+    assert rows[16, "together"]["keys"] == {"train.xla_options": "xla_gpu_enable_cudnn_layer_norm=true,"
+                                                                 "xla_gpu_enable_cublaslt=true"}
+    assert rows[16, "together"]["speedup"] == 10 / 8.5 and rows[64, "together"]["loss_ok"]
+    assert rows[16, "bf16 logits"]["speedup"] == 1.25 and not rows[16, "bf16 logits"]["loss_ok"]
+    assert "No such compile option" in rows[64, "no command buffers"]["error"]
+    assert [c[0] for c in calls[:5]] == [16] * 5 and calls[5] == (64, "")  # the deciding figures first
+    assert "(over tolerance)" in "\n".join(sweep.sweep_table(found))
+    late = sweep.sweep(run_once, "gpt2", (16,), 20, names, time.monotonic() - 1)
+    assert {r.get("error") for r in late["rows"]} == {"not run: past the budget"} and late["defaults"] == []
+
+
+def test_the_gpu_session_plans_each_measurement_and_keeps_its_budget(tmp_path):
+    """scripts/tools/gpu_session.py, the one prepared GPU command: its steps (PyTorch's left out,
+    with its reason, where the reference is missing), and its limits: a step that would eat the
+    sweep's floor is not run; the last step runs on what is left and is told it (--budget)."""
+    import sys
+    spec = importlib.util.spec_from_file_location("gpu_session", SCRIPT.parent / "gpu_session.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    planned = module.main(["--dry-run", "--tiny", "--out", str(tmp_path), "--torch", str(tmp_path / "absent.py")])
+    assert [p["step"] for p in planned] == ["gemm legs tuned", "gemm legs reused", "fused norm", "moonlight",
+                                            "gpu check and sweep"]
+    assert module.torch_reference(str(tmp_path / "absent.py"))[1].startswith("no PyTorch reference at")
+    echo = [sys.executable, "-c", "import sys; print('args', sys.argv[1:])"]
+    plan = [("first", echo, 30), ("last", echo, None)]
+    rows = module.run_steps(plan, module.SWEEP_FLOOR + 40, tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and "args ['--budget'," in (tmp_path / "session.log").read_text()
+    rows = module.run_steps(plan, module.SWEEP_FLOOR + 3, tmp_path)
+    assert [r["status"] for r in rows] == ["not run: past the budget", "ok"]
+    assert "| first | not run: past the budget | 0.0 |" in (tmp_path / "session.md").read_text()

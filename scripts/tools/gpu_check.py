@@ -14,6 +14,8 @@ It prints its tables, and writes them to DIR/gpu_check.md and DIR/gpu_check.json
    `ragged_dot`, against one dense dot of the same rows, at 8 and 64 experts, forward and
    forward + backward; each one's largest difference from `ragged_dot`'s output.
 4. GPT-2's kernel time a step at batch 16, by category, from a `--profile` trace.
+5. `--sweep`: GPT-2 under each candidate XLA option and fused kernel against the default
+   (gpu_sweep.py), in what `--budget` (seconds from the start) leaves; past it nothing starts.
 The compiled GPT-2 step's optimized HLO (batch 16) is saved beside them: DIR/gpt2_b16.hlo.txt.
 `--sections speed,preset,gemm,kernels,hlo` picks some (`--batches 16` GPT-2's batches); the
 files are rewritten as each section ends, and a section that fails gives its error's line.
@@ -35,6 +37,9 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_sweep.py, imported as a script or by path
+import gpu_sweep
+
 # The kernel categories of ../shared/gpu/trace_kernels.py, first match wins: torch's profile
 # of nanoGPT is grouped the same way.
 CATEGORIES = [("attention", ("fmha", "flash", "sdpa", "attention", "cudnn")),
@@ -45,9 +50,13 @@ CATEGORIES = [("attention", ("fmha", "flash", "sdpa", "attention", "cudnn")),
               ("elementwise/fusion", ("fusion", "triton", "elementwise", "vectorized", "loop", "convert",
                                       "add", "mul"))]
 FULL = SimpleNamespace(config="gpt2", batches=(16, 64), steps={16: 30, 64: 20}, preset="shakespeare_char",
-                       preset_steps=120, preset_rows=64, gemm=(32768, 768, 3072), experts=(8, 64), profile=(10, 13))
+                       preset_steps=120, preset_rows=64, gemm=(32768, 768, 3072), experts=(8, 64), profile=(10, 13),
+                       sweep_steps=20, sweep_batches=(16, 64),
+                       candidates=tuple(gpu_sweep.CANDIDATES), sweep_keys={})
 TINY = SimpleNamespace(config="tiny", batches=(2, 4), steps={2: 4, 4: 4}, preset="tiny", preset_steps=4,
-                       preset_rows=8, gemm=(256, 32, 64), experts=(8, 64), profile=(2, 4))
+                       preset_rows=8, gemm=(256, 32, 64), experts=(8, 64), profile=(2, 4),
+                       sweep_steps=3, sweep_batches=(2,), candidates=gpu_sweep.TINY_CANDIDATES,
+                       sweep_keys={"model.dtype": "bfloat16"})
 
 
 def peak_memory_gib() -> float | None:
@@ -240,19 +249,24 @@ def table(found: dict) -> str:
         lines += ["", f"kernels a step ({k['kernels']} names, {k['total_ms']:.2f} ms):"]
         lines += [f"  {name:20s} {ms:8.2f} ms" for name, ms in sorted(k["by_category_ms"].items(), key=lambda i: -i[1])]
         lines += [f"  {ms:8.3f} ms  {name[:100]}" for name, ms in k["dearest_ms"].items()]
+    if "sweep" in found:
+        lines += gpu_sweep.sweep_table(found["sweep"])
     return "\n".join(lines)
 
 
 SECTIONS = ("speed", "preset", "gemm", "kernels", "hlo")
 
 
-def run_sections(measure: dict, table, stem: Path) -> dict:
-    """Each section's figures, by name; a section that fails gives its error's line and the others
-    go on. stem.md and stem.json are rewritten as each section ends."""
+def run_sections(measure: dict, table, stem: Path, deadline: float = float("inf")) -> dict:
+    """Each section's figures, by name; a section that fails, or would start past `deadline`
+    (time.monotonic()), gives its line and the others go on. stem.md and stem.json are rewritten
+    as each section ends."""
     found = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
              "errors": {}}
     for name, fn in measure.items():
         try:  # one section's failure (a kernel this jax lacks, say) keeps the others' figures
+            if time.monotonic() > deadline:
+                raise TimeoutError("not run: past the budget")
             found[name] = fn()
         except Exception as error:  # noqa: BLE001
             found["errors"][name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
@@ -267,7 +281,10 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU smoke test)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     parser.add_argument("--batches", help="GPT-2's batches, comma-separated (default: 16,64)")
+    parser.add_argument("--sweep", action="store_true", help="and GPT-2 under each candidate (section 5)")
+    parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for everything (default: no limit)")
     args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.budget
     shape = TINY if args.tiny else FULL
     if args.batches:
         shape = SimpleNamespace(**{**vars(shape), "batches": tuple(int(b) for b in args.batches.split(","))})
@@ -277,9 +294,12 @@ def main(argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as work:
         measure = {"speed": lambda: speed_rows(shape), "preset": lambda: preset_rows(shape), "gemm": lambda: gemm_rows(shape),
                    "kernels": lambda: kernel_rows(shape, Path(work)),
-                   "hlo": lambda: save_hlo(shape, args.out / f"{shape.config}_b{shape.batches[0]}.hlo.txt")}
-        found = run_sections({name: measure[name] for name in args.sections.split(",")}, table,
-                             args.out / "gpu_check")
+                   "hlo": lambda: save_hlo(shape, args.out / f"{shape.config}_b{shape.batches[0]}.hlo.txt"),
+                   "sweep": lambda: gpu_sweep.sweep(functools.partial(run_once, **shape.sweep_keys), shape.config,
+                                                    shape.sweep_batches, shape.sweep_steps, list(shape.candidates),
+                                                    deadline)}
+        names = args.sections.split(",") + ["sweep"] * args.sweep
+        found = run_sections({name: measure[name] for name in names}, table, args.out / "gpu_check", deadline)
     print(table(found))
     return found
 
