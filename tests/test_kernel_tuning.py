@@ -49,6 +49,21 @@ def test_cache_keys_reuse_and_cost(tmp_path):
     assert not again.calls and configs2 == configs and "reused 3 entries" in line and "tuned nothing" in line
 
 
+def test_a_tuning_stopped_midway_keeps_what_it_tuned(tmp_path):
+    """Each config is stored as it is found: a run stopped at its third request (a time limit, say)
+    leaves two, and the next run tunes the third alone."""
+    class Stopped(StandIn):
+        def __call__(self, request):
+            if len(self.calls) == 2:
+                raise KeyboardInterrupt
+            return super().__call__(request)
+    with pytest.raises(KeyboardInterrupt):
+        kernel_tuning.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, Stopped())
+    again = StandIn()
+    _, line = kernel_tuning.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, again)
+    assert again.calls == REQUESTS[2:] and "tuned 1" in line and "reused 2" in line
+
+
 @pytest.mark.parametrize("body, why", [("{not json", "does not parse"),
                                        (json.dumps({"jaxpar": "0.0.0", "format": 1, "entries": {}}), "jaxpar 0.0.0")])
 def test_corrupt_or_foreign_cache_is_ignored_and_rewritten(tmp_path, body, why):

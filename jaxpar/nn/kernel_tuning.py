@@ -118,18 +118,19 @@ def read(path: Path) -> tuple[dict, str | None]:
 
 def tune(cache: TuningCache, device: str, requests, tuner) -> tuple[dict, str]:
     """Each request's config from the cache, or from tuner(request) -> (config, seconds it cost),
-    stored; returns ({request: config}, the one line of what was tuned and what it cost)."""
+    stored as soon as it is found (a run stopped while tuning keeps what it tuned); returns
+    ({request: config}, the one line of what was tuned and what it cost)."""
     configs, tuned, cost = {}, [], 0.0
     for request in requests:
         key = request.key(device)
         if key not in cache.entries:
             config, seconds = tuner(request)
             cache.entries[key] = {"config": config, "cost_s": round(seconds, 6)}
+            cache.save()
             tuned.append(f"{request.kernel} {request.leg} {'/'.join('x'.join(map(str, s)) for s in request.shapes)}")
             cost += seconds
         configs[request] = cache.entries[key]["config"]
     if tuned:
-        cache.save()
         line = (f"kernel tuning on {device}: tuned {len(tuned)} ({'; '.join(tuned)}) in {cost:.2f} s, reused "
                 f"{len(configs) - len(tuned)}; kept in {cache.path}")
     else:

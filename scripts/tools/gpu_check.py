@@ -10,9 +10,11 @@ It prints its tables, and writes them to DIR/gpu_check.md and DIR/gpu_check.json
    planning chip: H100 or H200 SXM on a GPU, the measured host on a CPU), measured / bound, and
    the bound's compute-bound and exposed-communication parts.
 2. The small GPU recipe (`shakespeare_char`) as shipped, and in one pass of its 64 rows.
-3. The experts' grouped GEMM that the execution plan runs here, the blocked GEMM and XLA's
-   `ragged_dot`, against one dense dot of the same rows, at 8 and 64 experts, forward and
-   forward + backward; each one's largest difference from `ragged_dot`'s output.
+3. The experts' grouped GEMM that the execution plan runs here, the blocked GEMM, XLA's
+   `ragged_dot` and its other lowerings (jax's Pallas-Triton, XLA's cuDNN grouped GEMM), and on
+   Hopper jax's Mosaic-GPU kernels (gpu_gemm.py), against one dense dot of the same rows, at 8
+   and 64 experts, forward and forward + backward; each one's largest difference from
+   `ragged_dot`'s output, or its error.
 4. GPT-2's kernel time a step at batch 16, by category, from a `--profile` trace.
 5. `--sweep`: GPT-2 under each candidate XLA option and fused kernel against the default
    (gpu_sweep.py), in what `--budget` (seconds from the start) leaves; past it nothing starts.
@@ -25,8 +27,6 @@ PyTorch's side is `../shared/gpu/torch_gpt2_cuda.py`; jaxpar never imports torch
 import argparse
 import collections
 import functools
-import glob
-import gzip
 import json
 import sys
 import tempfile
@@ -35,20 +35,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_sweep.py, imported as a script or by path
 import gpu_sweep
+from gpu_gemm import gemm_rows, timed  # noqa: F401 (gpu_deepseek imports timed from here)
+from gpu_trace import category, trace_kernels
 
-# The kernel categories of ../shared/gpu/trace_kernels.py, first match wins: torch's profile
-# of nanoGPT is grouped the same way.
-CATEGORIES = [("attention", ("fmha", "flash", "sdpa", "attention", "cudnn")),
-              ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "wgmma", "_dot")),
-              ("optimizer", ("multi_tensor", "adam", "foreach")),
-              ("reduce", ("reduce", "reduction", "softmax", "norm", "cross_entropy", "nll")),
-              ("copy/transpose", ("memcpy", "memset", "copy", "transpose", "concatenate", "slice", "cat_")),
-              ("elementwise/fusion", ("fusion", "triton", "elementwise", "vectorized", "loop", "convert",
-                                      "add", "mul"))]
 FULL = SimpleNamespace(config="gpt2", batches=(16, 64), steps={16: 30, 64: 20}, preset="shakespeare_char",
                        preset_steps=120, preset_rows=64, gemm=(32768, 768, 3072), experts=(8, 64), profile=(10, 13),
                        sweep_steps=20, sweep_batches=(16, 64),
@@ -130,69 +122,6 @@ def preset_rows(shape) -> list[dict]:
     return rows
 
 
-def timed(fn, *args, repeats: int = 10) -> float:
-    """Seconds per call, compiled and warmed first."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / repeats
-
-
-def gemm_rows(shape) -> list[dict]:
-    """The plan's grouped GEMM, the blocked GEMM and XLA's ragged_dot against one dense dot of the
-    same rows; each one's largest difference from ragged_dot's output, relative to its largest."""
-    from jaxpar.nn import grouped_gemm, moe
-    gemm_here, note = moe.gemm_of(SimpleNamespace(moe_gemm="auto"), jax.default_backend())
-    M, K, N = shape.gemm
-    rows = []
-    for experts in shape.experts:
-        keys = jax.random.split(jax.random.key(0), 2)
-        x = jax.random.normal(keys[0], (M, K), jnp.bfloat16)
-        w = jax.random.normal(keys[1], (experts, K, N), jnp.bfloat16) * 0.02
-        sizes = jnp.full((experts,), M // experts, jnp.int32)
-        kinds = {"dense": lambda x, w, _: (x @ w[0]).astype(jnp.float32)}
-        for gemm in dict.fromkeys((gemm_here, "blocks", "ragged_dot")):
-            kinds[gemm] = (grouped_gemm.blocked_gemm if gemm == "blocks" else
-                           functools.partial(grouped_gemm.grouped_gemm, gemm=gemm, interpret=jax.default_backend() != "tpu"))
-        exact = jax.jit(kinds["ragged_dot"])(x, w, sizes)
-        for kind, fn in kinds.items():
-            loss = lambda x, w, s, fn=fn: jnp.sum(fn(x, w, s))
-            out = jax.jit(fn)(x, w, sizes)
-            diff = None if kind == "dense" else float(jnp.max(jnp.abs(out - exact)) / jnp.max(jnp.abs(exact)))
-            rows.append({"experts": experts, "gemm": kind, "rows": M, "note": note if kind == gemm_here else None,
-                         "max_rel_diff_vs_ragged_dot": diff,
-                         "forward_ms": 1e3 * timed(jax.jit(fn), x, w, sizes),
-                         "forward_backward_ms": 1e3 * timed(jax.jit(jax.grad(loss, (0, 1))), x, w, sizes)})
-    return rows
-
-
-def trace_kernels(trace_dir: Path) -> collections.Counter:
-    """{kernel name: microseconds} of a jax.profiler trace's device streams (none on a CPU)."""
-    paths = sorted(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True))
-    if not paths:
-        return collections.Counter()
-    data = json.loads(gzip.decompress(Path(paths[-1]).read_bytes()))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    named = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-                          if e.get("ph") == "M" and e.get("name") == kind}
-    processes = {pid: name for (pid, _), name in named("process_name").items()}
-    gpu = {p for p, n in processes.items() if "gpu" in n.lower() or ("device" in n.lower() and "host" not in n.lower())}
-    # Kernels sit on "Stream #..." lines; the "XLA Ops" and "XLA Modules" lines repeat them.
-    streams = {key for key, name in named("thread_name").items() if key[0] in gpu and name.lower().startswith("stream")}
-    kernels = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu and (not streams or (e["pid"], e.get("tid")) in streams):
-            kernels[e["name"]] += e.get("dur", 0)
-    return kernels
-
-
-def category(kernel: str) -> str:
-    name = kernel.lower()
-    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
-
-
 def kernel_rows(shape, work: Path) -> dict:
     """GPT-2's kernel milliseconds a step by category, and its dearest kernels, from a trace."""
     start, end = shape.profile
@@ -241,9 +170,10 @@ def table(found: dict) -> str:
     if "gemm" in found:
         lines += ["", "| experts | GEMM | forward ms | forward + backward ms | max rel. diff from ragged_dot |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r['experts']} | {r['gemm']}{' (' + r['note'] + ')' if r['note'] else ''} | "
+        lines += [f"| {r['experts']} | {r['gemm']}{' (' + r['note'] + ')' if r['note'] else ''} | " + (
                   f"{r['forward_ms']:.3f} | {r['forward_backward_ms']:.3f} | "
-                  f"{fmt(r['max_rel_diff_vs_ragged_dot'], '.1e')} |" for r in found["gemm"]]
+                  f"{fmt(r['max_rel_diff_vs_ragged_dot'], '.1e')} |" if "error" not in r else f"{r['error']} | | |")
+                  for r in found["gemm"]]
     if "kernels" in found:
         k = found["kernels"]
         lines += ["", f"kernels a step ({k['kernels']} names, {k['total_ms']:.2f} ms):"]
@@ -282,10 +212,16 @@ def main(argv: list[str]) -> dict:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     parser.add_argument("--batches", help="GPT-2's batches, comma-separated (default: 16,64)")
     parser.add_argument("--sweep", action="store_true", help="and GPT-2 under each candidate (section 5)")
+    parser.add_argument("--candidates", help="the sweep's, comma-separated names (default: all; the default's is kept)")
     parser.add_argument("--budget", type=float, default=float("inf"), help="seconds for everything (default: no limit)")
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.budget
     shape = TINY if args.tiny else FULL
+    if args.candidates:
+        asked = [n for n in args.candidates.split(",") if n != gpu_sweep.DEFAULT]
+        if unknown := set(asked) - set(gpu_sweep.CANDIDATES):
+            parser.error(f"--candidates: no {', '.join(sorted(unknown))}; the sweep's are {', '.join(gpu_sweep.CANDIDATES)}")
+        shape = SimpleNamespace(**{**vars(shape), "candidates": (gpu_sweep.DEFAULT, *asked)})
     if args.batches:
         shape = SimpleNamespace(**{**vars(shape), "batches": tuple(int(b) for b in args.batches.split(","))})
     args.out.mkdir(parents=True, exist_ok=True)
@@ -298,7 +234,7 @@ def main(argv: list[str]) -> dict:
                    "sweep": lambda: gpu_sweep.sweep(functools.partial(run_once, **shape.sweep_keys), shape.config,
                                                     shape.sweep_batches, shape.sweep_steps, list(shape.candidates),
                                                     deadline)}
-        names = args.sections.split(",") + ["sweep"] * args.sweep
+        names = [n for n in args.sections.split(",") if n] + ["sweep"] * args.sweep
         found = run_sections({name: measure[name] for name in names}, table, args.out / "gpu_check", deadline)
     print(table(found))
     return found
