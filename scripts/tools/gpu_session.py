@@ -112,6 +112,9 @@ def main(argv: list[str]) -> list[dict]:
     torch, why = torch_reference(args.torch)
     plan = steps(args.out, torch, args.tiny)
     if args.dry_run:
+        limit = lambda share: "the rest of --budget" if share == float("inf") else f"up to {share} s"
+        print("\n".join(f"{name}: {' '.join(argv)}  [{limit(share)}]" for name, argv, share in plan)
+              + (f"\n(torch: {why})" if why else ""))
         return [{"step": name, "argv": argv, "seconds": share} for name, argv, share in plan]
     shutil.rmtree(args.out / "kernel_cache", ignore_errors=True)  # the first gemm_legs must tune
     rows = ([{"step": "torch", "status": f"skipped: {why}", "seconds": 0.0}] if why else []) + run_steps(
