@@ -51,6 +51,19 @@ def test_the_plans_xla_options_are_the_platforms_defaults_with_the_users_over_th
         "xla_cpu_enable_fast_math": False, "xla_gpu_enable_cublaslt": True, "xla_gpu_autotune_level": 2}
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the tpu extra)")
+def test_the_xla_options_are_checked_by_the_meshs_own_compiler():
+    """A TPU's own option passes the check on a compile-only TPU device (the planner's target);
+    the control: this host's CPU compiler does not know it."""
+    from jaxpar.core import xla_options
+    from jaxpar.core.errors import UserError
+    from jaxpar.planning.hardware import parse_target, target_devices
+    tpu_only = (("xla_tpu_enable_latency_hiding_scheduler", True),)
+    xla_options.check(tpu_only, target_devices(parse_target("tpu:v5e-8"))[0])
+    with pytest.raises(UserError, match="No such compile option: 'xla_tpu_enable_latency_hiding_scheduler'"):
+        xla_options.check(tpu_only)
+
+
 def test_a_step_refuses_a_batch_of_more_passes_than_its_plan_says():
     """A model made without its step's plan (one pass) would take the first of a batch's passes
     alone and leave the others' rows out: its gradient function refuses the batch while tracing.

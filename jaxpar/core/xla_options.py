@@ -52,15 +52,17 @@ def resolved(text: str, platform: str) -> tuple:
     return tuple(sorted({**PLATFORM_DEFAULTS.get(platform, {}), **parse(text)}.items()))
 
 
-def check(options: tuple) -> None:
-    """Compile a one-line function with `options`, so that an option XLA does not know, or a value
-    it cannot take, is one UserError before the run writes anything; nothing without options."""
+def check(options: tuple, device=None) -> None:
+    """Compile a one-line function with `options` for `device` (the mesh's: a compile-only TPU's
+    compiler knows its own options; None: the default one), so that an option XLA does not know,
+    or a value it cannot take, is one UserError before the run writes anything."""
     if not options:
         return
     import jax
-    import numpy as np
     try:
-        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(np.float32(0)).compile()
+        placed = {} if device is None else {"in_shardings": jax.sharding.SingleDeviceSharding(device)}
+        scalar = jax.ShapeDtypeStruct((), "float32")
+        jax.jit(lambda x: x + 1, compiler_options=dict(options), **placed).lower(scalar).compile()
     except Exception as error:  # noqa: BLE001 (XLA's own error type, by version)
         reason = str(error).splitlines()[0].removeprefix("INVALID_ARGUMENT: ")
         raise UserError(f"train.xla_options: {reason}; name an XLA DebugOptions field and a value of "

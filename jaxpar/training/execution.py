@@ -8,6 +8,8 @@ compiling for a TPU pod from a CPU host plans for the TPU, and `jaxpar.eval` run
 kernel that training ran.
 """
 
+import jax
+
 from jaxpar.core import kernel_registry as registry
 from jaxpar.core import remat, xla_options
 from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, pipeline_microbatches
@@ -50,7 +52,7 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
         return ExecutionPlan(**common)
     check_host_memory(cfg.train.offload, m.remat, mesh, platform)
     options = xla_options.resolved(cfg.train.xla_options, platform)
-    xla_options.check(options)
+    xla_options.check(options, device if isinstance(device, jax.Device) else None)
     rows = cfg.train.micro_batch if micro_batch is None else micro_batch
     if rows == MICRO_BATCH_AUTO:
         raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
