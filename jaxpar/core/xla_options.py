@@ -13,9 +13,11 @@ yet, so every platform's defaults are empty, and the step compiles as plain `jax
 """
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.platform import GPUS
 
-# {platform: {option: value}}: measured faster on that platform (the module's docstring).
-PLATFORM_DEFAULTS: dict[str, dict] = {"gpu": {}, "cuda": {}, "tpu": {}, "cpu": {}}
+# {platform: {option: value}}: measured faster on that platform (the module's docstring); "gpu"
+# holds an NVIDIA GPU's under either of the names JAX gives its platform (GPUS).
+PLATFORM_DEFAULTS: dict[str, dict] = {"gpu": {}, "tpu": {}, "cpu": {}}
 # The sweep's tolerance on the loss after 20 steps, relative to the default's: bfloat16 keeps 8
 # significant bits (2^-7 = 0.8%), so an option that only reorders bf16 arithmetic stays within it.
 SWEEP_LOSS_RTOL = 1e-2
@@ -49,7 +51,8 @@ def parse(text: str) -> dict:
 def resolved(text: str, platform: str) -> tuple:
     """The plan's options on `platform`: its defaults, train.xla_options over them, as sorted
     (name, value) pairs (hashable, printed in order)."""
-    return tuple(sorted({**PLATFORM_DEFAULTS.get(platform, {}), **parse(text)}.items()))
+    defaults = PLATFORM_DEFAULTS.get("gpu" if platform in GPUS else platform, {})
+    return tuple(sorted({**defaults, **parse(text)}.items()))
 
 
 def check(options: tuple, device=None) -> None:

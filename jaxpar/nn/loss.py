@@ -93,10 +93,11 @@ def _forward(logits_of, chunks, one_pass, head, x, targets):
         total, head_grad = carry
         x, targets = piece
         logits, head_backward = jax.vjp(logits_of, head, x)
-        losses, log_z, is_target = losses_and_softmax_terms(logits, targets, one_pass)
+        logits32 = logits.astype(jnp.float32)  # model.logits_dtype's logits, taken in float32
+        losses, log_z, is_target = losses_and_softmax_terms(logits32, targets, one_pass)
         total = total + jnp.sum(losses)
         # d(mean loss)/d(logits) = (softmax - one-hot) / tokens: the piece's logits alone give it.
-        logit_grad = (jnp.exp(logits.astype(jnp.float32) - log_z) - is_target) / scale
+        logit_grad = (jnp.exp(logits32 - log_z) - is_target) / scale
         piece_head_grad, x_grad = head_backward(logit_grad.astype(logits.dtype))
         return (total, jax.tree.map(jnp.add, head_grad, piece_head_grad)), x_grad
 

@@ -45,7 +45,7 @@ def activation_bytes(m: ModelConfig, vocab_size: int, rows_per_pass: int, tp: in
     per_layer = tokens * POLICIES[DEFAULT].bytes_per_token(m, tp, split, units)  # what autodiff keeps
     policy = policy_of(m.remat)
     saved = layers * tokens * policy.bytes_per_token(m, tp, split, units) + (per_layer if policy.checkpointed else 0)
-    logits = tokens * padded_vocab(vocab_size) // tp * (2 if m.logits_dtype == "bfloat16" else 4) * 2  # and their gradient
+    logits = tokens * padded_vocab(vocab_size) // tp * jax.numpy.dtype(m.logits_dtype).itemsize * 2  # and their gradient
     return int((saved + logits) / cp)
 
 
