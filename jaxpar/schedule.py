@@ -10,7 +10,7 @@ from jaxpar.core.config import PIPELINE_SCHEDULES
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.parallel.orders import BACKWARD, FORWARD, WEIGHT
 from jaxpar.parallel.schedule import Schedule
-from jaxpar.training.loss_plots import pyplot, save
+from jaxpar.training.loss_plots import picture_path, pyplot, save
 
 
 def draw(schedule: Schedule, path: str) -> None:
@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
         virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
         check_virtual(args.schedule, virtual)
         check_schedule(args.schedule, args.pp, args.microbatches, virtual)
+        suffix = f"_v{virtual}" if virtual > 1 else ""
+        out = picture_path(args.out, f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}{suffix}.png")
         schedule = Schedule(args.schedule, args.pp, args.microbatches, virtual)
         print(schedule.grid())
-        suffix = f"_v{virtual}" if virtual > 1 else ""
-        out = args.out or f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}{suffix}.png"
         draw(schedule, out)
     print(f"wrote {out}")
 

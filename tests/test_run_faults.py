@@ -392,3 +392,57 @@ def test_a_metrics_write_on_a_full_disk_is_one_line_and_keeps_the_checkpoints(sa
                                 f"checkpoint is {out}/checkpoints/4; free space on that disk or make the folder "
                                 "writable, then run the same command to resume")
     assert files(out / "checkpoints") == before
+
+
+@pytest.mark.parametrize("linked", [False, True], ids=["folder", "linked-folder"])
+def test_fresh_removes_only_the_checkpoints_jaxpar_saved_and_says_what_it_kept(saved, tmp_path, capsys, linked):
+    """--fresh over a run to step 4 whose checkpoints/ also holds a user's file and folder (and is,
+    when `linked`, a symbolic link to a folder elsewhere): the new run's checkpoints are written
+    there, the old run's are gone, the user's are byte for byte as they were."""
+    out, where = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    shutil.copytree(saved[0], out)
+    if linked:
+        where = tmp_path / "elsewhere"
+        (out / "checkpoints").rename(where)
+        (out / "checkpoints").symlink_to(where, target_is_directory=True)
+    (where / "model_epoch9.pt").write_bytes(b"a user's weights")
+    (where / "old").mkdir()
+    (where / "old" / "notes.txt").write_text("a user's notes")
+    users = files(where / "old") | {where / "model_epoch9.pt": b"a user's weights"}
+    result = run(tiny_config(**{**TINY, "train.steps": 2, "train.seed": 7}), out, ONE, progress=False, fresh=True)
+    assert result.info["resumed_from"] == 0
+    assert sorted(p.name for p in where.iterdir()) == ["2", "model_epoch9.pt", "old"]  # 4 was the old run's
+    assert (out / "checkpoints").is_symlink() == linked
+    assert {p: p.read_bytes() for p in users} == users
+    err = capsys.readouterr().err
+    assert f"--fresh removed only the checkpoints jaxpar saved in '{out / 'checkpoints'}' and kept what it did " \
+           "not write: model_epoch9.pt, old/" in err
+    meta = json.loads((where / "2" / "meta" / "metadata").read_text())
+    assert meta["rng"] == {"seed": 7, "step": 2}  # the new run's, not the old one's
+    resumed = train(4, out, **{"train.seed": 7})
+    assert resumed.info["resumed_from"] == 2
+
+
+def test_a_checkpoint_fresh_cannot_remove_is_one_line(tmp_path, monkeypatch):
+    """A removal that fails is never ignored: a step left behind would keep the new run's save of
+    that step from being written. A user's folder named like a step, but not orbax's, is kept."""
+    step = tmp_path / "4"
+    step.mkdir()
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    (tmp_path / "6").mkdir()  # no orbax metadata in it: not jaxpar's
+    monkeypatch.setattr(shutil, "rmtree", lambda path, *a, **k: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied", str(path))))
+    with pytest.raises(UserError, match=rf"cannot remove '{step}' \(Permission denied\); make its folder "):
+        Checkpoints(tmp_path).remove_own()
+    monkeypatch.undo()
+    assert Checkpoints(tmp_path).remove_own() == ["6/"] and not step.exists()
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("a user's file")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / LOCK_NAME).symlink_to(target)
+    with pytest.raises(UserError, match="is a symbolic link, where jaxpar keeps its lock file"), RunLock(tmp_path / "out"):
+        pass
+    assert target.read_text() == "a user's file" and (tmp_path / "out" / LOCK_NAME).is_symlink()

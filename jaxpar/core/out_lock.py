@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Self
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.removal import remove_if_empty
 
 LOCK_NAME = "jaxpar.lock"
 
@@ -61,7 +62,11 @@ class RunLock:
 
     def _take(self) -> int | None:
         """The locked file's descriptor; None when the file was replaced while we waited (try again)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        kind = "folder" if self.path.is_dir() and not self.path.is_symlink() else "symbolic link"
+        if self.path.is_symlink() or self.path.is_dir():  # never written through, nor taken for a lock
+            raise UserError(f"'{self.path}' is a {kind}, where jaxpar keeps its lock file; move it away, "
+                            f"or pass another {self.flag}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -92,7 +97,5 @@ class RunLock:
 
     def _remove_dirs(self) -> None:
         for folder in self.created:
-            try:
-                folder.rmdir()
-            except OSError:  # not empty: the run wrote its outputs there
+            if not remove_if_empty(folder):  # not empty: the run wrote its outputs there
                 return

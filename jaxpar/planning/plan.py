@@ -25,6 +25,7 @@ from jaxpar.core.remat import HOST, REMAT_KINDS
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import parse_target, target_devices
 from jaxpar.planning.layouts import choices, host_memory_choices, int_list, parse_layouts
+from jaxpar.planning.plan_report import plan_outputs
 
 DEFAULT_MAX_COMPILES = 32
 # Today's two: every policy doubles the compiles, and `none` and `full` bracket the memory; `auto`
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         devices = target_devices(target)  # before the lock: a refused offload leaves no --out behind
         args.remat, args.offload = host_memory_choices(target, devices, args.remat, args.offload, args.auto)
         with RunLock(args.out):  # one writer per --out
+            plan_outputs(args.out).check()  # a file jaxpar did not write is refused before any compile
             plan(cfg, target, args, overrides, devices)
 
 

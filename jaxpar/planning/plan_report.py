@@ -5,6 +5,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from jaxpar.core.axes import PIPE_AXIS
+from jaxpar.core.written import FILE, Outputs
 from jaxpar.planning import roofline
 
 GiB = 2**30
@@ -189,9 +190,25 @@ def plot(path: Path, candidates: list, capacity: float, title: str) -> None:
     plt.close(fig)
 
 
+def plan_outputs(out: Path) -> Outputs:
+    """plan.md, plan.json and plan.png in --out, which jaxpar writes and rewrites, and nothing else
+    (jaxpar.core.written); a plan from before the record is known by its plan.json."""
+    return Outputs(out, {name: FILE for name in ("plan.md", "plan.json", "plan.png")},
+                   legacy=("plan.json", is_plan_json))
+
+
+def is_plan_json(path: Path) -> bool:
+    try:
+        return {"target", "layouts", "model"} <= json.loads(path.read_text()).keys()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def write_report(out: Path, target, chip, cfg, candidates: list, command, top: int) -> None:
     text = report_text(target, chip, cfg, candidates, command)
-    out.mkdir(parents=True, exist_ok=True)
+    outputs = plan_outputs(out)
+    outputs.check()  # again, now: the compiles took minutes, in which a file may have come
+    outputs.claim(*outputs.names)
     (out / "plan.md").write_text(text)
     meta = {"target": target.name, "topology": target.topology, "chip": chip.__dict__,
             "config": cfg.to_dict(), "model": MODEL_TEXT}

@@ -15,7 +15,7 @@ checksum differs) is skipped for the one before it; the run that then trains set
 import contextlib
 import dataclasses
 import logging
-import shutil
+import re
 import sys
 from pathlib import Path
 
@@ -24,8 +24,17 @@ import orbax.checkpoint as ocp
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.removal import remove_tree
 from jaxpar.training.checksums import item_checksums, mismatches
-from jaxpar.training.save_faults import SaveFailed, check_room, quiet_orbax_errors, reason, room_message, save_failed
+from jaxpar.training.save_faults import (
+    TEMPORARY,
+    SaveFailed,
+    check_room,
+    quiet_orbax_errors,
+    reason,
+    room_message,
+    save_failed,
+)
 from jaxpar.training.saved_trees import first_difference
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
@@ -35,6 +44,7 @@ DAMAGED = "damaged"  # the suffix of a checkpoint set aside: <step>.damaged
 # layers stacked apart, under lead_blocks (jaxpar.models.lead); a model without them reads layout 2.
 PARAM_LAYOUT = 3
 ARRAY_ITEMS = ("params", "opt_state")
+ORBAX_METADATA = "_CHECKPOINT_METADATA"  # in every step folder orbax commits
 
 
 def find_checkpoints(path) -> Path:
@@ -250,9 +260,30 @@ class Checkpoints:
             source.rename(target)
             print(f"jaxpar: the damaged checkpoint {source} is kept as {target} ({why})", file=sys.stderr)
 
-    def remove_all(self) -> None:
+    def remove_own(self) -> list[str]:
+        """--fresh: remove every checkpoint jaxpar saved here (a linked folder is used as a folder), and
+        nothing else; returns the names kept. A removal that fails is a UserError: a step left behind
+        would keep the new run's save of that step from being written."""
         self.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if not self.directory.is_dir():
+            return []
+        kept = []
+        for entry in sorted(self.directory.iterdir()):
+            if is_saved_by_jaxpar(entry):
+                remove_tree(entry)
+            else:
+                kept.append(entry.name + "/" * entry.is_dir())
+        return kept
+
+
+def is_saved_by_jaxpar(entry: Path) -> bool:
+    """Whether an entry of a checkpoints folder is jaxpar's: a step's folder as orbax commits it, one
+    set aside as damaged, or a save's temporary folder. A link is never one: jaxpar makes none."""
+    if entry.is_symlink() or not entry.is_dir():
+        return False
+    if re.fullmatch(r"\d+", entry.name):
+        return (entry / ORBAX_METADATA).is_file() or (entry / "meta").is_dir()
+    return bool(re.fullmatch(rf"\d+\.{DAMAGED}(\.\d+)?|\d+{re.escape(TEMPORARY)}.*", entry.name))
 
 
 @contextlib.contextmanager

@@ -22,11 +22,54 @@ def pyplot():
     return plt
 
 
+WRITER = "jaxpar"  # the PNG's Software field: marks a picture jaxpar drew, which it may draw again
+
+
 def save(plt, fig, out_png) -> Path:
+    """The figure into `out_png`, under a temporary name first: a failed write leaves no half a picture."""
+    out_png = Path(out_png)
+    kind = out_png.suffix.lstrip(".").lower() or "png"
+    partial = out_png.with_name(out_png.name + ".partial")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)  # pyplot keeps every open figure alive otherwise
-    return Path(out_png)
+    try:
+        fig.savefig(partial, dpi=100, format=kind, metadata={"Software": WRITER} if kind == "png" else None)
+        partial.replace(out_png)
+    finally:
+        plt.close(fig)  # pyplot keeps every open figure alive otherwise
+        partial.unlink(missing_ok=True)  # gone already, unless the write failed
+    return out_png
+
+
+def drawn_by_jaxpar(path: Path) -> bool:
+    """Whether a PNG says jaxpar drew it (the Software field that `save` writes, near its start)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == b"\x89PNG\r\n\x1a\n" and b"Software\x00" + WRITER.encode() in f.read(4096)
+    except OSError:
+        return False
+
+
+def picture_path(out: str | None, default: str, flag: str = "--out") -> Path:
+    """Where a picture goes, checked before any work: `out` (in it, when a folder, as `default`'s
+    name), or `default`, which must not replace a file jaxpar did not draw. Its name says its kind
+    (.png, .pdf, .svg ...), and its folder must exist."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    path = Path(out or default)
+    if path.is_dir():
+        path = path / Path(default).name
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = path.suffix.lstrip(".").lower()
+    if kind not in kinds:
+        raise UserError(f"{flag} '{path}': a picture's name must end in one of .{', .'.join(sorted(kinds))} "
+                        "(its kind); pass a file name such as loss.png")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} '{path}': the folder '{path.parent}' does not exist; make it, or pass another path")
+    if path.is_symlink() or path.exists() and not path.is_file():
+        raise UserError(f"{flag} '{path}' is not a plain file; pass a path for the picture")
+    if out is None and path.exists() and not drawn_by_jaxpar(path):
+        raise UserError(f"'{path}' was not drawn by jaxpar, which would overwrite it; pass {flag} to name "
+                        "the picture to write")
+    return path
 
 
 def read_metrics(run_dir: Path) -> tuple[list, list, dict]:
@@ -143,9 +186,11 @@ def main(argv: list[str] | None = None) -> None:
         from jaxpar.core.errors import ArgumentParser
         parser = ArgumentParser(prog="jaxpar.plot", description="Overlay the loss curves of jaxpar runs.")
         parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="jaxpar.train --out dirs")
-        parser.add_argument("--out", default="loss.png", help="PNG to write (default: loss.png)")
+        parser.add_argument("--out", help="the picture to write, or a folder for loss.png (default: "
+                            "loss.png); its name gives its kind: .png, .pdf, .svg ...")
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        print(f"wrote {plot_runs(args.run_dirs, args.out)}")
+        out = picture_path(args.out, "loss.png")
+        print(f"wrote {plot_runs(args.run_dirs, out)}")
 
 
 if __name__ == "__main__":

@@ -1,46 +1,73 @@
 """How a run's outputs start, and how a run ends other than by finishing: stopped by a signal
 before its first step (nothing new left behind), or stopped by a non-finite step (one line that
-names the newest checkpoint that verifies)."""
+names the newest checkpoint that verifies).
+
+The outputs in --out are checked before anything is compiled (`run_outputs`): each path holds
+nothing, or what jaxpar wrote there (jaxpar.core.written's record), of the kind it writes. A run
+writes and removes only those; `--fresh` removes only the checkpoints jaxpar saved.
+"""
 
 import errno
 import json
-import shutil
+import sys
 from pathlib import Path
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.written import FILE, FOLDER, Outputs, kind_of
 from jaxpar.parallel.distributed import is_main_process
+from jaxpar.training.checkpoint import CHECKPOINTS
 from jaxpar.training.metrics import Diverged, MetricsWriters, strict_json
 from jaxpar.training.resume import restore_train_state
 from jaxpar.training.run_state import Compiled, RunResult, Setup
 from jaxpar.training.save_faults import newest_step, reason
 
-OUTPUTS = ("run.json", "metrics.jsonl", "tensorboard", "wandb", "wandb_id")  # what open_outputs may make
+# What a run may write in --out, besides jaxpar.lock and checkpoints/ (metrics.jsonl.tmp: its rewrite)
+OUTPUTS = {"run.json": FILE, "metrics.jsonl": FILE, "metrics.jsonl.tmp": FILE, "loss.png": FILE,
+           "tensorboard": FOLDER, "wandb": FOLDER, "wandb_id": FILE}
 
 
-def open_outputs(p: Setup, c: Compiled, out_dir: Path | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
-    """Clear what a fresh start leaves, set damaged checkpoints aside; run.json; the metrics
+def is_run_json(path: Path) -> bool:
+    """Whether `path` is a run.json that jaxpar.train wrote: it marks a run from before the record."""
+    try:
+        return "jaxpar" in json.loads(path.read_text())["versions"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def run_outputs(cfg, out_dir: Path, profile: str | None) -> Outputs:
+    """The run's outputs in out_dir, checked: a UserError, before any work, for a path that holds what
+    jaxpar did not write there, or the wrong kind of thing (jaxpar.core.written)."""
+    skip = set() if cfg.log.tensorboard or profile else {"tensorboard"}
+    skip |= set() if cfg.log.wandb else {"wandb", "wandb_id"}
+    outputs = Outputs(out_dir, {n: k for n, k in OUTPUTS.items() if n not in skip},
+                      legacy=("run.json", is_run_json))
+    outputs.check()
+    found = kind_of(out_dir / CHECKPOINTS)
+    if found not in (None, FOLDER) and not (out_dir / CHECKPOINTS).is_dir():  # a link to a folder is one
+        raise UserError(f"'{out_dir / CHECKPOINTS}' is a {found}, where jaxpar keeps the run's checkpoints "
+                        "in a folder; move it away, or pass another --out")
+    return outputs
+
+
+def open_outputs(p: Setup, c: Compiled, outputs: Outputs | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
+    """Clear the checkpoints a fresh start leaves, set damaged ones aside; run.json; the metrics
     writers, and the outputs that did not exist before."""
     if p.ckpt is not None and is_main_process():
         if fresh:
-            p.ckpt.remove_all()
+            kept = p.ckpt.remove_own()
+            if kept:
+                print(f"jaxpar.train: --fresh removed only the checkpoints jaxpar saved in '{p.ckpt.directory}' "
+                      f"and kept what it did not write: {', '.join(kept)}", file=sys.stderr)
         p.ckpt.set_aside(p.damaged)  # newer than the restored step: a new save needs the name
-    if out_dir is None or not is_main_process():
+    if outputs is None or not is_main_process():
         return None, []
-    created = [out_dir / name for name in OUTPUTS if not (out_dir / name).exists()]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = outputs.folder
+    created = [name for name in outputs.names if kind_of(out_dir / name) is None]
+    outputs.claim(*outputs.names)
     (out_dir / "run.json").write_text(json.dumps(c.info, indent=2))
     tasks = tuple(task.name for task, _ in c.tasks.loaded) if c.tasks else ()
     return MetricsWriters(out_dir, p.start, p.cfg, tuple(p.model.family.loss_weights()), tasks,
                           tuple(c.source_val)), created
-
-
-def remove_outputs(paths: list[Path]) -> None:
-    """Undo open_outputs' new files: a run stopped before its first step leaves nothing new."""
-    for path in paths:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
 
 
 def last_verified(p: Setup) -> str | None:

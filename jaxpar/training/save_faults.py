@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.removal import remove_tree
 
 TEMPORARY = ".orbax-checkpoint-tmp"  # orbax's suffix for a save in flight
 REASONS = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
@@ -40,10 +41,12 @@ class SaveFailed(UserError):
         """Remove the failed save's temporary folder until it stays gone: writes still in flight in
         orbax's threads may make it again for a moment."""
         for _ in range(tries):
-            remove_temporaries(self.directory, self.step)
+            failed = remove_temporaries(self.directory, self.step)
             time.sleep(pause_s)
             if not any(self.directory.glob(f"{self.step}{TEMPORARY}*")):
                 return
+        for why in failed or [f"its temporary folder in '{self.directory}' came back while orbax's threads wrote"]:
+            print(f"jaxpar: warning: the failed save {self.step} is left half-written: {why}", file=sys.stderr)
 
 
 def reason(error: BaseException) -> str:
@@ -85,11 +88,17 @@ def room_message(error: OSError) -> str:
     return f"No space left on device: {error.strerror}" if isinstance(error, NoRoom) else reason(error)
 
 
-def remove_temporaries(directory: Path, step: int) -> None:
-    """Orbax's temporary folder of `step` (left by a failed save), and nothing else."""
+def remove_temporaries(directory: Path, step: int) -> list[str]:
+    """Remove orbax's temporary folder of `step` (left by a failed save), and nothing else; returns
+    why each one that could not be removed stays."""
+    failed = []
     if directory.is_dir():
         for path in directory.glob(f"{step}{TEMPORARY}*"):
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                remove_tree(path, missing_ok=True)
+            except UserError as e:
+                failed.append(str(e))
+    return failed
 
 
 class OrbaxErrors(logging.Filter):
@@ -130,8 +139,9 @@ def newest_step(directory: Path, before: int | None = None) -> int | None:
 
 def save_failed(directory: Path, step: int, why: str, stuck: bool = False) -> SaveFailed:
     """The one line for a save that failed: what failed, the checkpoint that resumes, the fix."""
-    remove_temporaries(directory, step)
+    left = "".join(f"; {failed}" for failed in remove_temporaries(directory, step))
     last = newest_step(directory, before=step)
     kept = f"the last good checkpoint is {directory / str(last)}" if last is not None else "no checkpoint was saved"
     return SaveFailed(f"cannot save checkpoint {step} in '{directory}' ({why}); {kept}; free space on that "
-                      "disk or make the folder writable, then run the same command to resume", directory, step, stuck)
+                      f"disk or make the folder writable, then run the same command to resume{left}", directory,
+                      step, stuck)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
+from jaxpar.core.written import Outputs
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset
 from jaxpar.data.mixture import mix_change
 from jaxpar.models import flops
@@ -33,7 +34,7 @@ from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepL
 from jaxpar.training.optimizers import learning_rate
 from jaxpar.training.profiling import StepProfiler
 from jaxpar.training.resume import restore_train_state
-from jaxpar.training.run_ends import open_outputs, remove_outputs, stop_diverged, stopped_early, write_failed
+from jaxpar.training.run_ends import open_outputs, run_outputs, stop_diverged, stopped_early, write_failed
 from jaxpar.training.run_evals import make_evaluate
 from jaxpar.training.run_lock import locked
 from jaxpar.training.run_state import Compiled, RunResult, Setup
@@ -217,6 +218,7 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
           profile: str | None, stop: StopRequest) -> RunResult:
     """`run`'s phases, under the lock and the signal handlers."""
     profiler = StepProfiler(profile, out_dir, cfg.train.steps)
+    outputs = run_outputs(cfg, out_dir, profile) if out_dir is not None and is_main_process() else None
     check_wandb(cfg)
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     vocab, eot_id = token_ids(cfg, dataset.tokenizer)  # a wrong tokenizer or vocabulary fails before the mesh
@@ -241,16 +243,17 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
         if stopping:
             return stopped_early(p, stopping)
         try:
-            return train_compiled(p, c, out_dir, fresh, result, profiler, progress, stop_at, stop)
+            return train_compiled(p, c, outputs, fresh, result, profiler, progress, stop_at, stop)
         except OSError as e:  # a full or read-only disk under the metrics: one line
             raise write_failed(p, out_dir, e) from None
 
 
-def train_compiled(p: Setup, c: Compiled, out_dir: Path | None, fresh: bool, result: RunResult,
+def train_compiled(p: Setup, c: Compiled, outputs: Outputs | None, fresh: bool, result: RunResult,
                    profiler: StepProfiler, progress: bool, stop_at: int | None, stop: StopRequest) -> RunResult:
     """Phases 3 and 4, once compiled: the outputs opened, the loop, the summary. The writers are
     closed however the loop ends; after a failure, quietly (a full disk takes their last lines too)."""
-    writers, created = open_outputs(p, c, out_dir, fresh)
+    out_dir = outputs.folder if outputs is not None else None
+    writers, created = open_outputs(p, c, outputs, fresh)
     if p.start and progress and is_main_process():
         print(f"resuming from step {p.start} in {p.ckpt.directory}", file=sys.stderr)
     for note in p.model.plan.notes if is_main_process() else ():  # auto chose a slower path
@@ -267,7 +270,8 @@ def train_compiled(p: Setup, c: Compiled, out_dir: Path | None, fresh: bool, res
     if writers:
         writers.close()
     if state is None:
-        remove_outputs(created if p.start == 0 else [])
+        if outputs is not None:
+            outputs.release(*(created if p.start == 0 else []))
         return stopped_early(p, stop.now())
     c.info["summary"] = summarise(c.info, result.losses, result.val_losses, step_times)
     zero.check_state(state, p.built.shardings)  # out_shardings pin them; this proves it after training
