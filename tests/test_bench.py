@@ -90,7 +90,7 @@ def test_failed_layout_is_reported_and_exits_1(bench_out, tmp_path, monkeypatch,
     rows = json.loads((bench_out / "bench.json").read_text())
     failed = {"layout": "dp=2", "devices": 2, "mesh": {}, "batch_size": 8, "error": "exit 1: boom"}
 
-    def fake_train(layout, config, out_dir):  # the real one is covered by bench_out
+    def fake_train(layout, config, out_dir, stop):  # the real one is covered by bench_out
         return dict(rows[0]) if layout.devices == 1 else dict(failed)
 
     monkeypatch.setattr(bench, "train_layout", fake_train)
@@ -116,9 +116,9 @@ def test_failure_line_skips_native_stack_frames():
 
 
 def fake_child(calls: list):
-    """subprocess.run for jaxpar.train as bench starts it, without training: like train, it keeps
+    """bench.run_train for jaxpar.train as bench starts it, without training: like train, it keeps
     (nothing to do) the run.json of a finished run it would resume, unless given --fresh."""
-    def run(argv, **kwargs):
+    def run(argv, stop):
         calls.append(argv)
         out = argv[argv.index("--out") + 1]
         run_json = Path(out) / "run.json"
@@ -142,7 +142,7 @@ def bench_dp1(out, *extra):
 
 def test_a_bench_again_with_other_settings_measures_again(tmp_path, monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(bench.subprocess, "run", fake_child(calls))
+    monkeypatch.setattr(bench, "run_train", fake_child(calls))
     bench_dp1(tmp_path)
     bench_dp1(tmp_path, "--model.remat=full")
     assert len(calls) == 2
@@ -154,7 +154,7 @@ def test_a_bench_again_with_other_settings_measures_again(tmp_path, monkeypatch,
 
 def test_a_bench_again_with_the_same_settings_says_it_reuses_the_row(tmp_path, monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(bench.subprocess, "run", fake_child(calls))
+    monkeypatch.setattr(bench, "run_train", fake_child(calls))
     bench_dp1(tmp_path)
     first = json.loads((tmp_path / "bench.json").read_text())
     capsys.readouterr()
@@ -165,8 +165,34 @@ def test_a_bench_again_with_the_same_settings_says_it_reuses_the_row(tmp_path, m
 
 
 def test_a_second_bench_into_a_locked_out_is_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bench.subprocess, "run", fake_child([]))
+    monkeypatch.setattr(bench, "run_train", fake_child([]))
     with RunLock(tmp_path):  # another bench is writing here
         exits_with_one_line(capsys, "jaxpar.bench", lambda: bench_dp1(tmp_path),
                             f"--out '{tmp_path}' is in use by another jaxpar command")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_baseline_leaves_the_other_rows_without_ratios(tmp_path, monkeypatch, capsys):
+    """The baseline (dp=1) fails: its row holds its error, the rows that ran have no speedup or
+    efficiency ('-', and a note says why), bench.md is written all the same, and the bench exits 1
+    (before: a TypeError in the table, and no bench.md). The control: dp=2's own figures are shown."""
+    ran = {"layout": "dp=2", "devices": 2, "mesh": {"dp": 2}, "batch_size": 8, "run_dir": "", "error": None,
+           "platform": "cpu", "zero_stage": 1, "tokens_per_s": 1234.0, "step_time_ms": 5.0, "compile_s": 1.0,
+           "mfu": 0.1, "hfu": 0.1, "peak_memory_bytes": 3, "bytes_per_device": {"params": 1, "opt_state": 2},
+           "collectives": {}, "final_loss": 4.0, "final_val_loss": None}
+    failed = {"layout": "dp=1", "devices": 1, "mesh": {}, "batch_size": 8, "error": "exit 1: boom"}
+    monkeypatch.setattr(bench, "train_layout", lambda layout, *rest: dict(failed if layout.devices == 1 else ran))
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--out", str(out)])
+    assert exit_info.value.code == 1
+    assert "1 of 2 layouts failed: dp=1" in capsys.readouterr().err
+    written = json.loads((out / "bench.json").read_text())
+    assert written[1]["speedup"] is None and written[1]["efficiency"] is None
+    markdown = (out / "bench.md").read_text()
+    header, _, base_line, dp2_line = markdown.splitlines()[:4]
+    assert "failed: exit 1: boom" in base_line and base_line.count("|") == header.count("|")
+    cells = [cell.strip() for cell in dp2_line.strip("|").split("|")]
+    assert dp2_line.count("|") == header.count("|") and cells[3] == "1,234"  # the control
+    assert cells[8:10] == ["-", "-"]  # speedup, efficiency
+    assert "the 1-device run (dp=1) failed, so no layout has a speedup or efficiency (-)" in markdown

@@ -15,21 +15,23 @@ import jaxpar
 from jaxpar.core.config import Config
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.model_config import model_config
-from jaxpar.nn import grouped_gemm, kernel_tuning, moe
-from jaxpar.nn.kernel_tuning import Request, TuningCache
+from jaxpar.nn import grouped_gemm, kernel_tuning, moe, tuning_cache
+from jaxpar.nn.tuning_cache import Request, TuningCache
 
 REQUESTS = [Request("tokamax", leg, ((96, 16), (4, 16, 32)), ("bfloat16", "bfloat16")) for leg in grouped_gemm.LEGS]
 
 
 class StandIn:
-    """A tuner that counts its calls and reports a fixed cost."""
+    """A tuner that counts its calls and reports a fixed cost; `text`: its config as JSON text, as
+    tokamax's tuner gives it."""
 
-    def __init__(self, seconds=1.5):
-        self.calls, self.seconds = [], seconds
+    def __init__(self, seconds=1.5, text=False):
+        self.calls, self.seconds, self.text = [], seconds, text
 
     def __call__(self, request):
         self.calls.append(request)
-        return {"block_m": 64, "leg": request.leg}, self.seconds
+        config = {"block_m": 64, "leg": request.leg}
+        return json.dumps(config) if self.text else config, self.seconds
 
 
 def test_cache_keys_reuse_and_cost(tmp_path):
@@ -38,14 +40,14 @@ def test_cache_keys_reuse_and_cost(tmp_path):
     assert len(keys) == 3 and all(k.startswith("nvidia_h200|tokamax|") and "96x16,4x16x32" in k for k in keys)
     assert REQUESTS[0].key("nvidia_h200") != REQUESTS[0].key("nvidia_h100_80gb_hbm3")
     tuner = StandIn()
-    configs, line = kernel_tuning.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, tuner)
+    configs, line = tuning_cache.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, tuner)
     assert len(tuner.calls) == 3 and configs[REQUESTS[1]] == {"block_m": 64, "leg": "dlhs"}
     assert "\n" not in line and "tuned 3" in line and "in 4.50 s" in line and "reused 0" in line
-    body = json.loads((tmp_path / kernel_tuning.CACHE_FILE).read_text())
+    body = json.loads((tmp_path / tuning_cache.CACHE_FILE).read_text())
     assert body["jaxpar"] == jaxpar.__version__ and body["entries"][REQUESTS[0].key("nvidia_h200")]["cost_s"] == 1.5
-    assert not [p for p in tmp_path.iterdir() if p.name != kernel_tuning.CACHE_FILE]  # the temporary file renamed
+    assert not [p for p in tmp_path.iterdir() if p.name != tuning_cache.CACHE_FILE]  # the temporary file renamed
     again = StandIn()
-    configs2, line = kernel_tuning.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, again)
+    configs2, line = tuning_cache.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, again)
     assert not again.calls and configs2 == configs and "reused 3 entries" in line and "tuned nothing" in line
 
 
@@ -58,27 +60,27 @@ def test_a_tuning_stopped_midway_keeps_what_it_tuned(tmp_path):
                 raise KeyboardInterrupt
             return super().__call__(request)
     with pytest.raises(KeyboardInterrupt):
-        kernel_tuning.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, Stopped())
+        tuning_cache.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, Stopped())
     again = StandIn()
-    _, line = kernel_tuning.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, again)
+    _, line = tuning_cache.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, again)
     assert again.calls == REQUESTS[2:] and "tuned 1" in line and "reused 2" in line
 
 
 @pytest.mark.parametrize("body, why", [("{not json", "does not parse"),
                                        (json.dumps({"jaxpar": "0.0.0", "format": 1, "entries": {}}), "jaxpar 0.0.0")])
 def test_corrupt_or_foreign_cache_is_ignored_and_rewritten(tmp_path, body, why):
-    (tmp_path / kernel_tuning.CACHE_FILE).write_text(body)
+    (tmp_path / tuning_cache.CACHE_FILE).write_text(body)
     cache = TuningCache(str(tmp_path))
     assert cache.entries == {} and why in cache.note and "\n" not in cache.note
-    _, line = kernel_tuning.tune(cache, "nvidia_h200", REQUESTS[:1], StandIn())
+    _, line = tuning_cache.tune(cache, "nvidia_h200", REQUESTS[:1], StandIn())
     assert why in line and "tuned 1" in line and "\n" not in line
     assert TuningCache(str(tmp_path)).note is None  # rewritten in this version's format
 
 
 def test_cache_folder_defaults_to_the_users(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert kernel_tuning.cache_folder() == tmp_path / "jaxpar"
-    assert kernel_tuning.cache_folder("/x/y") == Path("/x/y")
+    assert tuning_cache.cache_folder() == tmp_path / "jaxpar"
+    assert tuning_cache.cache_folder("/x/y") == Path("/x/y")
 
 
 def grads(fn, x, w, gs, dy):
@@ -168,7 +170,7 @@ def test_gpu_plan_path_with_stand_ins(monkeypatch, tmp_path):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     cfg = Config(model=model_config("llama", n_experts=4, experts_per_token=2, n_embd=16, block_size=8))
     cfg.train.kernel_cache = str(tmp_path)
-    tuner = StandIn(0.25)
+    tuner = StandIn(0.25, text=True)
     plan = lambda kind: kernel_tuning.plan_tuning(cfg, "gpu", FakeGPU(kind), "tokamax", 32, 1, False,
                                                   tuner=tuner)
     fields = plan("NVIDIA H200")
@@ -181,3 +183,104 @@ def test_gpu_plan_path_with_stand_ins(monkeypatch, tmp_path):
     fields = kernel_tuning.plan_tuning(cfg, "gpu", FakeGPU("NVIDIA H200"), "tokamax", 32, 1, False,
                                        timer=lambda fn, args: 1.0, tuner=tuner)
     assert fields["gemm_legs"] == ("ragged_dot",) * 3 and "gemm_tuning" not in fields  # tokamax runs no leg
+
+
+LEG_REQUESTS = [Request("grouped_gemm", leg, ((32, 16), (4, 16, 32)), ("float32", "float32"))
+                for leg in grouped_gemm.LEGS]
+
+
+def leg_stand_in(request):
+    """A leg tuner's config without measuring: ragged_dot passed the check and is the fastest."""
+    return {"kernel": "ragged_dot", "seconds": {"ragged_dot": 1.0, "blocks": 2.0}, "dropped": []}, 0.5
+
+
+def cache_with(folder, entry) -> TuningCache:
+    """A cache file of this version holding `entry` for each of LEG_REQUESTS."""
+    body = {"jaxpar": tuning_cache.VERSION, "format": tuning_cache.FORMAT,
+            "entries": {r.key("cpu_test"): entry for r in LEG_REQUESTS}}
+    (folder / tuning_cache.CACHE_FILE).write_text(json.dumps(body))
+    return TuningCache(str(folder))
+
+
+@pytest.mark.parametrize("entry, kernels, why", [
+    ({"config": {"kernel": "bogus", "seconds": {"bogus": 0.1, "ragged_dot": 1.0}, "dropped": []}, "cost_s": 1},
+     None, "it times bogus, which is not a grouped GEMM kernel here"),
+    ({"config": {"kernel": "megablox", "seconds": {"megablox": 0.1, "ragged_dot": 1.0}, "dropped": ["megablox"]},
+      "cost_s": 1}, None, "it times megablox, which failed the check against ragged_dot"),
+    ({"config": {"kernel": "megablox", "seconds": {"megablox": 0.1, "ragged_dot": 1.0}, "dropped": []}, "cost_s": 1},
+     ("ragged_dot", "blocks"), "it times megablox, which is not a grouped GEMM kernel here"),  # not a candidate here
+    ({"config": {"kernel": "blocks", "seconds": {"blocks": "fast"}, "dropped": []}, "cost_s": 1}, None,
+     "its time of blocks is not a number of seconds"),
+    ({"config": {"kernel": "blocks"}, "cost_s": 1}, None, "not a leg's timings"),
+    ("junk", None, "no config"),
+    ({"config": {"kernel": "blocks", "seconds": {"blocks": 0.1}, "dropped": []}}, None, "cost_s None"),
+])
+def test_a_cached_leg_choice_that_cannot_be_used_is_said_and_tuned_again(tmp_path, entry, kernels, why):
+    """A cached choice must time registered candidate kernels that passed the check against
+    ragged_dot, in seconds, in a well-formed entry: else the entries are dropped, the one line
+    names the file and why, each is tuned again and the file rewritten (before: used as they
+    were, or a TypeError)."""
+    cache = cache_with(tmp_path, entry)
+    calls = []
+
+    def tuner(request):
+        calls.append(request)
+        return leg_stand_in(request)
+    legs, lines = kernel_tuning.choose_legs(cache, "cpu_test", LEG_REQUESTS, tuner, *([kernels] if kernels else []))
+    assert legs == ("ragged_dot",) * 3 and len(calls) == 3
+    line = lines[-1]
+    assert "\n" not in line and f"{tmp_path / tuning_cache.CACHE_FILE}: dropped 3 entries that cannot be used" in line
+    assert why in line and "tuned 3" in line, line
+    assert kernel_tuning.choose_legs(TuningCache(str(tmp_path)), "cpu_test", LEG_REQUESTS, None)[0] == legs  # rewritten
+
+
+def test_a_usable_cached_leg_choice_is_reused(tmp_path):
+    """The control: a well-formed choice of registered kernels that passed is used, tuning nothing."""
+    config, _ = leg_stand_in(None)
+    config |= {"kernel": "blocks", "seconds": {"blocks": 0.5, "ragged_dot": 1.0}}
+    cache = cache_with(tmp_path, {"config": config, "cost_s": 1})
+    legs, lines = kernel_tuning.choose_legs(cache, "cpu_test", LEG_REQUESTS, None)
+    assert legs == ("blocks",) * 3 and "tuned nothing" in lines[-1] and "dropped" not in lines[-1]
+
+
+def folder_for_the_file(tmp_path):
+    (tmp_path / tuning_cache.CACHE_FILE).mkdir()
+    (tmp_path / tuning_cache.CACHE_FILE / "mine.txt").write_text("a user's")
+    users = tmp_path / tuning_cache.CACHE_FILE / "mine.txt"
+    return tmp_path, users, f"{users.parent} is a folder"
+
+
+def file_for_the_folder(tmp_path):
+    (tmp_path / "cache").write_text("a user's")
+    return tmp_path / "cache", tmp_path / "cache", f"{tmp_path / 'cache'} is a file where the cache's folder"
+
+
+def file_above_the_folder(tmp_path):
+    (tmp_path / "cache").write_text("a user's")
+    return tmp_path / "cache" / "jaxpar", tmp_path / "cache", f"{tmp_path / 'cache'} is a file where the cache's folder"
+
+
+@pytest.mark.parametrize("make", [folder_for_the_file, file_for_the_folder, file_above_the_folder])
+def test_a_cache_path_jaxpar_did_not_write_is_left_as_it_is(tmp_path, make):
+    """A folder where kernel_tuning.json should be, or a file where its folder should be: one
+    line says so, tuning goes on without keeping what it tunes, and what is there stays (before:
+    an OSError from the save)."""
+    folder, users, why = make(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    tuner = StandIn()
+    configs, line = tuning_cache.tune(TuningCache(str(folder)), "nvidia_h200", REQUESTS, tuner)
+    assert len(tuner.calls) == 3 and configs[REQUESTS[0]] == {"block_m": 64, "leg": "forward"}
+    assert "\n" not in line and why in line and "it is left as it is" in line and line.endswith("not kept")
+    assert users.read_text() == "a user's" and sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_a_cache_that_cannot_be_written_is_said_and_tuning_goes_on(tmp_path, monkeypatch):
+    """A folder this user may not write (as a read-only disk would): one line, nothing kept."""
+    def refused(**kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(tuning_cache.tempfile, "mkstemp", refused)
+    tuner = StandIn()
+    _, line = tuning_cache.tune(TuningCache(str(tmp_path)), "nvidia_h200", REQUESTS, tuner)
+    assert len(tuner.calls) == 3 and "\n" not in line and line.endswith("not kept")
+    assert f"{tmp_path / tuning_cache.CACHE_FILE} cannot be written (Permission denied)" in line
+    assert not list(tmp_path.iterdir())

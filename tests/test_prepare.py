@@ -1,10 +1,12 @@
 """`python -m jaxpar.prepare` writes nanoGPT's train.bin/val.bin exactly, with meta.json and
 tokenizer.json; bad input is one line, exit 2, and no train.bin; read_prepared checks it all."""
 
+import errno
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -256,6 +258,40 @@ def test_an_interrupted_cli_run_exits_130_and_says_so(capsys, tmp_path, docs, mo
     assert exit_info.value.code == 130
     assert "interrupted; nothing new written" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def no_space(writer, ids):
+    """SplitWriter.add on a full disk: the write fails as the kernel fails it."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_file(capsys, tmp_path, docs, monkeypatch):
+    """ENOSPC while the token files are written: one line naming --out and the fix, exit 2, the
+    .partial files removed (before: a traceback)."""
+    monkeypatch.setattr(prep.SplitWriter, "add", no_space)
+    out = tmp_path / "out"
+    fails_with(capsys, out, [docs / "*.txt", "--tokenizer", "bytes"],
+               f"no space left to write --out '{out}' (No space left on device); free space on that disk")
+    assert not out.exists()
+
+
+def test_a_partial_file_that_cannot_be_removed_is_said(capsys, tmp_path, docs, monkeypatch):
+    """A .partial file whose removal fails after a full disk is named in the same line, with what
+    to do; it is not ignored (before: the removal's PermissionError, a traceback)."""
+    monkeypatch.setattr(prep.SplitWriter, "add", no_space)
+    out = tmp_path / "out"
+    unlink = Path.unlink
+
+    def refuse_partials(path, *args, **kwargs):
+        if path.name.endswith(".partial") and path.exists():
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return unlink(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "unlink", refuse_partials)
+    err = exits_with_one_line(capsys, "jaxpar.prepare", lambda: main([str(docs / "doc0.txt"), "--tokenizer", "bytes",
+                                                                      "--out", str(out)]),
+                              "no space left to write", f"'{out / 'train.bin.partial'}' could not be removed "
+                              "(Permission denied); remove it by hand", "val.bin.partial' could not be removed")
+    assert err.count("could not be removed") == 2
 
 
 def test_read_prepared_maps_what_prepare_wrote(tmp_path, docs):

@@ -9,9 +9,13 @@ tokenizing piece by piece gives the tokens of the whole text:
   - else, in a long run without whitespace, before the last UTF-8 character.
 """
 
+import contextlib
 import glob
 import os
 import re
+import signal
+import sys
+import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +171,8 @@ def _run_in_worker(item):
 def ordered_map(make_fn, args: tuple, items, workers: int, per_worker: int = 3):
     """fn(item) for each item in order, where fn = make_fn(*args) is built once per process:
     in this process when workers <= 1, else in `workers` fresh processes, with at most
-    workers * per_worker items read ahead (multiprocessing's imap would read them all)."""
+    workers * per_worker items read ahead (multiprocessing's imap would read them all). However it
+    ends (an error, Interrupted, or the caller closing it), the workers are stopped and waited for."""
     if workers <= 1:
         yield from map(make_fn(*args), items)
         return
@@ -182,6 +187,40 @@ def ordered_map(make_fn, args: tuple, items, workers: int, per_worker: int = 3):
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT, raised where the main thread is, as Ctrl-C's KeyboardInterrupt is: the
+    with-blocks on the way out stop the workers (ordered_map's pool) and remove what was half
+    written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def interrupted_by_signals(prog: str):
+    """SIGTERM and SIGINT raise Interrupted in the main thread (SIGTERM's default would end the
+    process at once, its workers orphaned and its partial files left). A second signal, while the
+    first one's clean-up runs, ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():  # handlers only install there
+        yield
+        return
+    raised = []
+
+    def on_signal(signum, frame):
+        if raised:
+            print(f"{prog}: stopped at once by a second {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        raised.append(signum)
+        raise Interrupted(signum)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def progress_bar(total_bytes: int, desc: str, progress: bool | None):

@@ -24,11 +24,16 @@ Everything is written under temporary names and renamed at the end, meta.json la
 stops early leaves no train.bin, val.bin or meta.json that could pass for complete. DIR is
 locked meanwhile (jaxpar.core.out_lock's jaxpar.lock, gone at the end): a second prepare into it
 is refused in one line, so meta.json always describes the run that wrote the token files.
-`read_prepared(DIR)` checks the files and memory-maps them for training.
+SIGTERM or SIGINT stops the workers, removes the partial files and ends the run in one line (exit
+128 + the signal's number); so does a full disk (exit 2). `read_prepared(DIR)` checks the files
+and memory-maps them for training.
 """
 
+import contextlib
+import errno
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -70,7 +75,9 @@ def tokenize(writer: SplitWriter, tok, inputs: list[Path], workers: int, progres
     pieces = (piece for path in inputs for piece in corpus.pieces_of(path, options))
     start, tokens, shown, skipped, whole = time.perf_counter(), 0, 0.0, 0, 0
     encoded = corpus.ordered_map(_piece_encoder, (tok.to_meta(), writer.dtype.name), pieces, workers)
-    with corpus.progress_bar(sum(input_size(p) for p in inputs), "tokenizing", progress) as bar:
+    # closing: an error or a signal here stops the workers now, not when the traceback is freed.
+    with contextlib.closing(encoded), corpus.progress_bar(sum(input_size(p) for p in inputs), "tokenizing",
+                                                          progress) as bar:
         for size, is_records, documents, last, bad in encoded:
             by_documents = val_split == "documents" or (val_split is None and is_records)
             for i, ids in enumerate(documents):
@@ -139,6 +146,34 @@ def write_then_rename(path: Path, text: str) -> None:
     os.replace(partial, path)
 
 
+def discard_partials(out: Path, error: BaseException) -> None:
+    """After `error`, the partial files removed. An OSError (a full or read-only disk) becomes one
+    line; a partial file that cannot be removed is said: in that line, or on its own."""
+    left = []
+    for name in OUTPUTS:
+        path = out / f"{name}{PARTIAL}"
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as failed:
+            left.append(f"'{path}' could not be removed ({failed.strerror or failed}); remove it by hand")
+    if isinstance(error, OSError):
+        raise UserError("; ".join([disk_error(error, out), *left])) from None
+    if left and isinstance(error, UserError):
+        raise UserError("; ".join([str(error), *left])) from None
+    if left:
+        print(f"jaxpar.prepare: warning: {'; '.join(left)}", file=sys.stderr)
+
+
+def disk_error(error: OSError, out: Path) -> str:
+    """An OSError while the inputs are tokenized into `out`, in words: a full disk, or the file
+    (when the system named one) and what the system said."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"no space left to write --out '{out}' ({error.strerror}); free space on that disk or pass an "
+                "--out on another, then run again; nothing was written")
+    where = f"'{error.filename}'" if error.filename else f"writing --out '{out}'"
+    return f"{where}: {error.strerror or error}; fix it, then run again; nothing was written"
+
+
 def val_split_of(paths: list[Path], val_split: str | None) -> dict:
     """meta.json's record of how each kind of input was split: {"text files": "tokens", ...}."""
     kinds = {"records" if is_records(p) else "text files" for p in paths}
@@ -169,18 +204,19 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
         tokenizer_seconds = time.perf_counter() - started
         workers = pool_size(workers or (corpus.default_workers() if tok.parallel else 1), input_bytes)
         hf_json, dtype = tokenizer_json(tok), token_dtype(tok.vocab_size)
-        writer = SplitWriter(out, dtype, tok.eot_id, val_fraction)
+        writer = None
         try:
+            writer = SplitWriter(out, dtype, tok.eot_id, val_fraction)
             seconds, skipped = tokenize(writer, tok, paths, workers, progress, options, val_split)
             writer.close()
             check_splits(writer, val_fraction)
             meta = make_meta(tok, writer, val_fraction, input_bytes, val_split_of(paths, val_split), options,
                              skipped)
             commit(out, meta, hf_json)
-        except BaseException:  # the lock then removes the folders it made, if they are empty again
-            writer.close()
-            for name in OUTPUTS:
-                (out / f"{name}{PARTIAL}").unlink(missing_ok=True)
+        except BaseException as error:  # the lock then removes the folders it made, if they are empty again
+            if writer is not None:
+                writer.discard()
+            discard_partials(out, error)
             raise
     tokens = sum(writer.tokens.values())
     return {**meta, "timing": {"tokenizer_s": tokenizer_seconds, "tokenize_s": seconds,
@@ -234,14 +270,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.bpe_sample_bytes is not None and args.tokenizer != "bpe":
             raise UserError("--bpe-sample-bytes is for --tokenizer bpe only; drop it")
         try:
-            meta = prepare(args.inputs, args.out, args.tokenizer, args.vocab_size,
-                           args.val_fraction, args.force, args.workers, None,
-                           args.bpe_sample_bytes, RecordOptions(args.text_field, args.skip_bad_records),
-                           args.val_split)
-        except KeyboardInterrupt:
-            print(f"jaxpar.prepare: interrupted; nothing new written in {args.out}",
-                  file=sys.stderr)
-            sys.exit(130)
+            with corpus.interrupted_by_signals("jaxpar.prepare"):
+                meta = prepare(args.inputs, args.out, args.tokenizer, args.vocab_size,
+                               args.val_fraction, args.force, args.workers, None,
+                               args.bpe_sample_bytes, RecordOptions(args.text_field, args.skip_bad_records),
+                               args.val_split)
+        except KeyboardInterrupt as stop:  # Ctrl-C, or corpus.Interrupted: SIGTERM or SIGINT
+            by = f" by {stop}" if isinstance(stop, corpus.Interrupted) else ""
+            print(f"jaxpar.prepare: interrupted{by}; nothing new written in {args.out}", file=sys.stderr)
+            sys.exit(128 + getattr(stop, "signum", signal.SIGINT))
     print(summary(args.out, meta))
 
 

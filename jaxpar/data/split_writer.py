@@ -5,6 +5,7 @@ part closed by the end-of-text token. Files are written under a .partial suffix 
 Each split's largest token id is kept as the tokens go by (for meta.json, so that loading need
 not scan the file): train's from each piece's maximum, val's from the blocks moved to it."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -93,6 +94,14 @@ class SplitWriter:
     def close(self) -> None:
         for file in self.files.values():
             file.close()
+
+    def discard(self) -> None:
+        """Closed after a failure, its files about to be removed: a flush that fails (the full
+        disk that stopped it) loses only bytes that were going anyway, and each file is closed
+        even then."""
+        for file in self.files.values():
+            with contextlib.suppress(OSError):
+                file.close()
 
     def record(self, split: str) -> dict:
         """meta.json's account of a closed split: its tokens, documents, largest id, and the

@@ -2,6 +2,7 @@
 the Hugging Face tokenizer.json that encodes as char or bytes does (what an exported model ships).
 """
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,10 @@ def collect_chars(inputs: list[Path], workers: int = 1, progress: bool | None = 
     """The sorted set of the characters in `inputs`: one pass, its pieces on `workers` processes."""
     points = set()
     pieces = (piece for path in inputs for piece in pieces_of(path, options))
-    with progress_bar(sum(input_size(p) for p in inputs), "characters", progress) as bar:
-        for size, found in ordered_map(_piece_code_points, (), pieces, workers):
+    found_in = ordered_map(_piece_code_points, (), pieces, workers)
+    # closing: an error or a signal here stops the workers now, not when the traceback is freed.
+    with contextlib.closing(found_in), progress_bar(sum(input_size(p) for p in inputs), "characters", progress) as bar:
+        for size, found in found_in:
             points.update(found.tolist())
             bar.update(size)
     return "".join(map(chr, sorted(points)))

@@ -1,13 +1,6 @@
-"""Kernels tuned for the GPU at hand, once: a cache of tuned kernel configurations, and the
-grouped GEMM's legs chosen by measurement.
-
-The cache is one JSON file, `kernel_tuning.json` in train.kernel_cache's folder (empty: the user's
-cache folder, $XDG_CACHE_HOME/jaxpar or ~/.cache/jaxpar). Each entry is keyed by the device kind,
-the kernel, the leg (forward, dlhs, drhs), the shapes and the dtypes, and holds the chosen config
-and what finding it cost. A lookup that misses calls a tuner, stores what it found (a temporary
-file renamed over the cache: a reader never sees half of it) and says in one line what it tuned
-and what that cost, or that it reused N entries and tuned nothing. A file that does not parse, or
-that another jaxpar version or cache format wrote, is ignored with one line and rewritten.
+"""Kernels tuned for the GPU at hand, once, kept in the cache of jaxpar.nn.tuning_cache: tokamax's
+grouped-GEMM configs, and the grouped GEMM's legs chosen by measurement. A cached leg choice is used
+only where it times registered candidates that passed the check against ragged_dot.
 
 Tuning runs at plan time (jaxpar.training.execution.plan_execution), before anything is traced:
 on a GPU whose grouped GEMM is tokamax's, where tokamax ships no configs for that device kind
@@ -16,15 +9,9 @@ asks, to measure each leg's candidate kernels (`choose_legs`). On a CPU nothing 
 nothing is written.
 """
 
-import contextlib
 import functools
 import json
-import os
-import tempfile
 import time
-from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,109 +20,11 @@ import numpy as np
 from jaxpar.core import kernel_registry as registry
 from jaxpar.core.platform import GPUS
 from jaxpar.nn import grouped_gemm
+from jaxpar.nn.tuning_cache import Request, TuningCache, device_kind, seconds_number, tune
 
-
-def installed_version() -> str:
-    """jaxpar's installed version (the package's metadata: nn may not import jaxpar's top)."""
-    try:
-        return metadata.version("jaxpar")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-VERSION = installed_version()
-
-FORMAT = 1  # the cache file's layout; a file of another is rewritten
-CACHE_FILE = "kernel_tuning.json"
 SHIPPED = ("nvidia_h100_80gb_hbm3", "nvidia_b200")  # tokamax 0.0.12's data/autotuning (its GPU entries)
 LEG_RTOL = 1e-5  # a candidate leg against jax.lax.ragged_dot's, float32
 CHECK_GROUPS = (5, 0, 17, 3, 0)  # uneven and empty groups, and rows past them, for the correctness check
-
-
-def cache_folder(folder: str = "") -> Path:
-    """`folder`, or the user's cache folder's jaxpar/."""
-    if folder:
-        return Path(folder)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxpar"
-
-
-def device_kind(device) -> str:
-    """A device's kind as tokamax names its data folders: 'NVIDIA H100 80GB HBM3' -> nvidia_h100_80gb_hbm3."""
-    return "_".join(device.device_kind.lower().replace("-", " ").split())
-
-
-@dataclass(frozen=True)
-class Request:
-    """One thing to tune: a kernel's leg at the step's shapes and dtypes."""
-    kernel: str
-    leg: str
-    shapes: tuple  # e.g. ((rows, K), (G, K, N))
-    dtypes: tuple  # e.g. ("bfloat16", "bfloat16")
-
-    def key(self, device: str) -> str:
-        shapes = ",".join("x".join(map(str, s)) for s in self.shapes)
-        return f"{device}|{self.kernel}|{self.leg}|{shapes}|{','.join(self.dtypes)}"
-
-
-class TuningCache:
-    """The cache file's entries, read once; `note`: the one line saying why a file was ignored."""
-
-    def __init__(self, folder: str = ""):
-        self.path = cache_folder(folder) / CACHE_FILE
-        self.entries, self.note = read(self.path)
-
-    def save(self) -> None:
-        """Written whole to a temporary file beside it, then renamed over it."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"jaxpar": VERSION, "format": FORMAT, "entries": self.entries}
-        fd, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=CACHE_FILE + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(body, f, indent=1, sort_keys=True)
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-
-
-def read(path: Path) -> tuple[dict, str | None]:
-    """(the entries of the cache file at `path`, None), or ({}, the one line why it is ignored)."""
-    if not path.exists():
-        return {}, None
-    try:
-        body = json.loads(path.read_text())
-        entries = body["entries"]
-        if not isinstance(entries, dict):
-            raise TypeError("entries is not a table")
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return {}, f"kernel tuning: ignored {path}, which does not parse ({type(error).__name__}); it is rewritten"
-    if body.get("jaxpar") != VERSION or body.get("format") != FORMAT:
-        return {}, (f"kernel tuning: ignored {path}, written by jaxpar {body.get('jaxpar')} (format "
-                    f"{body.get('format')}), not {VERSION} ({FORMAT}); it is rewritten")
-    return entries, None
-
-
-def tune(cache: TuningCache, device: str, requests, tuner) -> tuple[dict, str]:
-    """Each request's config from the cache, or from tuner(request) -> (config, seconds it cost),
-    stored as soon as it is found (a run stopped while tuning keeps what it tuned); returns
-    ({request: config}, the one line of what was tuned and what it cost)."""
-    configs, tuned, cost = {}, [], 0.0
-    for request in requests:
-        key = request.key(device)
-        if key not in cache.entries:
-            config, seconds = tuner(request)
-            cache.entries[key] = {"config": config, "cost_s": round(seconds, 6)}
-            cache.save()
-            tuned.append(f"{request.kernel} {request.leg} {'/'.join('x'.join(map(str, s)) for s in request.shapes)}")
-            cost += seconds
-        configs[request] = cache.entries[key]["config"]
-    if tuned:
-        line = (f"kernel tuning on {device}: tuned {len(tuned)} ({'; '.join(tuned)}) in {cost:.2f} s, reused "
-                f"{len(configs) - len(tuned)}; kept in {cache.path}")
-    else:
-        line = f"kernel tuning on {device}: reused {len(configs)} entries from {cache.path}, tuned nothing"
-    return configs, line if cache.note is None else f"{cache.note}; {line}"
 
 
 def gemm_requests(cfg, kernel: str, rows: int, ep: int, legs=grouped_gemm.LEGS) -> list[Request]:
@@ -221,11 +110,31 @@ def leg_tuner(kernels, timer=device_timer, interpret: bool = True, fns=None, tun
     return tuner
 
 
-def choose_legs(cache: TuningCache, device: str, requests, tuner) -> tuple[tuple, list[str]]:
+def leg_problem(config, kernels=None) -> str | None:
+    """Why a cached leg choice (leg_tuner's config) cannot be used, or None. The kernels it timed
+    are those that passed the check against ragged_dot: each must be a registered grouped GEMM,
+    one of `kernels` (the candidates here; None: any), not one it dropped, and its time a number."""
+    timed = config.get("seconds") if isinstance(config, dict) else None
+    if not timed or not isinstance(timed, dict) or not isinstance(config.get("dropped"), list):
+        return "not a leg's timings (seconds, dropped)"
+    known = set(registry.KERNELS[registry.MOE_GEMM]).intersection(kernels or registry.KERNELS[registry.MOE_GEMM])
+    for kernel, seconds in timed.items():
+        if kernel not in known:
+            return f"it times {kernel}, which is not a grouped GEMM kernel here"
+        if kernel in config["dropped"]:
+            return f"it times {kernel}, which failed the check against ragged_dot"
+        if not seconds_number(seconds):
+            return f"its time of {kernel} is not a number of seconds"
+    return None if config.get("kernel") in timed else f"its choice {config.get('kernel')!r} is not a kernel it timed"
+
+
+
+def choose_legs(cache: TuningCache, device: str, requests, tuner, kernels=None) -> tuple[tuple, list[str]]:
     """Each leg's kernel (forward, dlhs, drhs): the least seconds summed over the step's GEMMs
     (`requests`: each GEMM's three legs) among the kernels every GEMM kept; and the lines to say:
-    each dropped kernel's, then the cache's one line."""
-    configs, line = tune(cache, device, requests, tuner)
+    each dropped kernel's, then the cache's one line. A cached choice is used only where
+    leg_problem finds nothing wrong with it (`kernels`: the candidates here)."""
+    configs, line = tune(cache, device, requests, tuner, lambda config: leg_problem(config, kernels))
     legs, lines = [], []
     for leg in grouped_gemm.LEGS:
         chosen = [c for r, c in configs.items() if r.leg == leg]
@@ -264,11 +173,12 @@ def plan_tuning(cfg, platform: str, device, gemm: str, rows: int, ep: int, inter
     kernels = candidates(platform) if cfg.train.choose_gemm_legs else (gemm,)
     tuning = ""
     if registry.TOKAMAX in kernels and kind not in SHIPPED:  # tuned first: its legs are timed tuned
-        configs, line = tune(cache, kind, gemm_requests(cfg, registry.TOKAMAX, rows, ep), tuner)
+        configs, line = tune(cache, kind, gemm_requests(cfg, registry.TOKAMAX, rows, ep), tuner,
+                             lambda config: None if isinstance(config, str) else "not tokamax's tuned configs (text)")
         tuning, lines = json.dumps(list(configs.values())), [line]
     if cfg.train.choose_gemm_legs:
         requests = gemm_requests(cfg, "grouped_gemm", rows, ep)
-        legs, chosen = choose_legs(cache, kind, requests, leg_tuner(kernels, timer, interpret, tuning=tuning))
+        legs, chosen = choose_legs(cache, kind, requests, leg_tuner(kernels, timer, interpret, tuning=tuning), kernels)
         fields["gemm_legs"], lines = legs, [*lines, *chosen]
     if tuning and registry.TOKAMAX in (fields.get("gemm_legs") or (gemm,)):
         fields["gemm_tuning"] = tuning

@@ -7,6 +7,10 @@ devices), i.e. tokens/s per device over the baseline's, in both strong and weak 
 Each layout's folder keeps the settings its row was measured under (bench_layout.json): a later
 bench into the same --out reuses that row, saying so, only when the layout's resolved config and
 --weak are the same and it did not fail; otherwise it trains the layout again from scratch.
+
+SIGTERM or SIGINT is passed on to the running jaxpar.train (a first stops it at its next safe
+point, a second at once), which the bench waits for; it then stops, exit 128 + the signal's
+number, keeping the rows measured before (StopSignals).
 """
 
 import json
@@ -16,6 +20,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,17 +31,12 @@ from jaxpar.core.errors import UserError, check_output_dir, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
-from jaxpar.planning.bench_record import RECORD, earlier_row, settings
-from jaxpar.training.loss_plots import mesh_label, plot_bench
+from jaxpar.planning.bench_record import RECORD, add_scaling, earlier_row, settings, write_outputs
+from jaxpar.training.loss_plots import mesh_label
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
 DEFAULT_STEPS = 50
 BASELINE = "dp=1"
-LOSS_RTOL = 1e-5  # the equivalence tests' tolerance for the same model on any layout
-HFU_NOTE = ("HFU = MFU x about 8/6 with pp > 1 (each pipeline backward recomputes its stage's forward; "
-            "12/6 with zb-h1, whose B and W each rerun it); "
-            "otherwise HFU = MFU: ZeRO-3's remat only re-gathers weights, which is communication, "
-            "not FLOPs")
 
 
 @dataclass
@@ -116,16 +116,85 @@ def failure(returncode: int, stderr: str) -> str:
     return f"{how}: {messages[-1][:300] if messages else 'no output'}"
 
 
-def train_layout(layout: Layout, config: str | None, out_dir: Path) -> dict:
-    """Run jaxpar.train for one layout in a fresh process, from scratch (--fresh: a checkpoint
-    left in its folder would otherwise be resumed, or taken as done); its run.json as a bench row."""
-    run_dir = out_dir / layout.slug
-    argv = [sys.executable, "-m", "jaxpar.train", *(["--config", config] if config else []),
+class Stopped(Exception):
+    """A signal stopped the bench (StopSignals): args (signum, where), its child ended and waited for."""
+
+
+class StopSignals:
+    """SIGTERM and SIGINT to the bench. Each is passed on to the layout's jaxpar.train where one
+    runs (its first stops the run at its next safe point, a second at once), and the bench waits
+    for it; then, as between runs, the bench stops, keeping no row of an unfinished layout."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.child: subprocess.Popen | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # handlers only install there
+            self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+        self.pass_on(signum)
+
+    def pass_on(self, signum: int) -> None:
+        """`signum` to the running child, if one runs, saying so (send_signal skips a child
+        already waited for)."""
+        if self.child is not None and self.child.returncode is None:
+            self.child.send_signal(signum)
+            print(f"jaxpar.bench: {signal.Signals(signum).name}: passed on to the running jaxpar.train, and "
+                  "waiting for it (it stops at its next safe point; send it again to stop it at once)",
+                  file=sys.stderr, flush=True)
+
+    def check(self, where: str) -> None:
+        if self.signum is not None:
+            raise Stopped(self.signum, where)
+
+
+def run_train(argv: list[str], stop: StopSignals) -> subprocess.CompletedProcess:
+    """argv run and waited for, its output kept; in a process group of its own, so that Ctrl-C in a
+    terminal reaches the bench alone, which passes it on once. Killed if this ends otherwise."""
+    stop.check("before its run")
+    with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=child_env(), process_group=0) as proc:
+        stop.child = proc
+        try:
+            if stop.signum is not None:  # it came while the child started
+                stop.pass_on(stop.signum)
+            stdout, stderr = proc.communicate()
+        finally:
+            stop.child = None
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def train_argv(layout: Layout, config: str | None, run_dir: Path) -> list[str]:
+    """jaxpar.train for one layout, from scratch (--fresh: a checkpoint left in its folder would
+    otherwise be resumed, or taken as done)."""
+    return [sys.executable, "-m", "jaxpar.train", *(["--config", config] if config else []),
             "--mesh", layout.spec, "--out", str(run_dir), "--fresh",
             *(f"--{key}={value}" for key, value in layout.overrides.items())]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=child_env())
+
+
+def train_layout(layout: Layout, config: str | None, out_dir: Path, stop: StopSignals) -> dict:
+    """Run jaxpar.train for one layout in a fresh process; its run.json as a bench row, or
+    Stopped where a signal came meanwhile."""
+    run_dir = out_dir / layout.slug
+    proc = run_train(train_argv(layout, config, run_dir), stop)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "train.log").write_text(proc.stdout + proc.stderr)
+    stop.check(f"during layout {layout.spec} (its jaxpar.train stopped and was waited for, its row not kept; "
+               "see its train.log)")
     row = {"layout": layout.spec, "devices": layout.devices, "mesh": layout.sizes,
            "batch_size": layout.cfg.train.batch_size, "run_dir": str(run_dir), "error": None}
     if proc.returncode != 0:
@@ -150,9 +219,9 @@ def train_layout(layout: Layout, config: str | None, out_dir: Path) -> dict:
     }
 
 
-def measure(layout: Layout, config: str | None, weak: bool, out_dir: Path) -> dict:
+def measure(layout: Layout, config: str | None, weak: bool, out_dir: Path, stop: StopSignals) -> dict:
     """The layout's row: reused, saying so, from an earlier run with the same settings; else
-    measured again, replacing that run."""
+    measured again, replacing that run (none recorded where a signal stopped it: Stopped)."""
     run_dir = out_dir / layout.slug
     now = settings(layout.cfg.to_dict(), weak)
     row, why_not = earlier_row(now, run_dir)
@@ -164,92 +233,12 @@ def measure(layout: Layout, config: str | None, weak: bool, out_dir: Path) -> di
         print(f"    measuring again: the earlier run in {run_dir} {why_not}", file=sys.stderr)
     (run_dir / RECORD).unlink(missing_ok=True)  # gone until this run's row replaces it
     start = time.perf_counter()
-    row = train_layout(layout, config, out_dir)
+    row = train_layout(layout, config, out_dir, stop)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / RECORD).write_text(json.dumps({"settings": now, "row": row}, indent=1))
     status = f"failed ({row['error']})" if row["error"] else "done"
     print(f"    {status} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return row
-
-
-def add_scaling(rows: list[dict]) -> None:
-    """Speedup and efficiency against rows[0], the baseline; None where either run failed."""
-    base = rows[0]
-    for row in rows:
-        ok = row.get("tokens_per_s") and base.get("tokens_per_s")
-        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if ok else None
-        row["efficiency"] = (row["speedup"] * base["devices"] / row["devices"]) if ok else None
-
-
-def loss_spread(rows: list[dict]) -> float | None:
-    """Largest relative difference of a final loss from the baseline's, over the rows that ran."""
-    losses = [row["final_loss"] for row in rows if row.get("final_loss") is not None]
-    if rows[0].get("final_loss") is None or len(losses) < 2:
-        return None
-    return max(abs(loss - losses[0]) / abs(losses[0]) for loss in losses)
-
-
-def size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def collectives_cell(collectives: dict) -> str:
-    return "; ".join(f"{kind} {c['count']}× {size(c['bytes'])}" for kind, c in collectives.items()
-                     if c["count"]) or "none"
-
-
-def table(rows: list[dict]) -> str:
-    """The Markdown table: one row per layout; a failed layout shows its error."""
-    header = ["layout", "devices", "batch", "tokens/s", "step (ms)", "compile (s)", "MFU", "HFU",
-              "speedup", "efficiency", "params + opt state / device", "peak memory / device",
-              "collectives (count, bytes)", "final loss"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        if r["error"]:
-            cells = [r["layout"], r["devices"], r["batch_size"], "failed: " + r["error"]]
-            lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells)
-                         + " |" * (len(header) - len(cells) + 1))
-            continue
-        per_device = r["bytes_per_device"]["params"] + r["bytes_per_device"]["opt_state"]
-        cells = [r["layout"], r["devices"], r["batch_size"], f"{r['tokens_per_s']:,.0f}",
-                 f"{r['step_time_ms']:.1f}", f"{r['compile_s']:.1f}", f"{100 * r['mfu']:.2f}%",
-                 f"{100 * r['hfu']:.2f}%", f"{r['speedup']:.2f}", f"{r['efficiency']:.2f}",
-                 size(per_device), size(r["peak_memory_bytes"]), collectives_cell(r["collectives"]),
-                 f"{r['final_loss']:.5f}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return "\n".join(lines)
-
-
-def notes(rows: list[dict], weak: bool) -> list[str]:
-    mode = ("weak scaling: the global batch grows with the device count" if weak
-            else "strong scaling: the same global batch on every layout")
-    found = [f"{mode}; speedup and efficiency are against the 1-device run ({rows[0]['layout']}).",
-             "Step time and tokens/s are medians with compile time excluded (reported apart).",
-             HFU_NOTE + "."]
-    spread = loss_spread(rows)
-    if spread is not None and not weak:
-        verdict = "agree" if spread <= LOSS_RTOL else "DIFFER"
-        found.append(f"Final losses {verdict}: largest relative difference from the baseline "
-                     f"{spread:.1e} (rtol {LOSS_RTOL:g}).")
-    if any(r.get("platform") == "cpu" and r["devices"] > 1 for r in rows):
-        found.append("On a CPU, forced host devices share the same cores, so speedups measure "
-                     "overheads, not a cluster's scaling; and each run measures its own CPU peak "
-                     "FLOP/s, so MFU moves with that measurement.")
-    return found
-
-
-def write_outputs(rows: list[dict], out_dir: Path, weak: bool) -> str:
-    """bench.json, bench.md and bench.png; returns the Markdown."""
-    (out_dir / "bench.json").write_text(json.dumps(rows, indent=2))
-    markdown = table(rows) + "\n\n" + "\n".join(f"- {note}" for note in notes(rows, weak)) + "\n"
-    (out_dir / "bench.md").write_text(markdown)
-    plot_bench(rows, out_dir / "bench.png")
-    return markdown
 
 
 def parse_args(argv: list[str]):
@@ -282,14 +271,13 @@ def main(argv: list[str] | None = None) -> None:
         layouts = plan_layouts(args.layouts, args.config, overrides, args.weak)
         from jaxpar.data.loader import load_dataset  # a bad data file fails here, not in every layout
         load_dataset(layouts[0].cfg.data, layouts[0].cfg.model.block_size)
-        with RunLock(out_dir):  # one bench per --out: two would train into the same layout folders
-            rows = []
-            for i, layout in enumerate(layouts, 1):
-                print(f"[{i}/{len(layouts)}] {layout.spec}: {layout.cfg.train.steps} steps on "
-                      f"{layout.devices} device(s), batch {layout.cfg.train.batch_size}", file=sys.stderr)
-                rows.append(measure(layout, args.config, args.weak, out_dir))
-            add_scaling(rows)
-            markdown = write_outputs(rows, out_dir, args.weak)
+        try:
+            rows, markdown = bench_layouts(layouts, args, out_dir)
+        except Stopped as stopped:
+            signum, where = stopped.args
+            print(f"jaxpar.bench: stopped by {signal.Signals(signum).name} {where}; bench.md not written; the same "
+                  "command again reuses the layouts measured and measures the rest", file=sys.stderr)
+            sys.exit(128 + signum)
     print(markdown)
     print(f"wrote {out_dir}/bench.json, bench.md" + (", bench.png" if (out_dir / "bench.png").exists()
                                                       else ""))
@@ -298,6 +286,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"jaxpar.bench: error: {len(failed)} of {len(rows)} layouts failed: "
               f"{', '.join(failed)}; see their train.log", file=sys.stderr)
         sys.exit(1)
+
+
+def bench_layouts(layouts: list[Layout], args, out_dir: Path) -> tuple[list[dict], str]:
+    """Each layout's row, in turn, under --out's lock and the signals' handlers; the outputs."""
+    with StopSignals() as stop, RunLock(out_dir):  # one bench per --out: two would train into the same folders
+        rows = []
+        for i, layout in enumerate(layouts, 1):
+            stop.check(f"before layout {layout.spec}")
+            print(f"[{i}/{len(layouts)}] {layout.spec}: {layout.cfg.train.steps} steps on "
+                  f"{layout.devices} device(s), batch {layout.cfg.train.batch_size}", file=sys.stderr)
+            rows.append(measure(layout, args.config, args.weak, out_dir, stop))
+        stop.check("after the last layout")
+        add_scaling(rows)
+        return rows, write_outputs(rows, out_dir, args.weak)
 
 
 if __name__ == "__main__":

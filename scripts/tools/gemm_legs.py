@@ -15,7 +15,7 @@ import jax
 
 from jaxpar.core.config import Config
 from jaxpar.core.model_config import model_config
-from jaxpar.nn import kernel_tuning
+from jaxpar.nn import kernel_tuning, tuning_cache
 
 
 def main() -> None:
@@ -31,14 +31,14 @@ def main() -> None:
     if rehearsal:  # the plan's GPU path, with the kernels a CPU runs
         jax.default_backend = lambda: "gpu"
         kernel_tuning.candidates = lambda platform: ("ragged_dot", "blocks", "megablox")
-    kind = kernel_tuning.device_kind(device)
+    kind = tuning_cache.device_kind(device)
     for experts in (int(e) for e in args.experts.split(",")):
         cfg = Config(model=model_config("llama", n_experts=experts, n_embd=args.embd, moe_mlp_dim=args.width,
                                         dtype="bfloat16"))
         cfg.train.kernel_cache, cfg.train.choose_gemm_legs = args.cache, True
         fields = kernel_tuning.plan_tuning(cfg, "gpu", device, "tokamax", args.rows, 1, rehearsal)
         print(f"{experts} experts on {kind}: legs {fields.get('gemm_legs')}; {fields.get('tuning_note')}")
-        cache = kernel_tuning.TuningCache(args.cache)
+        cache = tuning_cache.TuningCache(args.cache)
         for request in kernel_tuning.gemm_requests(cfg, "grouped_gemm", args.rows, 1):
             chosen = cache.entries[request.key(kind)]["config"]
             times = ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in chosen["seconds"].items())
