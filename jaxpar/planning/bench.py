@@ -31,7 +31,7 @@ from jaxpar.core.errors import UserError, check_output_dir, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
-from jaxpar.planning.bench_record import RECORD, add_scaling, earlier_row, settings, write_outputs
+from jaxpar.planning.bench_record import RECORD, add_scaling, bench_outputs, earlier_row, settings, write_outputs
 from jaxpar.training.loss_plots import mesh_label
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
 def bench_layouts(layouts: list[Layout], args, out_dir: Path) -> tuple[list[dict], str]:
     """Each layout's row, in turn, under --out's lock and the signals' handlers; the outputs."""
     with StopSignals() as stop, RunLock(out_dir):  # one bench per --out: two would train into the same folders
+        outputs = bench_outputs(out_dir, [layout.slug for layout in layouts])
+        outputs.check()  # a user's file or folder in the way is refused before any layout trains
+        outputs.claim(*(layout.slug for layout in layouts))
         rows = []
         for i, layout in enumerate(layouts, 1):
             stop.check(f"before layout {layout.spec}")

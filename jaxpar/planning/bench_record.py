@@ -9,6 +9,7 @@ first row, the 1-device baseline: where it failed, no row has them, and the note
 import json
 from pathlib import Path
 
+from jaxpar.core.written import FILE, FOLDER, Outputs
 from jaxpar.training.loss_plots import plot_bench
 
 RECORD = "bench_layout.json"  # {"settings": ..., "row": ...}
@@ -132,8 +133,27 @@ def notes(rows: list[dict], weak: bool) -> list[str]:
     return found
 
 
+REPORT = ("bench.json", "bench.md", "bench.png")
+
+
+def bench_outputs(out_dir: Path, slugs: list[str]) -> Outputs:
+    """What a bench writes in --out (jaxpar.core.written): its report's files and a run folder per
+    layout; a bench from before the record is known by its bench.json."""
+    return Outputs(out_dir, {**dict.fromkeys(REPORT, FILE), **dict.fromkeys(slugs, FOLDER)},
+                   legacy=("bench.json", is_bench_json))
+
+
+def is_bench_json(path: Path) -> bool:
+    try:
+        rows = json.loads(path.read_text())
+        return isinstance(rows, list) and all({"layout", "run_dir", "error"} <= row.keys() for row in rows)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def write_outputs(rows: list[dict], out_dir: Path, weak: bool) -> str:
     """bench.json, bench.md and bench.png; returns the Markdown."""
+    Outputs(out_dir, dict.fromkeys(REPORT, FILE), legacy=("bench.json", is_bench_json)).claim(*REPORT)
     (out_dir / "bench.json").write_text(json.dumps(rows, indent=2))
     markdown = table(rows) + "\n\n" + "\n".join(f"- {note}" for note in notes(rows, weak)) + "\n"
     (out_dir / "bench.md").write_text(markdown)
