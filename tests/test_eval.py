@@ -3,11 +3,18 @@
 The reference is computed here independently: the model's forward (nnx.merge of the checkpoint's
 params) on all blocks at once, then each token's cross-entropy in float64 numpy, averaged.
 Tolerance: eval's loss within rtol 1e-5 of it, on one device and on dp=2, with a number of rows
-per pass that divides the blocks and ones that do not (the last pass padded).
+per pass that divides the blocks and ones that do not (the last pass padded); a --rows past the
+blocks is capped to them. --samples is checked before any work, and a failure to write it comes
+after the scores, in one line.
 """
 
+import contextlib
+import errno
 import json
 import math
+import os
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -16,6 +23,7 @@ import pytest
 from conftest import tiny_config
 from helpers import save_random_gpt2
 
+import jaxpar.inference.evaluate as evaluate_command
 from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
 from jaxpar.inference import sample
@@ -177,3 +185,109 @@ def test_tokenizers_compare_by_what_they_map():
     assert same_mapping(CharTokenizer("abc"), as_json(vocab.char_tokenizer_json("abc")))
     assert not same_mapping(CharTokenizer("abc"), as_json(vocab.char_tokenizer_json("abd")))  # control
     assert not same_mapping(ByteTokenizer(), CharTokenizer("abc"))
+
+
+def test_rows_past_the_blocks_are_capped_and_said(saved, direct, capsys, monkeypatch):
+    """--rows 100,000,000 on 93 blocks: passes of 93 rows (not padded to 10^8, which took all the
+    host's memory), the loss as ever, and one note on stderr."""
+    over_rows = evaluate_command.over_rows
+
+    def passes(fn, batch_at, total, mesh, rows, *args, **kwargs):
+        assert rows <= total, f"passes of {rows:,} rows for {total} blocks"
+        return over_rows(fn, batch_at, total, mesh, rows, *args, **kwargs)
+    monkeypatch.setattr(evaluate_command, "over_rows", passes)
+    main(["--ckpt", str(saved.run), "--data", str(saved.data), "--rows", "100000000"])
+    out, err = capsys.readouterr()
+    assert json.loads(out)["loss"] == pytest.approx(direct[0], rel=RTOL)
+    assert ("jaxpar.eval: note: --rows 100,000,000 is more than the 93 blocks in the val split; "
+            "93 rows per pass\n") in err
+    assert evaluate_command.rows_for(16, 93, "blocks", say=True) == 16 and "note" not in capsys.readouterr().err  # control
+
+
+# ---- --samples PATH: checked before any work; the scores printed whatever happens to the file ----
+
+TASKS_DIR = Path(__file__).parent / "fixtures" / "tasks"
+
+
+def tasks_argv(saved, samples) -> list[str]:
+    return ["--ckpt", str(saved.run), "--tasks", "piqa", "--tasks-dir", str(TASKS_DIR), "--limit", "2",
+            "--samples", str(samples)]
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading the model fails the test: a refusal comes before it."""
+    monkeypatch.setattr(evaluate_command, "load_source",
+                        lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """`folder` mounted read-only for the block (root only; skipped where mount is refused)."""
+    made = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True, check=False)
+    if made.returncode:
+        pytest.skip(f"mount --bind refused here: {made.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("none/samples.jsonl", "the folder '{tmp}/none' does not exist"),
+    (".", "is a folder; pass a file's path"),
+], ids=["missing-folder", "folder"])
+def test_a_samples_path_that_cannot_be_a_file_is_refused_before_the_model_loads(saved, tmp_path, capsys,
+                                                                                no_load, where, expected):
+    fails_with(capsys, tasks_argv(saved, tmp_path / where), expected.format(tmp=tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_samples_path_on_a_read_only_disk_is_refused_before_the_model_loads(saved, tmp_path, capsys, no_load):
+    (tmp_path / "ro").mkdir()
+    with read_only(tmp_path / "ro"):
+        fails_with(capsys, tasks_argv(saved, tmp_path / "ro" / "samples.jsonl"),
+                   f"--samples '{tmp_path}/ro/samples.jsonl' cannot be written: '{tmp_path}/ro' takes no new "
+                   "file (Read-only file system)")
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
+def test_samples_on_a_full_disk_are_one_line_after_the_scores(saved, tmp_path, capsys, monkeypatch):
+    """Writing --samples fails (ENOSPC): the scores are printed all the same, then one line, exit 2;
+    the file that was there is as it was, and no partial file is left. A control: with room, the
+    same command replaces the file."""
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("earlier\n")
+    real_open = open
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, *args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        writelines = write
+
+    def full_disk_open(file, mode="r", *args, **kwargs):
+        opened = real_open(file, mode, *args, **kwargs)
+        return FullDisk(opened) if set(mode) & set("wxa") else opened
+    with monkeypatch.context() as patch:
+        patch.setattr(evaluate_command, "open", full_disk_open, raising=False)
+        with pytest.raises(SystemExit) as exit_info:
+            main(tasks_argv(saved, samples))
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert [json.loads(line)["task"] for line in out.splitlines()] == ["piqa"]
+    assert err.strip().splitlines()[-1] == (
+        f"jaxpar.eval: error: cannot write --samples '{samples}' (No space left on device); the scores above "
+        "are complete: free some space, or pass another --samples, to keep the log-likelihoods")
+    assert [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"] and samples.read_text() == "earlier\n"
+    main(tasks_argv(saved, samples))
+    assert len(samples.read_text().splitlines()) == 2 and [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"]

@@ -2,11 +2,13 @@
 jaxpar_export.json lists) and refuses, in one line and before the checkpoint is read, the run it
 reads, a folder holding it or inside it, another run and any folder above one, and a folder holding
 a file it did not write; every run file survives each refusal byte for byte. One export per --out
-(a second is refused while the first holds the lock), and its files have the usual mode.
+(a second is refused while the first holds the lock), and its files have the usual mode. A full
+disk is one line that leaves --out as it was and nothing staged (or names what it could not remove).
 
 One training run of the tiny config (3 steps) and one export of it serve every test.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -20,6 +22,7 @@ from conftest import tiny_config
 from helpers import exits_with_one_line
 from helpers import placed as helpers_placed
 
+from jaxpar.formats import hf_files
 from jaxpar.formats.hf_files import MANIFEST_FILE
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
@@ -145,3 +148,52 @@ def test_a_second_export_while_one_holds_the_lock_is_refused(trained, tmp_path, 
     with pytest.raises(Stop):
         export.main(["--ckpt", str(trained), "--out", str(out)])
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- a full disk: one line, the earlier export kept, nothing staged left ----
+
+def no_space(tensors, path):
+    """save_tensors on a full disk: part of the file, then ENOSPC."""
+    path.write_bytes(b"part of a file")
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def safetensors_no_space(tensors, path, metadata=None):
+    """safetensors' own writer on a full disk, as it reports it."""
+    from safetensors import SafetensorError
+    path.write_bytes(b"part of a file")
+    raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                          '"No space left on device" })')
+
+
+@pytest.mark.parametrize("writer, earlier", [("oserror", True), ("safetensors", True), ("oserror", False)],
+                         ids=["oserror-over-an-export", "safetensors-over-an-export", "oserror-into-a-new-out"])
+def test_a_full_disk_is_one_line_and_leaves_out_as_it_was(exported, trained, tmp_path, capsys, monkeypatch,
+                                                          writer, earlier):
+    out = tmp_path / "hf"
+    if earlier:
+        shutil.copytree(exported, out)
+    before = snapshot(tmp_path)
+    if writer == "oserror":
+        monkeypatch.setattr(hf_files, "save_tensors", no_space)
+    else:
+        import safetensors.numpy
+        monkeypatch.setattr(safetensors.numpy, "save_file", safetensors_no_space)
+    refused(capsys, ["--ckpt", str(trained), "--out", str(out)] + (["--force"] if earlier else []),
+            f"cannot write the export in '{tmp_path}' (", "No space left on device",
+            f"--out '{out}' is as it was: free some space or make it writable, or pass another --out")
+    assert snapshot(tmp_path) == before  # no staging folder, no lock folder, the earlier export byte for byte
+
+
+def test_a_staged_export_that_cannot_be_removed_is_said(trained, tmp_path, capsys, monkeypatch):
+    """The write fails, and so does the removal of what was staged: both are in the one line."""
+    out = tmp_path / "hf"
+    staging = tmp_path / ".hf.jaxpar-export" / "staging"
+
+    def cannot_remove(path, *args, **kwargs):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    monkeypatch.setattr(hf_files, "save_tensors", no_space)
+    monkeypatch.setattr(export.shutil, "rmtree", cannot_remove)
+    refused(capsys, ["--ckpt", str(trained), "--out", str(out)], "No space left on device",
+            f"; and '{staging}' could not be removed (Permission denied): remove '{staging}' by hand")
+    assert not out.exists() and staging.is_dir()

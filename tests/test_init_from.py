@@ -165,6 +165,22 @@ def test_a_missing_checkpoint_directory_is_one_line(capsys, tmp_path):
                f"Hugging Face checkpoint directory '{tmp_path / 'nowhere'}' not found")
 
 
+def test_weights_holding_a_nan_are_named_before_anything_is_written(capsys, tmp_path):
+    """A NaN in one of the fixture's tensors: the run stops before step 0 naming that weight (as
+    `eval --hf` does), not at step 0's loss with advice to lower train.lr; nothing is written.
+    A control: the fixture itself starts (the tests above)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(FIXTURE, hf_dir)
+    tensors = load_file(hf_dir / "model.safetensors")
+    tensors["transformer.ln_f.weight"][3] = np.nan
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    fails_with(capsys, tmp_path, ["--config", "tiny", "--init-from", str(hf_dir), "--mesh", "dp=8"],
+               f"the weights in '{hf_dir}' hold NaN or infinite values (params['ln_f']['scale']); ")
+
+
 @pytest.mark.parametrize("name, n_layer, n_head, n_embd", [
     ("gpt2", 12, 12, 768), ("gpt2-medium", 24, 16, 1024), ("gpt2-large", 36, 20, 1280),
     ("gpt2-xl", 48, 25, 1600)])

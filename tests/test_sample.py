@@ -1,5 +1,6 @@
 """Sampling from a checkpoint: the decode forward is the model's, the KV cache gives the tokens
 that recomputing the window gives, and the command line streams text from a run directory.
+Samples that the free memory cannot hold are one line before anything is allocated.
 
 Tolerance: the decode forward's logits are within 1e-5 of the model's (absolute; the logits
 are of order 1). Greedy tokens must be equal.
@@ -9,11 +10,13 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
+from helpers import exits_with_one_line
 
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.inference import sample
-from jaxpar.models.decode import empty_cache, forward
+from jaxpar.models.decode import cache_bytes_per_token, empty_cache, forward
 from jaxpar.models.transformer import abstract_model
+from jaxpar.parallel import hlo
 from jaxpar.train import run
 
 LOGITS_ATOL = 1e-5
@@ -110,3 +113,42 @@ def test_the_streamer_prints_what_it_held_back_when_the_sample_ends(capsys):
     assert capsys.readouterr().out == "ROMEO: caf"  # held back: it may be a character's start
     streamer.finish()
     assert capsys.readouterr().out == tokenizer.decode(ids)[len("ROMEO: caf"):] == "\ufffd\ufffd"
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # The KV cache alone, 16 GB, was granted and then filled until the OOM killer ended it.
+    (["--num-samples", "1000000", "--max-new-tokens", "1000000000"], "need about 59,604,"),
+    (["--max-new-tokens", "1000000000"], "1 sample of 1,000,000,000 tokens needs about 178.8 GiB of host memory"),
+], ids=["samples-and-tokens", "tokens"])
+def test_samples_past_the_hosts_memory_are_one_line_before_any_allocation(trained, capsys, monkeypatch,
+                                                                          argv, expected):
+    """With 16 GiB free (whatever this host has): refused in one line before the decoders compile."""
+    monkeypatch.setattr(hlo, "host_available_bytes", lambda: 16 * GIB)
+    monkeypatch.setattr(sample, "warm_up", lambda *a: pytest.fail("the decoders ran before the refusal"))
+    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample.main(["--ckpt", str(trained)] + argv),
+                        expected, "but this host has 16.0 GiB free; lower --num-samples or --max-new-tokens")
+    assert capsys.readouterr().out == ""
+
+
+def test_a_kv_cache_past_the_free_memory_is_one_line(trained, capsys, monkeypatch):
+    """64 samples of 10 tokens need a few MiB (1 MiB of KV cache): with 0.5 MiB free, the compiled decoders' estimate (at
+    least the KV cache) refuses them before anything is allocated; with the host's own free memory
+    (the control), they are sampled."""
+    argv = ["--ckpt", str(trained), "--num-samples", "64", "--max-new-tokens", "10"]
+    with monkeypatch.context() as patch:
+        patch.setattr(hlo, "host_available_bytes", lambda: 2**19)
+        patch.setattr(sample, "warm_up", lambda *a: pytest.fail("the decoders ran before the refusal"))
+        exits_with_one_line(capsys, "jaxpar.sample", lambda: sample.main(argv),
+                            "64 samples of 10 tokens need about", "(the KV cache and the logits as XLA estimates "
+                            "them, on 1 host device, and the tokens), but this host has 0.5 MiB free")
+    from jaxpar.inference import sample_memory
+    model = sample.load(trained)
+    with jax.set_mesh(model.mesh):
+        need = sample_memory.device_bytes(model, sample.make_decoders(model, 0.8, 200), 64, 1, True, 1337)
+    cache = 64 * model.cfg.model.block_size * cache_bytes_per_token(model.net)
+    assert 2**19 < cache <= need
+    sample.main(argv)
+    assert capsys.readouterr().out.count("---------------") == 63

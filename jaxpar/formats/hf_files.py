@@ -67,7 +67,11 @@ def weight_files(hf_dir) -> list[Path]:
         return [hf_dir / WEIGHTS_FILE]
     if (hf_dir / INDEX_FILE).is_file():
         index = read_json(hf_dir / INDEX_FILE)
-        shards = sorted(set((index.get("weight_map") or {}).values()))
+        weight_map = index.get("weight_map") or {}
+        if not isinstance(weight_map, dict) or not is_a(list[str], list(weight_map.values())):
+            raise UserError(f"'{hf_dir / INDEX_FILE}': weight_map must map each tensor's name to its "
+                            "shard's file name; save the model again with save_pretrained")
+        shards = sorted(set(weight_map.values()))
         missing = [name for name in shards if not (hf_dir / name).is_file()]
         if not shards or missing:
             raise UserError(f"'{hf_dir / INDEX_FILE}' names the shard {missing[0] if missing else '(none)'}, "

@@ -9,8 +9,10 @@ The loss is the mean next-token cross-entropy over all scored tokens; the perple
 
 import json
 import math
+import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -51,13 +53,16 @@ def make_row_losses(model: Model):
     return jax.jit(row_losses)
 
 
-def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = False) -> dict:
-    """Loss and perplexity of `model` over every non-overlapping block of `tokens`."""
+def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = False,
+             say_capped: bool = False) -> dict:
+    """Loss and perplexity of `model` over every non-overlapping block of `tokens`, in passes of
+    `rows` blocks (at most the blocks there are; `say_capped`: a note on stderr when capped)."""
     block = model.cfg.model.block_size
     total = blocks_of(tokens, block)
     if total < 1:
         raise UserError(f"the val split has {len(tokens)} tokens, fewer than a block of {block} "
                         "and its target; use more data")
+    rows = rows_for(rows, total, "blocks in the val split", say_capped)
     row_losses = make_row_losses(model)
     losses, seconds = over_rows(lambda *batch: row_losses(model.params, *batch),
                                 lambda first, count: block_rows(tokens, first, count, block),
@@ -67,6 +72,16 @@ def evaluate(model: Model, tokens: np.ndarray, rows: int = 16, progress: bool = 
     timed = scored - min(passes_rows(model.mesh, rows), total) * block
     return {"split": "val", "loss": loss, "perplexity": math.exp(loss), "tokens": scored,
             "blocks": total, "tokens_per_s": round(timed / seconds, 1) if seconds else None}
+
+
+def rows_for(rows: int, total: int, what: str, say: bool) -> int:
+    """`rows` per pass, at most `total`: a pass is padded to its rows, so more than there are to
+    score would only hold padding (and a huge --rows, all the host's memory). With `say`, a
+    capped --rows is noted on stderr."""
+    if rows > total and say:
+        print(f"jaxpar.eval: note: --rows {rows:,} is more than the {total:,} {what}; "
+              f"{total:,} rows per pass", file=sys.stderr)
+    return min(rows, total)
 
 
 def data_for(model: Model, path: str | None) -> dict:
@@ -86,10 +101,10 @@ def data_for(model: Model, path: str | None) -> dict:
     return {name: part.val for name, part in zip(dataset.mixture.names, dataset.parts)}
 
 
-def evaluate_sources(model: Model, splits: dict, rows: int) -> list[dict]:
+def evaluate_sources(model: Model, splits: dict, rows: int, say_capped: bool = False) -> list[dict]:
     """One result per source; for a mixture, then the mixture's: the sources' losses weighted as
     data.mix weighs its rows."""
-    results = [{**({"source": name} if name else {}), **evaluate(model, tokens, rows, progress=True)}
+    results = [{**({"source": name} if name else {}), **evaluate(model, tokens, rows, True, say_capped)}
                for name, tokens in splits.items()]
     if len(results) > 1:
         weights = np.array([s.weight for s in parse_mix(model.cfg.data.mix)])
@@ -99,8 +114,8 @@ def evaluate_sources(model: Model, splits: dict, rows: int) -> list[dict]:
     return results
 
 
-def evaluate_tasks(model: Model, args) -> list[dict]:
-    """One result per task of --tasks; --samples writes each item's log-likelihoods."""
+def evaluate_tasks(model: Model, args, say_capped: bool = False) -> tuple[list[dict], list[dict]]:
+    """(one result per task of --tasks, each item's log-likelihoods for --samples)."""
     if model.tokenizer is None:
         raise UserError(f"'{args.hf}' has no tokenizer.json; --tasks needs the model's tokenizer")
     loaded = task_scoring.load_requests(args.tasks, args.tasks_dir, model.tokenizer,
@@ -108,17 +123,88 @@ def evaluate_tasks(model: Model, args) -> list[dict]:
     scorer = task_scoring.make_scorer(replace(model.net, eot_id=None))
     results, samples = [], []
     for task, requests in loaded:
+        rows = rows_for(args.rows, len(requests.inputs), f"requests of {task.name}", say_capped)
         result, items = task_scoring.score_task(task, requests, scorer, model.params, model.mesh,
-                                                args.rows, progress=True)
+                                                rows, progress=True)
         results.append(result)
         samples += [{"task": task.name, **item} for item in items]
         if result["dropped_chars"]:
             print(f"jaxpar.eval: note: {task.name}: the tokenizer lacks {result['dropped_chars']} of the "
                   "task's characters; they were left out of the texts", file=sys.stderr)
-    if args.samples:
-        with open(args.samples, "w") as f:
-            f.writelines(json.dumps(sample) + "\n" for sample in samples)
-    return results
+    return results, samples
+
+
+def reason(error: OSError) -> str:
+    return os.strerror(error.errno) if error.errno else str(error)
+
+
+def partial_path(path: Path) -> Path:
+    """The hidden file beside `path` that its text is written to before it is renamed to `path`."""
+    return path.with_name(f".{path.name}.{os.getpid()}.jaxpar-partial")
+
+
+def samples_target(path: str) -> Path | None:
+    """Where --samples writes, through a hidden file and a rename: the file a symbolic link names
+    (the link stays). None for a pipe or a terminal (/dev/stdout), written as it is."""
+    given = Path(path)
+    if given.exists() and not given.is_file() and not given.is_dir():
+        return None
+    return Path(os.path.realpath(path))
+
+
+def check_samples_path(path: str) -> None:
+    """--samples, before any work: not a folder, and in a folder that exists and takes a new file
+    (one is made there and removed). A pipe or a terminal is written as it is."""
+    target = samples_target(path)
+    if target is None:
+        return
+    if target.is_dir():
+        raise UserError(f"--samples '{path}' is a folder; pass a file's path, e.g. '{Path(path) / 'samples.jsonl'}'")
+    if not target.parent.is_dir():
+        raise UserError(f"--samples '{path}': the folder '{target.parent}' does not exist; make it, or "
+                        "pass a path in a folder that exists")
+    probe = partial_path(target)
+    try:
+        with open(probe, "x"):
+            pass
+    except OSError as e:
+        raise UserError(f"--samples '{path}' cannot be written: '{target.parent}' takes no new file "
+                        f"({reason(e)}); pass a path in a folder this user may write") from None
+    try:
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot remove '{probe}', made to check that --samples can be written "
+                        f"({reason(e)}); remove it by hand") from None
+
+
+def write_samples(path: str, samples: list[dict]) -> None:
+    """Each item's log-likelihoods, a JSON line each, to --samples: written to a hidden file beside
+    it, then renamed, so a failure (a full disk) leaves no half-written file, and is one line."""
+    lines = [json.dumps(sample) + "\n" for sample in samples]
+    target = samples_target(path)
+    if target is None:  # a pipe or a terminal: nothing to rename
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(lines)
+        except OSError as e:
+            raise UserError(f"cannot write --samples '{path}' ({reason(e)}); the scores above are "
+                            "complete: pass another --samples to keep the log-likelihoods") from None
+        return
+    partial = partial_path(target)
+    try:
+        with open(partial, "x", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+    except OSError as e:
+        message = (f"cannot write --samples '{path}' ({reason(e)}); the scores above are complete: free "
+                   "some space, or pass another --samples, to keep the log-likelihoods")
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError as left:
+            message += f"; and '{partial}' could not be removed ({reason(left)}): remove it by hand"
+        raise UserError(message) from None
 
 
 def parse_args(argv):
@@ -148,6 +234,8 @@ def parse_args(argv):
             raise UserError("--tasks needs --tasks-dir DIR: the folder holding the tasks (see the guide)")
         if args.limit is not None and args.limit < 1:
             raise UserError(f"--limit must be at least 1, got {args.limit}")
+        if args.samples is not None:
+            check_samples_path(args.samples)
         task_scoring.find_all(args.tasks, args.tasks_dir)  # a bad task fails before the model loads
     return args
 
@@ -163,12 +251,16 @@ def run_command(argv: list[str] | None) -> None:
         args = parse_args(sys.argv[1:] if argv is None else argv)
         model = load_source(args, "jaxpar.eval")
         source = {"step": model.step} if args.ckpt else {"hf": args.hf}
+        given = args.rows is not None
         if args.tasks is not None:
             args.rows = args.rows or 32
-            for result in evaluate_tasks(model, args):
-                print(strict_line({**source, **result}))
+            results, samples = evaluate_tasks(model, args, given)
+            for result in results:  # the scores first: a --samples that fails to write takes nothing from them
+                print(strict_line({**source, **result}), flush=True)
+            if args.samples:
+                write_samples(args.samples, samples)
             return
-        for result in evaluate_sources(model, data_for(model, args.data), args.rows or 16):
+        for result in evaluate_sources(model, data_for(model, args.data), args.rows or 16, given):
             print(strict_line({**source, **result}))
 
 

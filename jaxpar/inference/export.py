@@ -16,6 +16,7 @@ HF_DIR is never half-written and the lock file is never in it.
 """
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -114,7 +115,7 @@ def export(ckpt, out, force: bool = False, dtype: str = "float32",
     import ml_dtypes
     import numpy as np
 
-    from jaxpar.formats.hf_files import MAX_SHARD_BYTES, save_weights, write_manifest
+    from jaxpar.formats.hf_files import MAX_SHARD_BYTES
     from jaxpar.inference import sample
     from jaxpar.models.hf import hf_config, hf_state_dict
     out = Path(out)
@@ -130,16 +131,62 @@ def export(ckpt, out, force: bool = False, dtype: str = "float32",
         texts = {"config.json": json.dumps(hf_config(m, vocab, model.tokenizer.eot_id, dtype),
                                            indent=2) + "\n"}
         texts |= tokenizer_files(model.tokenizer, m.block_size)
-        try:
-            staging.mkdir()
-            files = save_weights(tensors, staging, max_shard_bytes or MAX_SHARD_BYTES) + list(texts)
-            for name, text in texts.items():
-                (staging / name).write_text(text, encoding="utf-8")
-            write_manifest(staging, files)
-            replace_dir(staging, where, replaced)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # only export writes there, under the lock
+        files = write_staged(tensors, texts, staging, where, replaced, max_shard_bytes or MAX_SHARD_BYTES)
     return model.step, sorted(files)
+
+
+def write_staged(tensors: dict, texts: dict[str, str], staging: Path, out: Path, replaced: Path,
+                 max_shard_bytes: int) -> list[str]:
+    """The export's files written in `staging`, then put at `out`; their names. A failure to write
+    (a full or read-only disk) is one line, after `undo`: no staged file is left, and `out` is as
+    it was."""
+    from safetensors import SafetensorError
+
+    from jaxpar.formats.hf_files import save_weights, write_manifest
+    try:
+        staging.mkdir()
+        files = save_weights(tensors, staging, max_shard_bytes) + list(texts)
+        for name, text in texts.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        write_manifest(staging, files)
+        replace_dir(staging, out, replaced)
+        return files
+    except BaseException as error:
+        left = undo(out, staging, replaced)
+        if isinstance(error, (OSError, SafetensorError)):
+            why = reason(error) if isinstance(error, OSError) else str(error).splitlines()[0]
+            raise UserError(f"cannot write the export in '{out.parent}' ({why}); --out '{out}' is as it "
+                            f"was: free some space or make it writable, or pass another --out{left}") from None
+        if left:
+            print(f"jaxpar.export: note: {left.removeprefix('; and ')}", file=sys.stderr)
+        raise
+
+
+def undo(out: Path, staging: Path, replaced: Path) -> str:
+    """After a failed write: the staged files removed, and an earlier export that was moved aside
+    put back at `out`; "" or, for what could not be undone, "; and ..." to add to the message."""
+    left = remove_staging(staging)
+    if replaced.exists() and not out.exists():
+        try:
+            replaced.rename(out)
+        except OSError as e:
+            left += f"; and the earlier export could not go back from '{replaced}' ({reason(e)}): move it"
+    return left
+
+
+def remove_staging(staging: Path) -> str:
+    """Remove the staged files, if any: "" or "; and ..." naming what could not be removed."""
+    if not staging.exists():
+        return ""
+    try:
+        shutil.rmtree(staging)  # only export writes there, under the lock
+    except OSError as e:
+        return f"; and '{e.filename or staging}' could not be removed ({reason(e)}): remove '{staging}' by hand"
+    return ""
+
+
+def reason(error: OSError) -> str:
+    return os.strerror(error.errno) if error.errno else str(error)
 
 
 @contextlib.contextmanager
@@ -159,14 +206,21 @@ def locked(out: Path):
 
 
 def remove_if_empty(folder: Path) -> None:
-    with contextlib.suppress(OSError):
+    """Remove the lock's folder unless it holds something (staged files that could not be removed,
+    which the error named); any other failure is said."""
+    try:
         folder.rmdir()
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+            print(f"jaxpar.export: note: cannot remove the folder '{folder}' ({reason(e)}); "
+                  "remove it by hand", file=sys.stderr)
 
 
 def recover(out: Path, staging: Path, replaced: Path) -> None:
     """Undo what a killed export left beside `out`: its staged files go; an earlier export it had
     moved aside goes back to `out` when nothing took its place, or else is removed."""
-    shutil.rmtree(staging, ignore_errors=True)
+    if left := remove_staging(staging):
+        raise UserError(f"cannot remove what an earlier export staged beside --out '{out}'{left}, then export again")
     if not replaced.exists():
         return
     if not out.exists():
@@ -182,7 +236,15 @@ def replace_dir(new: Path, out: Path, replaced: Path) -> None:
     if out.exists():
         out.rename(replaced)
     new.rename(out)
-    if replaced.exists() and not discard_export(replaced):
+    if not replaced.exists():
+        return
+    try:
+        discarded = discard_export(replaced)
+    except OSError as e:  # the export is in place: only the earlier one's removal failed
+        print(f"jaxpar.export: note: the earlier export, moved to '{replaced}', could not be removed "
+              f"({reason(e)}); remove it by hand", file=sys.stderr)
+        return
+    if not discarded:
         print(f"jaxpar.export: note: files that jaxpar.export did not write appeared in --out '{out}' "
               f"while it exported; they were kept, in '{replaced}'", file=sys.stderr)
 

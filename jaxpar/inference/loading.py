@@ -15,7 +15,7 @@ from jaxpar.core.config import Config, load_config
 from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import shardings_for
-from jaxpar.models.hf import apply_hf_config, hf_tokenizer, load_hf_params
+from jaxpar.models.hf import apply_hf_config, check_finite, hf_tokenizer, load_hf_params
 from jaxpar.models.transformer import Transformer
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
 from jaxpar.training.build import build_inference
@@ -75,21 +75,6 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
                  f"the checkpoint in '{ckpt.directory}'")
 
 
-_all_finite = jax.jit(lambda leaves: [jax.numpy.isfinite(x).all() for x in leaves])
-
-
-def check_finite(params, source) -> None:
-    """A model with a NaN or an infinity in its weights is refused: whatever it evaluated,
-    sampled or exported would be garbage that looks like output."""
-    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])
-    bad = [jax.tree_util.keystr(path) for path, ok in zip(paths, jax.device_get(_all_finite(list(leaves))))
-           if not ok]
-    if bad:
-        raise UserError(f"the weights in '{source}' hold NaN or infinite values (params{bad[0]}"
-                        + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "); use a checkpoint of "
-                        "a run that trained without diverging, or weights saved intact")
-
-
 def set_mesh_spec(cfg: Config, mesh: str) -> None:
     """cfg.mesh set to a --mesh spec such as "tp=2" (axes it omits are 1)."""
     for key, value in parse_mesh_spec(mesh).items():
@@ -122,8 +107,7 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     tokenizer = hf_tokenizer(hf_dir)
     net = build_inference(cfg, mesh_obj, vocab, tokenizer)
     shapes = net.shapes()
-    params = load_hf_params(hf_dir, cfg.model, vocab, shardings_for(net.axes(), shapes, mesh_obj))
-    check_finite(params, hf_dir)
+    params = load_hf_params(hf_dir, cfg.model, vocab, shardings_for(net.axes(), shapes, mesh_obj))  # checked finite
     return Model(cfg, tokenizer, net, params, mesh_obj, 0, f"--hf '{hf_dir}'")
 
 

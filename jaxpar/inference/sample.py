@@ -22,6 +22,7 @@ from jaxpar.core.errors import (
     out_of_memory_as_user_error,
 )
 from jaxpar.inference.loading import Model, add_model_source, load, load_source, source_name  # noqa: F401
+from jaxpar.inference.sample_memory import check_room
 from jaxpar.models.decode import empty_cache, forward, pick
 
 
@@ -83,14 +84,16 @@ def generate(model: Model, prompt: str = "\n", max_new_tokens: int = 500,
     is full, it restarts with its last block_size // 2 tokens, re-prefilled: nanoGPT instead
     recomputes the last block_size tokens for every new token, which a cache cannot do.
     """
-    ids = prompt_ids(model.tokenizer, prompt)
+    ids = prompt_ids(model.tokenizer, prompt)[-model.cfg.model.block_size:]
     eot = end_of_text(model.tokenizer) if stop_at_eot else None
-    window = np.tile(ids[-model.cfg.model.block_size:], (num_samples, 1))
     if (temperature, top_k) not in model.decoders:
         model.decoders[temperature, top_k] = make_decoders(model, temperature, top_k)
     decoders = model.decoders[temperature, top_k]
     with jax.set_mesh(model.mesh):
         compile_start = time.perf_counter()
+        # Compiles the decoders (the warm-up's compile) to weigh them, before anything is allocated.
+        check_room(model, decoders, num_samples, len(ids), max_new_tokens, use_cache, seed)
+        window = np.tile(ids, (num_samples, 1))
         warm_up(model, decoders, window, seed, use_cache)
         start = time.perf_counter()
         tokens = sample_tokens(model, decoders, window, max_new_tokens, seed, use_cache, eot, on_tokens)
@@ -141,6 +144,7 @@ def warm_up(model: Model, decoders, window: np.ndarray, seed: int, use_cache: bo
     if use_cache:
         for n in {window.shape[1], keep}:
             zeros = np.zeros((rows, n))
+            cache = None  # one cache at a time, as check_room weighs them
             token, cache = prefill(model.params, on_mesh(model, zeros), seed, 0, window_starts(model, zeros))
         jax.block_until_ready(step(model.params, cache, token, 0, seed, 0, window_starts(model, zeros, 1)))
     else:
@@ -160,6 +164,7 @@ def sample_tokens(model: Model, decoders, window: np.ndarray, max_new_tokens: in
         if not use_cache:
             token = recompute(params, padded(model, window), window.shape[1], seed, i, padded_starts(model, window))
         elif new_window:
+            cache = None  # the full window's cache goes before the restarted one is made
             token, cache = prefill(params, on_mesh(model, window), seed, i, window_starts(model, window))
         else:
             token, cache = step(params, cache, token, window.shape[1] - 1, seed, i, window_starts(model, window, 1))

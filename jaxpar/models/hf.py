@@ -127,14 +127,33 @@ def module_for(m: ModelConfig):
 
 def load_hf_params(hf_dir, m: ModelConfig, vocab_size: int, param_shardings: dict) -> dict:
     """The model in hf_dir as jaxpar's params (the model's pure dict), each leaf made in its
-    sharding from the slices its devices hold. m is the cfg.model that apply_hf_config set."""
+    sharding from the slices its devices hold; weights holding a NaN or an infinity are a
+    UserError that names the first. m is the cfg.model that apply_hf_config set."""
     module, model = module_for(m), Transformer(m, vocab_size)
     shapes, declared = model.shapes(), dict(in_order(model.declared))
     tensors, path = open_weights(hf_dir)
     readers = module.readers(tensors, m, vocab_size, declared, path)  # all checked first
-    return jax.tree_util.tree_map_with_path(
+    params = jax.tree_util.tree_map_with_path(
         lambda p, s, where: jax.make_array_from_callback(s.shape, where, readers[tuple(k.key for k in p)]),
         shapes, param_shardings)
+    check_finite(params, hf_dir)  # before training, evaluating or sampling starts from them
+    return params
+
+
+_all_finite = jax.jit(lambda leaves: [jax.numpy.isfinite(x).all() for x in leaves])
+
+
+def check_finite(params, source) -> None:
+    """A model with a NaN or an infinity in its weights is refused: whatever it trained from,
+    evaluated, sampled or exported would be garbage that looks like output (jaxpar.inference.loading
+    checks a checkpoint's params with it too)."""
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])
+    bad = [jax.tree_util.keystr(path) for path, ok in zip(paths, jax.device_get(_all_finite(list(leaves))))
+           if not ok]
+    if bad:
+        raise UserError(f"the weights in '{source}' hold NaN or infinite values (params{bad[0]}"
+                        + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "); use a checkpoint of "
+                        "a run that trained without diverging, or weights saved intact")
 
 
 def hf_tokenizer(hf_dir):
