@@ -1,24 +1,23 @@
-"""`python -m jaxpar.schedule --schedule 1f1b --pp 4 --microbatches 8`: a pipeline schedule's table,
+"""`python -m jaxpar.schedule --schedule NAME --pp 4 --microbatches 8`: a pipeline schedule's table,
 printed as a grid and drawn as a PNG (stages as rows, ticks as columns, bubbles blank)."""
 
 import sys
 
 import numpy as np
 
-from jaxpar.core.axes import check_schedule, check_virtual
-from jaxpar.core.config import PIPELINE_SCHEDULES
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
-from jaxpar.parallel.orders import BACKWARD, FORWARD, WEIGHT
-from jaxpar.parallel.schedule import Schedule
+from jaxpar.parallel.schedules import DEFAULT, SCHEDULES, make_schedule, schedule_class
+from jaxpar.parallel.schedules.base import PipelineSchedule
+from jaxpar.parallel.schedules.ops import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT
 from jaxpar.training.loss_plots import picture_path, pyplot, save
 
 
-def draw(schedule: Schedule, path: str) -> None:
+def draw(schedule: PipelineSchedule, path: str) -> None:
     """A PNG of the table: stages as rows, ticks as columns, F, B and W coloured (later layer
     chunks lighter), bubbles blank."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(6, 0.35 * schedule.ticks), 0.6 * schedule.pp + 1.2))
-    colours = {FORWARD: "#4c78a8", BACKWARD: "#f58518", WEIGHT: "#54a24b"}
+    colours = {FORWARD: "#4c78a8", BACKWARD: "#f58518", INPUT_GRAD: "#f58518", WEIGHT: "#54a24b"}
     for t, row in enumerate(schedule.table):
         for s, op in enumerate(row):
             if op is not None:
@@ -35,24 +34,31 @@ def draw(schedule: Schedule, path: str) -> None:
     save(plt, fig, path)
 
 
+def least_chunks(cls) -> int:
+    """The fewest layer chunks a stage that the schedule runs (pipeline.virtual 1, else 2)."""
+    try:
+        return cls.chunks_per_stage(1) and 1
+    except UserError:
+        return 2
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(prog="jaxpar.schedule", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="jaxpar.schedule", description=__doc__.splitlines()[0],
+                            epilog="Schedules: " + "; ".join(f"{name}: {cls.about}" for name, cls in SCHEDULES.items()))
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
+    parser.add_argument("--schedule", default=DEFAULT.name, choices=tuple(SCHEDULES))
     parser.add_argument("--virtual", type=int, default=None,
-                        help="layer chunks per stage, for interleaved (default 2)")
+                        help="layer chunks per stage, for a schedule that takes several (default: its least)")
     parser.add_argument("--out", help="PNG path (default: schedule_<schedule>_pp<P>_m<M>[_v<V>].png)")
     with exit_on_user_error("jaxpar.schedule"):
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if args.pp < 1:
             raise UserError(f"--pp must be positive, got {args.pp}")
-        virtual = args.virtual or (2 if args.schedule == "interleaved" else 1)
-        check_virtual(args.schedule, virtual)
-        check_schedule(args.schedule, args.pp, args.microbatches, virtual)
-        suffix = f"_v{virtual}" if virtual > 1 else ""
+        virtual = args.virtual or least_chunks(schedule_class(args.schedule))
+        schedule = make_schedule(args.schedule, args.pp, args.microbatches, virtual)
+        suffix = f"_v{virtual}" if args.virtual and virtual > 1 else ""
         out = picture_path(args.out, f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}{suffix}.png")
-        schedule = Schedule(args.schedule, args.pp, args.microbatches, virtual)
         print(schedule.grid())
         draw(schedule, out)
     print(f"wrote {out}")

@@ -25,11 +25,10 @@ from jaxpar.train import main
     (["--mesh", "dp=4,pp=2", "--pipeline.microbatches=4"], ["do not split into dp=4 x 4 microbatches"]),
     (["--mesh", "tp=4,pp=2", "--train.batch_size=3"], ["cannot split 3 sequences", "pipeline.microbatches"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.microbatches=1"], ["1f1b needs at least pp=2 microbatches"]),
-    (["--mesh", "dp=4,pp=2", "--zero", "3"], ["ZeRO stage 3 with pipeline parallelism is not supported"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.schedule=zigzag"], ["pipeline.schedule must be one of gpipe, 1f1b"]),
-    (["--mesh", "pp=2", "--pipeline.schedule=interleaved"], ["interleaved needs --pipeline.virtual >= 2"]),
+    (["--mesh", "dp=4,pp=2", "--pipeline.schedule=interleaved"], ["interleaved needs --pipeline.virtual >= 2"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.schedule=interleaved", "--pipeline.virtual=2"],
-     ["pp=2 x pipeline.virtual=2 layer chunks do not divide model.n_layer=2"]),
+     ["pp=2 x 2 layer chunks a stage (pipeline.virtual, or the schedule's own) do not divide model.n_layer=2"]),
 ])
 def test_bad_mesh(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)

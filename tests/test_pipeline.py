@@ -1,4 +1,4 @@
-"""Pipeline schedules as tables, and pipelined training equal to one device, with every schedule.
+"""Pipelined training equal to one device, with every schedule (their tables: test_schedule_tables.py).
 
 Equivalence tolerances, as in test_equivalence: losses within rtol 1e-5; each final param within
 1e-5 of that tensor's largest magnitude.
@@ -10,77 +10,8 @@ import pytest
 from conftest import mesh_overrides, tiny_config
 from helpers import LOSS_RTOL, STEPS, assert_same_training, train
 
-from jaxpar.parallel.orders import BACKWARD, FORWARD, Op
-from jaxpar.parallel.schedule import Schedule
-from jaxpar.schedule import main as schedule_main
+from jaxpar.parallel.schedules import make_schedule
 from jaxpar.train import run
-
-SHAPES = [(1, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 16), (8, 8)]
-SCHEDULES = ("gpipe", "1f1b")  # the interleaved and ZB-H1 tables: test_schedule_tables.py
-
-
-def every_schedule():
-    return [Schedule(name, pp, M) for name in SCHEDULES for pp, M in SHAPES]
-
-
-@pytest.mark.parametrize("schedule", every_schedule(), ids=str)
-def test_each_op_runs_once_per_stage(schedule):
-    for stage in range(schedule.pp):
-        ops = [row[stage] for row in schedule.table if row[stage] is not None]
-        expected = [Op(kind, k) for kind in (FORWARD, BACKWARD) for k in range(schedule.microbatches)]
-        assert sorted(ops, key=lambda op: (op.kind, op.microbatch)) == expected
-
-
-@pytest.mark.parametrize("schedule", every_schedule(), ids=str)
-def test_dependencies_are_respected(schedule):
-    tick = schedule.tick_of
-    for k in range(schedule.microbatches):
-        for s in range(schedule.pp):
-            assert tick(BACKWARD, k, s) > tick(FORWARD, k, s)
-            if s > 0:
-                assert tick(FORWARD, k, s) > tick(FORWARD, k, s - 1)
-            if s < schedule.pp - 1:
-                assert tick(BACKWARD, k, s) > tick(BACKWARD, k, s + 1)
-
-
-@pytest.mark.parametrize("schedule", every_schedule(), ids=str)
-def test_bubble_fraction_is_the_textbook_one(schedule):
-    pp, M = schedule.pp, schedule.microbatches
-    assert schedule.ticks == 2 * (M + pp - 1)
-    assert schedule.bubble_fraction == pytest.approx((pp - 1) / (M + pp - 1))
-
-
-@pytest.mark.parametrize("pp, M", SHAPES)
-def test_1f1b_keeps_at_most_pp_microbatches_in_flight(pp, M):
-    one_f_one_b, gpipe = Schedule("1f1b", pp, M), Schedule("gpipe", pp, M)
-    assert max(one_f_one_b.in_flight(s) for s in range(pp)) <= pp
-    assert one_f_one_b.input_slots <= pp  # the activation memory the executor allocates
-    assert max(gpipe.in_flight(s) for s in range(pp)) == M
-    assert gpipe.input_slots == (M if pp > 1 else 1)
-
-
-def test_executor_arrays_route_every_message():
-    """What stage s sends at tick t is stored by its neighbour at t, in the slot it reads later."""
-    schedule = Schedule("1f1b", 4, 8)
-    arrays = schedule.executor_arrays()
-    for t, row in enumerate(schedule.table):
-        for s, op in enumerate(row):
-            sent_forward = op is not None and op.kind == FORWARD and s < 3
-            sent_backward = op is not None and op.kind == BACKWARD and s > 0
-            if sent_forward:
-                read_tick = schedule.tick_of(FORWARD, op.microbatch, s + 1)
-                assert arrays["store_input"][t, s + 1] == arrays["input_slot"][read_tick, s + 1]
-            if sent_backward:
-                read_tick = schedule.tick_of(BACKWARD, op.microbatch, s - 1)
-                assert arrays["store_grad"][t, s - 1] == arrays["grad_slot"][read_tick, s - 1]
-    assert (arrays["store_input"][:, 0] == -1).all() and (arrays["store_grad"][:, 3] == -1).all()
-
-
-def test_schedule_picture(tmp_path, capsys):
-    png = tmp_path / "s.png"
-    schedule_main(["--pp", "4", "--microbatches", "8", "--schedule", "1f1b", "--out", str(png)])
-    out = capsys.readouterr().out
-    assert "bubble 27.3%" in out and "stage 3:" in out and png.stat().st_size > 0
 
 
 # Equivalence with one device, on the tiny config (2 layers: one per stage at pp=2).
@@ -171,7 +102,7 @@ def test_dry_run_shows_the_stage_buffers_of_the_schedule(capsys):
     from jaxpar.train import main
     main(["--config", "tiny", "--mesh", "tp=4,pp=2", "--pipeline.schedule=zb-h1", "--pipeline.microbatches=4",
           "--dry-run"])
-    schedule = Schedule("zb-h1", 2, 4)
+    schedule = make_schedule("zb-h1", 2, 4)
     out = capsys.readouterr().out
     assert f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)" in out
     assert "activations (1-layer chunk)" in out and "temporaries" in out

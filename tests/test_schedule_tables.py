@@ -1,157 +1,182 @@
-"""The interleaved 1F1B and ZB-H1 tables, tested on the tables themselves (jaxpar.parallel.orders)."""
+"""Every registered pipeline schedule's table, tested on the table itself (jaxpar.parallel.schedules):
+each op runs once, every dependency holds, and the executor's arrays deliver every value to its
+reader, for each schedule at the shapes its registry entry can run. A new schedule is tested here
+by its entry. Then what each schedule promises: its bubble and its memory."""
 
 import pytest
 
-from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError
-from jaxpar.parallel.orders import BACKWARD, FORWARD, WEIGHT, Op
-from jaxpar.parallel.schedule import Schedule
+from jaxpar.parallel.schedules import SCHEDULES, evaluation, make_schedule
+from jaxpar.parallel.schedules.base import SOURCES
+from jaxpar.parallel.schedules.ops import BACKWARD, DOWN, FORWARD, INPUT_GRAD, KEPT, UP, WEIGHT, Op
 from jaxpar.schedule import main as schedule_main
 
-INTERLEAVED = [(2, 2, 2), (2, 4, 2), (2, 6, 3), (4, 4, 2), (4, 8, 2), (4, 8, 3), (4, 16, 4), (8, 8, 2)]
-ZB_H1 = [(1, 1), (2, 1), (2, 2), (2, 8), (3, 5), (3, 9), (4, 4), (4, 7), (4, 8), (4, 16), (8, 8), (8, 16)]
+SHAPES = [(1, 1), (2, 1), (2, 2), (2, 4), (2, 5), (3, 5), (3, 9), (4, 4), (4, 8), (4, 9), (4, 16), (8, 8), (8, 16)]
+VIRTUALS = (1, 2, 3)
 
 
-def interleaved():
-    return [Schedule("interleaved", pp, M, V) for pp, M, V in INTERLEAVED]
+def tables():
+    """Every registered schedule at every shape and pipeline.virtual it accepts, and evaluation's."""
+    found = []
+    for name in SCHEDULES:
+        for pp, M in SHAPES:
+            for virtual in VIRTUALS:
+                try:
+                    found.append(make_schedule(name, pp, M, virtual))
+                except UserError:
+                    continue
+    return found + [evaluation(pp, M) for pp, M in SHAPES[:6]]
 
 
-def zb_h1():
-    return [Schedule("zb-h1", pp, M) for pp, M in ZB_H1]
+def ops_on(schedule, stage):
+    return [op for row in schedule.table if (op := row[stage]) is not None]
 
 
-def ops_of(schedule, stage):
-    return sorted((op for row in schedule.table if (op := row[stage]) is not None),
-                  key=lambda op: (op.kind, op.chunk, op.microbatch))
-
-
-@pytest.mark.parametrize("schedule", interleaved(), ids=str)
-def test_interleaved_runs_each_op_once_per_stage_and_chunk(schedule):
-    expected = [Op(kind, k, c) for kind in (FORWARD, BACKWARD) for c in range(schedule.virtual)
-                for k in range(schedule.microbatches)]
+@pytest.mark.parametrize("schedule", tables(), ids=str)
+def test_each_op_runs_once_per_stage_and_chunk(schedule):
+    """F once; a backward once, whole (B) or with its W apart (B, then W once)."""
     for stage in range(schedule.pp):
-        assert ops_of(schedule, stage) == expected
+        ops = ops_on(schedule, stage)
+        assert len(set(ops)) == len(ops)
+        for k in range(schedule.microbatches):
+            for c in range(schedule.virtual):
+                assert Op(FORWARD, k, c) in ops
+                if schedule.trains:
+                    assert (Op(BACKWARD, k, c) in ops) != (Op(INPUT_GRAD, k, c) in ops)
+                    assert (Op(WEIGHT, k, c) in ops) == (Op(INPUT_GRAD, k, c) in ops)
 
 
-@pytest.mark.parametrize("schedule", interleaved(), ids=str)
-def test_interleaved_dependencies_hold(schedule):
-    """Global chunk g = c*pp + s: F runs up the chunks, B down, each after its own F."""
-    pp, V, tick = schedule.pp, schedule.virtual, schedule.tick_of
-    order = [(c, s) for c in range(V) for s in range(pp)]  # the model's layers, first to last
+@pytest.mark.parametrize("schedule", tables(), ids=str)
+def test_every_dependency_holds(schedule):
+    """Global chunk g's F after g-1's; its B after g+1's B (the last chunk's, after its own F); W
+    after its B; in model order whatever the placement."""
+    place, tick = schedule.placement, schedule.tick_of
     for k in range(schedule.microbatches):
-        for (c, s), (c_next, s_next) in zip(order, order[1:]):
-            assert tick(FORWARD, k, s_next, c_next) > tick(FORWARD, k, s, c)
-            assert tick(BACKWARD, k, s, c) > tick(BACKWARD, k, s_next, c_next)
-        for c, s in order:
-            assert tick(BACKWARD, k, s, c) > tick(FORWARD, k, s, c)
-
-
-@pytest.mark.parametrize("schedule", interleaved(), ids=str)
-def test_interleaved_bubble_is_megatrons(schedule):
-    pp, M, V = schedule.pp, schedule.microbatches, schedule.virtual
-    assert schedule.ticks == 2 * (V * M + pp - 1)  # each tick one chunk's F or B
-    assert schedule.bubble_fraction == pytest.approx((pp - 1) / (V * M + pp - 1))
-    assert schedule.bubble_fraction < Schedule("1f1b", pp, M).bubble_fraction
-
-
-@pytest.mark.parametrize("schedule", interleaved(), ids=str)
-def test_interleaved_holds_megatrons_warmup_plus_one_inputs(schedule):
-    """Stage s holds at most 2(pp-1-s) + (V-1)pp + 1 chunk inputs: its warm-up forwards and the
-    steady state's one more: more than 1F1B's pp - s, each the size of a 1F1B stage input."""
-    pp, M, V = schedule.pp, schedule.microbatches, schedule.virtual
-    for s in range(pp):
-        bound = min(2 * (pp - 1 - s) + (V - 1) * pp + 1, V * M)
-        assert schedule.in_flight(s) == bound
-
-
-@pytest.mark.parametrize("schedule", zb_h1(), ids=str)
-def test_zb_h1_runs_each_f_b_w_once_per_stage(schedule):
-    expected = [Op(kind, k) for kind in (FORWARD, BACKWARD, WEIGHT) for k in range(schedule.microbatches)]
-    for stage in range(schedule.pp):
-        assert ops_of(schedule, stage) == expected
-
-
-@pytest.mark.parametrize("schedule", zb_h1(), ids=str)
-def test_zb_h1_dependencies_hold(schedule):
-    """B(k) needs F(k) and B(k) on the next stage; W(k) needs B(k); F(k) needs F(k) upstream."""
-    tick, pp = schedule.tick_of, schedule.pp
-    for k in range(schedule.microbatches):
-        for s in range(pp):
-            assert tick(BACKWARD, k, s) > tick(FORWARD, k, s)
-            assert tick(WEIGHT, k, s) > tick(BACKWARD, k, s)
-            if s > 0:
-                assert tick(FORWARD, k, s) > tick(FORWARD, k, s - 1)
-            if s < pp - 1:
-                assert tick(BACKWARD, k, s) > tick(BACKWARD, k, s + 1)
-
-
-@pytest.mark.parametrize("schedule", zb_h1(), ids=str)
-def test_zb_h1_keeps_1f1b_memory_and_a_smaller_bubble(schedule):
-    """An input is held from F until W (which rereads it): at most pp per stage, 1F1B's bound.
-    The ideal ZB-H1 takes 3M + pp - 1 ticks (bubble (pp-1)/(3M+pp-1)); the greedy placement
-    comes within 2 ticks of it. 1F1B with W right after B takes 3M + 2(pp-1)."""
-    pp, M = schedule.pp, schedule.microbatches
-    assert max(schedule.in_flight(s) for s in range(pp)) <= pp
-    ideal = 3 * M + pp - 1
-    assert ideal <= schedule.ticks <= ideal + 2
-    if M >= pp >= 4:
-        assert schedule.ticks < 3 * M + 2 * (pp - 1)
-
-
-def test_new_tables_are_drawn_and_bad_ones_refused(tmp_path, capsys):
-    png = tmp_path / "i.png"
-    schedule_main(["--schedule", "interleaved", "--pp", "4", "--microbatches", "8", "--out", str(png)])
-    assert "V=2" in capsys.readouterr().out and png.stat().st_size > 0
-    schedule_main(["--schedule", "zb-h1", "--pp", "4", "--microbatches", "8", "--out", str(png)])
-    assert " W7" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        schedule_main(["--schedule", "interleaved", "--pp", "4", "--microbatches", "6"])
-    assert exit_info.value.code == 2
-    for overrides in ({"pipeline.schedule": "interleaved"},
-                      {"pipeline.schedule": "zb-h1", "pipeline.virtual": "2"}):
-        with pytest.raises(UserError, match="interleaved needs --pipeline.virtual >= 2"):
-            load_config(None, overrides)
+        for g in range(place.chunks):
+            s, c = place.home(g)
+            if g > 0:
+                assert tick(FORWARD, k, s, c) > tick(FORWARD, k, *place.home(g - 1))
+            if not schedule.trains:
+                continue
+            after = tick(BACKWARD, k, *place.home(g + 1)) if g + 1 < place.chunks else tick(FORWARD, k, s, c)
+            assert tick(BACKWARD, k, s, c) > after
+            if Op(WEIGHT, k, c) in ops_on(schedule, s):
+                assert tick(WEIGHT, k, s, c) > tick(BACKWARD, k, s, c)
 
 
 def run_symbolically(schedule):
     """Play the executor's arrays with labels for values: every read must find the value it needs.
 
-    A stage input of (microbatch k, chunk c) is ("x", k, c), its output gradient ("g", k, c). Each
-    op reads its slots, sends to its neighbour (round the ring between chunks), and the receiver
-    stores at the end of the tick in the slot the arrays say; an overwritten slot fails a read.
+    A stage input of (microbatch k, local chunk c) is ("x", k, c), its output gradient ("g", k, c).
+    Each op reads its slots and sends its output as `send` says (down, up, or kept); the receiver
+    stores at the end of the tick in the slot its arrays name; an overwritten slot fails a read,
+    and so does a value sent that nobody stores.
     """
-    arrays, pp, V = schedule.executor_arrays(), schedule.pp, schedule.virtual
+    arrays, pp, place = schedule.executor_arrays(), schedule.pp, schedule.placement
     inputs = [[None] * schedule.input_slots for _ in range(pp)]
     grads = [[None] * max(schedule.grad_slots, 1) for _ in range(pp)]
+    first, last = (0, 0), place.last
     for t in range(schedule.ticks):
-        sent_next, sent_previous = [None] * pp, [None] * pp
+        out = [None] * pp
         for s in range(pp):
             kind, k, c = (int(arrays[name][t, s]) for name in ("kind", "microbatch", "chunk"))
             if kind == 0:
                 continue
-            if (s, c) != (0, 0):
+            if (s, c) != first:
                 assert inputs[s][arrays["input_slot"][t, s]] == ("x", k, c), (t, s, kind)
-            if kind == FORWARD and (s, c) == (pp - 1, V - 1):
+            if kind == FORWARD and (s, c) == last and schedule.trains:
                 grads[s][arrays["grad_slot"][t, s]] = ("g", k, c)  # the loss's gradient
             elif kind == FORWARD:
-                sent_next[s] = ("x", k) + schedule.next_stage(s, c)[1:]
+                to = place.next(s, c)
+                out[s] = None if to is None else (to[0], ("x", k, to[1]))
             else:
                 assert grads[s][arrays["grad_slot"][t, s]] == ("g", k, c), (t, s, kind)
-                if kind == BACKWARD and (s, c) != (0, 0):
-                    sent_previous[s] = ("g", k) + schedule.previous_stage(s, c)[1:]
-        for s in range(pp):
-            for buffers, store, sent, sender in ((inputs, "store_input", sent_next, (s - 1) % pp),
-                                                 (grads, "store_grad", sent_previous, (s + 1) % pp)):
-                slot = arrays[store][t, s]
-                if slot >= 0:
-                    assert sent[sender] is not None, (t, s, store)
-                    buffers[s][slot] = sent[sender]
-                else:  # everything sent is stored by its receiver
-                    assert sent[sender] is None, (t, s, store)
+                to = place.previous(s, c) if kind != WEIGHT else None
+                out[s] = None if to is None else (to[0], ("g", k, to[1]))
+        deliver(schedule, arrays, t, out, inputs, grads)
 
 
-@pytest.mark.parametrize("schedule", interleaved() + zb_h1() + [
-    Schedule(name, pp, M) for name in ("gpipe", "1f1b", "forward") for pp, M in [(2, 2), (4, 8), (3, 5)]],
-    ids=str)
+def deliver(schedule, arrays, t, out, inputs, grads):
+    pp, ring = schedule.pp, schedule.placement.wraps
+    sent = {s: (int(arrays["send"][t, s]), out[s]) for s in range(pp) if out[s] is not None}
+    for s, (direction, (to, _)) in sent.items():
+        step = {DOWN: 1, UP: -1, KEPT: 0}[direction]
+        assert to == (s + step) % pp if ring else to == s + step, (t, s, direction, to)
+    for s in range(pp):
+        for direction, source in SOURCES.items():
+            sender = {DOWN: s - 1, UP: s + 1, KEPT: s}[direction] % pp
+            slot = arrays[f"{source}_slot"][t, s]
+            message = sent.get(sender)
+            arriving = message is not None and message[0] == direction and message[1][0] == s
+            assert (slot >= 0) == arriving, (t, s, source)
+            if arriving:
+                (grads if arrays[f"{source}_grad"][t, s] else inputs)[s][slot] = message[1][1]
+
+
+@pytest.mark.parametrize("schedule", tables(), ids=str)
 def test_executor_arrays_deliver_every_value_to_its_reader(schedule):
     run_symbolically(schedule)
+
+
+def test_the_symbolic_run_fails_on_a_slot_overwritten_too_soon():
+    """Control: a table whose input slots are squeezed into one fails its reads."""
+    schedule = make_schedule("gpipe", 2, 4)
+    squeezed = schedule.executor_arrays()
+    squeezed["below_slot"][squeezed["below_slot"] > 0] = 0
+    squeezed["input_slot"][:] = 0
+    schedule.__dict__["executor_arrays"] = lambda: squeezed
+    with pytest.raises(AssertionError):
+        run_symbolically(schedule)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, M", [(2, 2), (2, 4), (3, 5), (4, 8), (8, 8)])
+def test_gpipe_and_1f1b_take_the_textbook_bubble(name, pp, M):
+    schedule = make_schedule(name, pp, M)
+    assert schedule.ticks == 2 * (M + pp - 1)
+    assert schedule.bubble_fraction == pytest.approx((pp - 1) / (M + pp - 1))
+    assert max(schedule.in_flight(s) for s in range(pp)) == (M if name == "gpipe" else min(pp, M))
+
+
+@pytest.mark.parametrize("pp, M, V", [(2, 2, 2), (2, 6, 3), (4, 8, 2), (4, 8, 3), (8, 8, 2)])
+def test_interleaved_takes_megatrons_bubble_and_warmup(pp, M, V):
+    """Stage s holds at most 2(pp-1-s) + (V-1)pp + 1 chunk inputs: its warm-up forwards and one more."""
+    schedule = make_schedule("interleaved", pp, M, V)
+    assert schedule.ticks == 2 * (V * M + pp - 1)
+    assert schedule.bubble_fraction == pytest.approx((pp - 1) / (V * M + pp - 1))
+    for s in range(pp):
+        assert schedule.in_flight(s) == min(2 * (pp - 1 - s) + (V - 1) * pp + 1, V * M)
+
+
+@pytest.mark.parametrize("pp, M", [(2, 8), (3, 9), (4, 8), (4, 16), (8, 16)])
+def test_zb_h1_keeps_1f1b_memory_and_a_smaller_bubble(pp, M):
+    """The ideal ZB-H1 takes 3M + pp - 1 ticks; the greedy placement comes within 2 of it."""
+    schedule = make_schedule("zb-h1", pp, M)
+    assert max(schedule.in_flight(s) for s in range(pp)) <= pp
+    assert 3 * M + pp - 1 <= schedule.ticks <= 3 * M + pp + 1
+    assert schedule.rerun_factors == (3.0, 2.0)
+
+
+@pytest.mark.parametrize("name, pp, M, virtual, message", [
+    ("1f1b", 4, 3, 1, "1f1b needs at least pp=4 microbatches"),
+    ("interleaved", 4, 6, 2, "interleaved needs microbatches in whole groups of pp=4"),
+    ("interleaved", 2, 4, 1, "interleaved needs --pipeline.virtual >= 2"),
+    ("zb-h1", 2, 4, 2, "zb-h1 runs one layer chunk per stage"),
+    ("nope", 2, 4, 1, "pipeline.schedule must be one of gpipe, 1f1b, interleaved, zb-h1"),
+])
+def test_a_schedule_refuses_what_it_cannot_run_in_one_line(name, pp, M, virtual, message):
+    with pytest.raises(UserError) as error:
+        make_schedule(name, pp, M, virtual)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_tables_are_drawn_and_a_bad_one_refused(tmp_path, capsys):
+    png = tmp_path / "s.png"
+    schedule_main(["--schedule", "zb-h1", "--pp", "4", "--microbatches", "8", "--out", str(png)])
+    out = capsys.readouterr().out
+    assert "zb-h1: pp=4, 8 microbatches" in out and " W7" in out and png.stat().st_size > 0
+    schedule_main(["--pp", "4", "--microbatches", "8", "--out", str(png)])  # the default, 1F1B
+    assert "bubble 27.3%" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        schedule_main(["--schedule", "interleaved", "--pp", "4", "--microbatches", "6"])
+    assert exit_info.value.code == 2

@@ -99,9 +99,6 @@ class Pipe(MeshAxis):
 
     def check(self, cfg, size, sizes):
         if size > 1:
-            if cfg.train.zero == 3:
-                raise UserError("ZeRO stage 3 with pipeline parallelism is not supported; use --zero 1 or 2 "
-                                "with pp > 1")
             pipeline_microbatches(cfg, batch_ways(sizes), size)
 
 
@@ -217,31 +214,17 @@ def zigzag_permutation(seq_len: int, ring: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
 
 
-def check_virtual(name: str, virtual: int) -> None:
-    """Interleaved 1F1B runs V >= 2 layer chunks per stage; every other schedule one."""
-    interleaved = name == "interleaved"
-    if interleaved and virtual < 2 or not interleaved and virtual != 1:
-        raise UserError(f"pipeline.virtual={virtual}: interleaved needs --pipeline.virtual >= 2 layer "
-                        "chunks per stage, every other schedule 1")
-
-
-def check_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> None:
-    """Refuse a schedule that cannot run with this many microbatches (`virtual` is checked by
-    check_virtual); name the fix."""
-    if microbatches < 1:
-        raise UserError(f"pipeline.microbatches must be positive, got {microbatches}")
-    if name == "interleaved" and microbatches % pp:
-        raise UserError(f"interleaved needs microbatches in whole groups of pp={pp}, got V={virtual} and "
-                        f"{microbatches} microbatches")
-    if name == "1f1b" and microbatches < pp:
-        raise UserError(f"1f1b needs at least pp={pp} microbatches, got {microbatches}; "
-                        f"raise pipeline.microbatches or use --pipeline.schedule=gpipe")
-
-
-def check_chunk_kinds(m, pp: int, virtual: int) -> None:
-    """Every stage runs one program on its chunks of layers: where layers with experts and dense
-    ones mix, each chunk must have them in the same places (the dense first ones run ahead)."""
-    chunk, sparse = pipelined_layers(m) // (pp * virtual), m.sparse_layers[m.lead_layers:]
+def check_chunks(m, pp: int, virtual: int) -> None:
+    """A pipeline schedule's pp x `virtual` layer chunks: each the same number of layers, and every
+    stage runs one program on its chunks, so where layers with experts and dense ones mix, each
+    chunk must have them in the same places (the dense first ones run ahead)."""
+    n_layer = pipelined_layers(m)
+    if n_layer % (pp * virtual):
+        layers = (f"model.n_layer={n_layer}" if n_layer == m.n_layer else
+                  f"the {n_layer} layers after the {m.lead_layers} dense first ones (which run ahead)")
+        raise UserError(f"pp={pp} x {virtual} layer chunks a stage (pipeline.virtual, or the schedule's own) do "
+                        f"not divide {layers}; every chunk needs the same number of layers")
+    chunk, sparse = n_layer // (pp * virtual), m.sparse_layers[m.lead_layers:]
     if any(sparse[i] != sparse[i % chunk] for i in range(len(sparse))):
         raise UserError(f"pp={pp} x pipeline.virtual={virtual} chunks of {chunk} layers differ in which layers "
                         f"have experts (model.moe_every={m.moe_every}, model.dense_layers='{m.dense_layers}'), "
@@ -260,18 +243,14 @@ def layers_per_stage(m, stages: int) -> int:
 
 
 def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
-    """The pipeline's microbatch count M for this config and mesh, after checking it can run; dp:
-    the ways the rows split (batch_ways)."""
+    """The pipeline's microbatch count M for this config and mesh, after checking that the stages
+    split the layers and the microbatches the rows; dp: the ways the rows split (batch_ways). The
+    schedule checks the rest (jaxpar.parallel.schedules)."""
     n_layer, rows = pipelined_layers(cfg.model), cfg.train.batch_size // cfg.train.grad_accum
     layers = (f"model.n_layer={n_layer}" if n_layer == cfg.model.n_layer else
               f"the {n_layer} layers after the {cfg.model.lead_layers} dense first ones (which run ahead)")
     if n_layer % pp:
         raise UserError(f"pp={pp} does not divide {layers}; every stage needs the same number of layers")
-    V = cfg.pipeline.virtual if pp > 1 else 1
-    if n_layer % (pp * V):
-        raise UserError(f"pp={pp} x pipeline.virtual={V} layer chunks do not divide {layers}; every chunk "
-                        f"needs the same number of layers")
-    check_chunk_kinds(cfg.model, pp, V)
     M = cfg.pipeline.microbatches
     if M == 0:  # the largest multiple of pp up to 4*pp that splits the batch evenly over dp
         M = next((m for m in range(4 * pp, 0, -pp) if rows % (m * dp) == 0), 0)
@@ -282,6 +261,4 @@ def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
     if rows % (M * dp):
         raise UserError(f"train.batch_size / train.grad_accum = {rows} sequences do not split into "
                         f"dp={dp} x {M} microbatches; change pipeline.microbatches or train.batch_size")
-    if pp > 1:
-        check_schedule(cfg.pipeline.schedule, pp, M, V)
     return M

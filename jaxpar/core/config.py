@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxpar.core.axes import AXES, check_virtual
+from jaxpar.core.axes import AXES
 from jaxpar.core.config_files import CONFIG_DIR, coerce, read_toml, resolve_config_path  # noqa: F401
 from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
@@ -37,7 +37,6 @@ MICRO_BATCH_AUTO = "auto"  # train.micro_batch: the device decides (jaxpar.train
 # numpy's generators (the data order) refuse a negative seed, and JAX's keys without x64 keep the
 # low 32 bits (seed 2**32 would init as seed 0, and past 2**63 they overflow).
 SEED_MAX = 2**32 - 1
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # pipeline.schedule: see jaxpar.parallel.orders
 
 
 OFFLOADS = ("none", "optimizer")  # train.offload
@@ -85,7 +84,7 @@ MeshConfig = dataclasses.make_dataclass("MeshConfig", [(axis.key, int, field(def
 
 @dataclass
 class PipelineConfig:
-    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved or zb-h1; see jaxpar.schedule
+    schedule: str = ""  # a schedule of jaxpar.parallel.schedules by name; empty: its default (python -m jaxpar.schedule --help)
     virtual: int = 1  # interleaved: layer chunks per stage (stage s holds chunks s, s+pp, ...)
     microbatches: int = 0  # per step and grad_accum round; 0: the largest multiple of pp up to 4*pp that fits
 
@@ -265,10 +264,6 @@ def validate(cfg: Config) -> None:
     validate_data(cfg.data)
     if cfg.data.document_mask:
         check_documents(m)
-    if cfg.pipeline.schedule not in PIPELINE_SCHEDULES:
-        raise UserError(f"pipeline.schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
-                        f"got '{cfg.pipeline.schedule}'")
-    check_virtual(cfg.pipeline.schedule, cfg.pipeline.virtual)
     if not 0 <= t.seed <= SEED_MAX:
         raise UserError(f"train.seed (--seed) must be from 0 to {SEED_MAX}, got {t.seed}: numpy's generators take "
                         "no negative seed, and JAX's keys keep 32 bits; choose one in that range")

@@ -58,7 +58,7 @@ class ExecutionPlan:
     regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
     microbatches: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
     micro_batch: int = 0  # train.micro_batch resolved (`auto` too): the most rows a device takes a pass; 0: no limit
-    schedule: object = None  # the pipeline's jaxpar.parallel.schedule.Schedule, checked once; None: no pipeline
+    schedule: object = None  # the pipeline's jaxpar.parallel.schedules schedule, checked once; None: no pipeline
     stage_grads: str = ""  # how a pipeline stage's gradients are reduced over 'data' (STAGES_REDUCE, ...)
     ahead_of_stages: str = ""  # what runs ahead of the stages on every stage (jaxpar.models.lead)
     experts: bool = False  # the model has a mixture of experts (its dispatch is worth printing)

@@ -87,23 +87,21 @@ def policy_rerun_flops_per_token(cfg: ModelConfig) -> int:
     return rerun(cfg) if rerun else 0
 
 
-def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, pp: int, schedule: str = "1f1b") -> int:
+NO_PIPELINE = (0.0, 1.0)  # reruns without a pipeline: no stage reruns, the policy's once
+
+
+def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, reruns: tuple[float, float] = NO_PIPELINE) -> float:
     """Model FLOPs plus what is run again: what model.remat's policy reruns (each layer's forward
     under full and full_offloaded, the MLPs' under attention, the widest matmul's under
-    dots_except_widest), and each layer's forward once more in a pipeline's backward (which
-    reruns its stage from the saved input, the policy's reruns within it).
+    dots_except_widest), and what a pipeline's backward reruns from each stage's saved input.
 
-    ZB-H1 reruns more: B (the input gradient) and W (the weight gradient) are each a vjp from the
-    saved input, so the forward runs three times, and W also recomputes the input gradients
-    inside the stage (the chain to each layer's weights), about one more forward's FLOPs; the
-    policy's reruns happen in B and in W.
+    `reruns`: (the forwards of each layer a pipeline's backward runs again, the times the policy's
+    reruns happen), as its schedule counts them (jaxpar.parallel.schedules.base.rerun_factors):
+    (1, 1) where each backward reruns its stage once; where a backward's W runs apart (ZB-H1),
+    B and W are each a vjp from the saved input and W recomputes the input gradients on its way,
+    (3, 2).
     """
-    if pp == 1:
-        stage_reruns, policy_reruns = 0, 1
-    elif schedule == "zb-h1":
-        stage_reruns, policy_reruns = 3, 2
-    else:
-        stage_reruns, policy_reruns = 1, 1
+    stage_reruns, policy_reruns = reruns
     return (flops_per_token(cfg, vocab_size) + stage_reruns * recompute_flops_per_token(cfg)
             + policy_reruns * policy_rerun_flops_per_token(cfg))
 

@@ -212,7 +212,7 @@ class Transformer:
         sparse ones only are stacked apart instead: jaxpar.models.lead.)"""
         n = jax.tree.leaves({k: v for k, v in layer_params.items() if stacks[k] == "layers"})[0].shape[0]
         # A pipeline chunk's first n layers stand for all of its layers: every chunk has its kinds
-        # in the same places (jaxpar.core.axes.check_chunk_kinds).
+        # in the same places (jaxpar.core.axes.check_chunks).
         kinds = set(stacks.values()) - {"layers"}
         kind = [next(s for s in kinds if i in self.cfg.layers_in(s)) for i in range(n)]
         first, period = repeat_of(kind)

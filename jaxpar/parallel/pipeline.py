@@ -18,29 +18,12 @@ from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.models.transformer import Transformer, split_layers
 from jaxpar.nn.layers import document_positions
 from jaxpar.nn.params import LEAD
-from jaxpar.parallel.schedule import Schedule
+from jaxpar.parallel.schedules import evaluation
+from jaxpar.parallel.schedules.base import PipelineSchedule
 from jaxpar.parallel.stage import StageOps, tree_add
 
 
-def chunk_major(tree, pp: int, virtual: int, axis: int = 0, inverse: bool = False):
-    """Reorder a layer axis so that stage s's contiguous share holds chunks s, s+pp, ... (interleaved).
-
-    Params stay in layer order everywhere else (checkpoints, evaluation, export); under jit the
-    reorder and its inverse for the gradients are communication over 'pipe' every round (an
-    all-to-all on XLA:CPU; docs/benchmarks.md has what XLA:TPU makes of it).
-    """
-    if virtual == 1:
-        return tree
-    order = (virtual, pp) if not inverse else (pp, virtual)
-
-    def move(a):
-        shape = a.shape
-        split = a.reshape(shape[:axis] + order + (shape[axis] // (pp * virtual),) + shape[axis + 1:])
-        return jnp.swapaxes(split, axis, axis + 1).reshape(shape)
-    return jax.tree.map(move, tree)
-
-
-def make_executor(model: Transformer, layer_axes: dict, schedule: Schedule):
+def make_executor(model: Transformer, layer_axes: dict, schedule: PipelineSchedule):
     """run(layer_params, head, x0, targets, layer_keys, doc_starts) -> (losses, aux, layer_grads,
     head_grads, dx0).
 
@@ -49,13 +32,13 @@ def make_executor(model: Transformer, layer_axes: dict, schedule: Schedule):
     microbatch's mean loss, aux each auxiliary loss's (M,) over every stage's layers; the gradients
     are summed over microbatches (in order, as one device's gradient accumulation sums them). A
     forward-only schedule returns the losses alone. With V layer chunks per stage, layer_params and
-    layer_keys come in chunk_major order.
+    layer_keys come in the placement's stage-major order.
     """
-    pp, train = schedule.pp, schedule.name != "forward"
+    pp, train = schedule.pp, schedule.trains
     table = schedule.executor_arrays()
-    ring = schedule.virtual > 1  # the last stage's output feeds stage 0's next chunk
-    to_next = [(s, (s + 1) % pp) for s in range(pp if ring else pp - 1)]
-    to_previous = [((s + 1) % pp, s) for s in range(pp if ring else pp - 1)]
+    ring = schedule.placement.wraps  # in a loop of chunks the last stage's output feeds stage 0's next
+    down = [(s, (s + 1) % pp) for s in range(pp if ring else pp - 1)]
+    up = [((s + 1) % pp, s) for s in range(pp if ring else pp - 1)]
 
     # Each stage sums its microbatches' weight gradients over its own rows and reduces them over
     # 'data' once per round, the rows split over 'data' by hand, where the plan says so
@@ -68,9 +51,9 @@ def make_executor(model: Transformer, layer_axes: dict, schedule: Schedule):
     def per_stage(layer_params, head, x0, targets, layer_keys, doc_starts):
         ops = StageOps(stage_model, layer_axes, schedule, table, layer_params, head, x0, targets, layer_keys,
                        doc_starts)
-        carry, _ = jax.lax.scan(lambda c, t: ops.tick(c, t, to_next, to_previous), ops.initial_carry(),
+        carry, _ = jax.lax.scan(lambda c, t: ops.tick(c, t, down, up), ops.initial_carry(),
                                 jnp.arange(schedule.ticks))
-        # Only the last stage has losses and head gradients, only the first has dx0: psum shares them.
+        # Only the loss's stage has losses and head gradients, only the first has dx0: psum shares them.
         losses, aux = jax.lax.psum((carry["losses"], carry["aux"]), PIPE)
         if not train:
             return losses
@@ -115,7 +98,7 @@ def make_round_fn(model: Transformer, forward_only: bool = False):
     """
     family, plan, schedule = model.family, model.plan, model.plan.schedule
     if forward_only:  # evaluation runs the layers in order, a forward per stage
-        schedule = Schedule("forward", schedule.pp, schedule.microbatches)
+        schedule = evaluation(schedule.pp, schedule.microbatches)
 
     def round_fn(params, inputs, targets, round_key=None):
         top, _, layer_params, layer_axes = split_layers(params, model.axes())
@@ -144,10 +127,10 @@ def make_round_fn(model: Transformer, forward_only: bool = False):
         if forward_only:
             return run(layer_params, head, embed_all(top, lead)[0], targets, layer_keys, doc_starts).mean()
         (x0, lead_aux), embed_vjp = jax.vjp(embed_all, top, lead)
-        pp, V = schedule.pp, schedule.virtual
+        staged = schedule.placement.stage_major
         losses, aux, layer_grads, head_grads, dx0 = run(
-            chunk_major(layer_params, pp, V), head, x0, targets, chunk_major(layer_keys, pp, V, axis=1), doc_starts)
-        layer_grads = chunk_major(layer_grads, pp, V, inverse=True)
+            staged(layer_params), head, x0, targets, staged(layer_keys, axis=1), doc_starts)
+        layer_grads = staged(layer_grads, inverse=True)
         weights = family.loss_weights()
         top_grads, lead_grads = embed_vjp((dx0, {name: jnp.full_like(values, weights[name])
                                                  for name, values in lead_aux.items()}))
@@ -171,5 +154,4 @@ def summary(model: Transformer) -> dict:
             "bubble_fraction": schedule.bubble_fraction, "inputs_held_per_stage": schedule.input_slots,
             "grads_held_per_stage": schedule.grad_slots,
             # Each backward reruns its stage's forward from the saved input: HFU = MFU x this.
-            "hardware_flops_factor": hardware_flops_per_token(m, vocab_size, schedule.pp,
-                                                              schedule.name) / model_flops}
+            "hardware_flops_factor": hardware_flops_per_token(m, vocab_size, schedule.rerun_factors) / model_flops}

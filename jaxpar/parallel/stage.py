@@ -1,42 +1,49 @@
 """One pipeline stage inside the executor's `shard_map` (jaxpar.parallel.pipeline): the schedule
-table's entries for this stage, and the ops a tick runs (idle, F, B, W) on the stage's buffers.
+table's entries for this stage, and the ops a tick runs (idle, F, B, B without W, W) on the
+stage's buffers. Where a chunk's output goes (down the stages, up them, or kept) is the table's,
+from the schedule's placement: the stage compares no schedule's name.
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.core.axes import PIPE
 from jaxpar.models.transformer import Transformer
 from jaxpar.nn.layers import STREAM
-from jaxpar.parallel.orders import BACKWARD, FORWARD, IDLE, WEIGHT
-from jaxpar.parallel.schedule import Schedule
+from jaxpar.parallel.schedules.base import SOURCES, PipelineSchedule
+from jaxpar.parallel.schedules.ops import BACKWARD, DOWN, FORWARD, IDLE, INPUT_GRAD, UP, WEIGHT
 
 
 def tree_add(a, b):
     return jax.tree.map(jnp.add, a, b)
 
 
-
 class StageOps:
     """One pipeline stage inside `shard_map`: the schedule table's entries for this stage, and the
-    ops a tick can run (idle, F, B, W), each (carry, tick) -> (carry, to next stage, to previous).
+    ops a tick can run (idle, F, B, B without W, W), each (carry, tick) -> (carry, its output: the
+    forward's activation or the backward's input gradient, sent where the table says).
 
     The carry holds the stage's buffers: inputs and output gradients in their slots, the losses,
     each auxiliary loss of its own layers, and the gradients summed so far. A backward's output
     gradient is the loss's for the stage's output, and each auxiliary loss's weight for its part.
     """
 
-    def __init__(self, model: Transformer, layer_axes: dict, schedule: Schedule, table: dict,
+    def __init__(self, model: Transformer, layer_axes: dict, schedule: PipelineSchedule, table: dict,
                  layer_params, head, x0, targets, layer_keys, doc_starts=None):
         """`model`: under the plan inside the executor's shard_map."""
         self.model, self.layer_axes, self.schedule = model, layer_axes, schedule
         self.weights = {name: jnp.float32(w) for name, w in model.family.loss_weights().items()}
         self.head, self.x0, self.targets, self.doc_starts = head, x0, targets, doc_starts
-        self.V, self.train = schedule.virtual, schedule.name != "forward"
-        self.split_backward = schedule.name == "zb-h1"  # B the input gradient only; W the weights
+        self.V, self.train = schedule.virtual, schedule.trains
         self.stage = jax.lax.axis_index(PIPE)
-        self.is_first, self.is_last = self.stage == 0, self.stage == schedule.pp - 1
+        last_stage, last_chunk = schedule.placement.last  # the loss follows the last chunk's forward
+        self.is_first = self.stage == 0  # the first chunk's home: stage 0's chunk 0
+        self.is_last_chunk = lambda chunk: (self.stage == last_stage) & (chunk == last_chunk)
         self.arrays = {name: jnp.asarray(a) for name, a in table.items()}  # one constant each
+        # (where it comes from, whether a gradient) of every value the table stores: the stores to emit
+        self.routes = {(direction, int(grad)) for direction, source in SOURCES.items()
+                       for slot, grad in zip(table[f"{source}_slot"].flat, table[f"{source}_grad"].flat) if slot >= 0}
         # (V * layers per chunk, ...) -> (V, layers per chunk, ...); the keys are (M, layers, ...)
         self.chunks = jax.tree.map(lambda a: a.reshape((self.V, -1) + a.shape[1:]), layer_params)
         self.key_chunks = None if layer_keys is None else layer_keys.reshape(
@@ -75,7 +82,7 @@ class StageOps:
         return k, chunk, x, c["grads_in"][self.at("grad_slot", t)] if self.train else None
 
     def idle(self, c, t):
-        return c, jnp.zeros_like(self.x0[0]), jnp.zeros_like(self.x0[0])
+        return c, jnp.zeros_like(self.x0[0])
 
     def forward(self, c, t):
         k, chunk, x, _ = self.op_input(c, t)
@@ -92,16 +99,16 @@ class StageOps:
                     "aux": {name: values.at[k].add(ahead.get(name, 0.0)) for name, values in c["aux"].items()},
                     "head_grads": tree_add(c["head_grads"], d_head),
                     "grads_in": c["grads_in"].at[self.at("grad_slot", t)].set(dy)}
-        c = jax.lax.cond(self.is_last & (chunk == self.V - 1), loss_here, lambda c: c, c)
-        return c, y, jnp.zeros_like(y)
+        c = jax.lax.cond(self.is_last_chunk(chunk), loss_here, lambda c: c, c)
+        return c, y
 
     def add_weight_grads(self, c, chunk, d_params):
         return {**c, "layer_grads": jax.tree.map(lambda g, d: g.at[chunk].add(d), c["layer_grads"], d_params)}
 
-    def backward(self, c, t):
-        """The input gradient, and unless ZB-H1 splits off W, the weight gradient."""
+    def backward(self, c, t, weights: bool = True):
+        """The input gradient, and unless its W runs apart (INPUT_GRAD), the weight gradient."""
         k, chunk, x, dy = self.op_input(c, t)
-        if self.split_backward:
+        if not weights:
             (_, aux), vjp = jax.vjp(lambda x: self.run_chunk(self.chunk_params(chunk), x, k, chunk), x)
             (dx,) = vjp((dy, self.cotangents(aux)))
         else:
@@ -109,35 +116,43 @@ class StageOps:
             d_params, dx = vjp((dy, self.cotangents(aux)))
             c = self.add_weight_grads(c, chunk, d_params)
         dx0 = c["dx0"].at[k].set(jnp.where(self.is_first & (chunk == 0), dx, c["dx0"][k]))
-        return {**c, "dx0": dx0}, jnp.zeros_like(dx), dx
+        return {**c, "dx0": dx0}, dx
+
+    def input_grad(self, c, t):
+        return self.backward(c, t, weights=False)
 
     def weight(self, c, t):
-        """ZB-H1's W: the weight gradient, rerunning the chunk from its saved input."""
+        """W: the weight gradient, rerunning the chunk from its saved input."""
         k, chunk, x, dy = self.op_input(c, t)
         (_, aux), vjp = jax.vjp(lambda params: self.run_chunk(params, x, k, chunk), self.chunk_params(chunk))
         (d_params,) = vjp((dy, self.cotangents(aux)))
-        return self.add_weight_grads(c, chunk, d_params), jnp.zeros_like(x), jnp.zeros_like(x)
+        return self.add_weight_grads(c, chunk, d_params), jnp.zeros_like(x)
 
-    def tick(self, c, t, to_next, to_previous):
-        """Run this tick's op, then store what the neighbours sent into the slots the table names."""
-        branches = {IDLE: self.idle, FORWARD: self.forward}
-        if self.train:
-            branches[BACKWARD] = self.backward
-        if self.split_backward:
-            branches[WEIGHT] = self.weight
-        kind, ops = self.at("kind", t), [branches[kind] for kind in sorted(branches)]
+    def tick(self, c, t, down_pairs, up_pairs):
+        """Run this tick's op, send its output down or up the stages (or keep it), then store what
+        arrived into the slots the table names."""
+        every = {IDLE: self.idle, FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight,
+                 INPUT_GRAD: self.input_grad}
+        kinds = self.schedule.kinds
+        branch = jnp.asarray(np.searchsorted(kinds, np.arange(max(kinds) + 1)), jnp.int32)[self.at("kind", t)]
+        ops = [every[kind] for kind in kinds]
         if self.model.plan.ring()[1] > 1:
             # A context ring's collective-permutes are one op over every device: each stage runs
             # every op and keeps its own, so all of them send in the same order (a switch whose
             # branch differs between stages would leave the sends unmatched).
             outs = [op(c, t) for op in ops]
-            c, to_send_next, to_send_previous = jax.tree.map(lambda *xs: jax.lax.select_n(kind, *xs), *outs)
+            c, out = jax.tree.map(lambda *xs: jax.lax.select_n(branch, *xs), *outs)
         else:
-            c, to_send_next, to_send_previous = jax.lax.switch(kind, ops, c, t)
-        c["inputs"] = store(c["inputs"], self.at("store_input", t), jax.lax.ppermute(to_send_next, PIPE, to_next))
-        if self.train:
-            c["grads_in"] = store(c["grads_in"], self.at("store_grad", t),
-                                  jax.lax.ppermute(to_send_previous, PIPE, to_previous))
+            c, out = jax.lax.switch(branch, ops, c, t)
+        send, used = self.at("send", t), {direction for direction, _ in self.routes}
+        arrived = {direction: jax.lax.ppermute(jnp.where(send == direction, out, 0), PIPE, pairs)
+                   for direction, pairs in ((DOWN, down_pairs), (UP, up_pairs)) if direction in used}
+        for direction, source in SOURCES.items():
+            value = arrived.get(direction, out)
+            for buffer, is_grad in (("inputs", 0), ("grads_in", 1)):
+                if (direction, is_grad) in self.routes:
+                    slot = jnp.where(self.at(f"{source}_grad", t) == is_grad, self.at(f"{source}_slot", t), -1)
+                    c[buffer] = store(c[buffer], slot, value)
         return c, None
 
     def initial_carry(self) -> dict:

@@ -27,7 +27,7 @@ from jaxpar.core.axis_costs import StepShape
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.remat import policy_of
-from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
+from jaxpar.models.flops import NO_PIPELINE, flops_per_token, hardware_flops_per_token
 from jaxpar.nn.routing import capacity
 from jaxpar.planning.hardware import Chip
 from jaxpar.planning.placement import activation_bytes
@@ -88,12 +88,11 @@ def devices_of(layout: dict) -> int:
     return math.prod(axis_sizes(layout).values())
 
 
-def flop_terms(cfg: Config, vocab: int, layout: dict) -> dict:
+def flop_terms(cfg: Config, vocab: int, layout: dict, reruns: tuple = NO_PIPELINE) -> dict:
     """FLOPs per chip and step: the hardware's (the model's plus what reruns: model.remat's policy
-    and a pipeline's backward, jaxpar.models.flops) and the model's, and their ratio."""
+    and, by `reruns`, a pipeline's backward, jaxpar.models.flops) and the model's, and their ratio."""
     devices, tokens = devices_of(layout), cfg.train.batch_size * cfg.model.block_size
-    stages = ways(axis_sizes(layout), "layers")
-    hardware = hardware_flops_per_token(cfg.model, vocab, stages, cfg.pipeline.schedule) * tokens / devices
+    hardware = hardware_flops_per_token(cfg.model, vocab, reruns) * tokens / devices
     model = flops_per_token(cfg.model, vocab) * tokens / devices
     return {"flops_per_chip": hardware, "model_flops_per_chip": model, "rerun_flops_per_chip": hardware - model,
             "flops_over_model": hardware / model}
@@ -107,21 +106,21 @@ def speed(m: ModelConfig, batch_size: int, vocab: int, layout: dict, chip: Chip,
 
 
 def compiled_step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, roof: dict, bubble: float,
-                       host_bytes: float = 0.0) -> dict:
+                       host_bytes: float = 0.0, reruns: tuple = NO_PIPELINE) -> dict:
     """A compiled layout's estimate from its roofline (`roofline.estimate`): tokens/s and MFU at
     most. A pipeline's bubble is in the roofline already (idle ticks wait for the busy stages).
     The host transfers of offloaded state (`host_transfer_bytes`) are added whole, as if nothing
     overlapped them: where the step hides them behind its ops, it runs faster than this bound."""
     host_s = host_seconds(host_bytes, chip)
-    return {**roof, **flop_terms(cfg, vocab, layout), "bubble": bubble, "host_bytes": host_bytes, "host_s": host_s,
+    return {**roof, **flop_terms(cfg, vocab, layout, reruns), "bubble": bubble, "host_bytes": host_bytes, "host_s": host_s,
             **speed(cfg.model, cfg.train.batch_size, vocab, layout, chip, roof["step_s"] + host_s)}
 
 
 def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float,
-              host_bytes: float = 0.0) -> dict:
+              host_bytes: float = 0.0, reruns: tuple = NO_PIPELINE) -> dict:
     """The cheap guess for one layout: seconds of compute, comms, host transfers and the step,
-    tokens/s and MFU."""
-    flops = flop_terms(cfg, vocab, layout)
+    tokens/s and MFU (`reruns`: its pipeline schedule's rerun_factors)."""
+    flops = flop_terms(cfg, vocab, layout, reruns)
     compute_s = flops["flops_per_chip"] / chip.peak_flops
     host_s = host_seconds(host_bytes, chip)
     step_s = max(compute_s, comm_s) / (1 - bubble) + host_s

@@ -22,6 +22,7 @@ from jaxpar.core.config import MICRO_BATCH_AUTO, OFFLOADS, Config, load_config, 
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
 from jaxpar.core.remat import HOST, REMAT_KINDS
+from jaxpar.models.flops import NO_PIPELINE
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import parse_target, target_devices
 from jaxpar.planning.layouts import choices, host_memory_choices, int_list, parse_layouts
@@ -100,23 +101,24 @@ def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros
 
 def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0) -> dict:
     from jaxpar.core.axes import pipeline_microbatches
-    from jaxpar.parallel.schedule import Schedule
+    from jaxpar.parallel.schedules import make_schedule
     from jaxpar.planning import estimate
     from jaxpar.training.execution import num_microbatches
     cfg, lay = c.cfg, c.layout
     dp, pp = batch_ways(lay), lay[PIPE_AXIS.key]  # dp: the ways the rows split
     if pp > 1:
         M = pipeline_microbatches(cfg, dp, pp)
-        schedule = Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
+        schedule = make_schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
         passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
+        reruns = schedule.rerun_factors
     else:
-        passes, in_flight, bubble = num_microbatches(cfg.train, dp), 1, 0.0
+        passes, in_flight, bubble, reruns = num_microbatches(cfg.train, dp), 1, 0.0, NO_PIPELINE
     rows = cfg.train.batch_size // passes // dp
     ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows, expert_params)
     comm_s = estimate.collective_seconds(ops, chip, estimate.devices_of(lay))
     state = estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, lay, expert_params)
     host = estimate.host_transfer_bytes(cfg.model, cfg.train.batch_size, lay, state)
-    time = estimate.step_time(cfg, vocab, lay, chip, comm_s, bubble, host)
+    time = estimate.step_time(cfg, vocab, lay, chip, comm_s, bubble, host, reruns)
     return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight, expert_params),
             "rows_per_pass": rows, **time}
 
@@ -145,7 +147,9 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
         return
     roof = roofline.estimate(text, chip, len(devices), routed_share=1 / factor)
     attention = built.plan.describe()["attention"]
-    step = estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble, c.guess.get("host_bytes", 0.0))
+    schedule = built.plan.schedule
+    step = estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble, c.guess.get("host_bytes", 0.0),
+                                       schedule.rerun_factors if schedule is not None else NO_PIPELINE)
     c.compiled = {**summary, "attention": attention, "collective_ops": ops, "dispatch_rows_factor": factor, **step,
                   "hlo_over_model": step["hlo_flops_per_chip"] / step["model_flops_per_chip"]}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes

@@ -12,7 +12,7 @@ import jax
 
 from jaxpar.core import kernel_registry as registry
 from jaxpar.core import remat, xla_options
-from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, pipeline_microbatches
+from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, check_chunks, pipeline_microbatches
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import (
@@ -27,7 +27,8 @@ from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
 from jaxpar.models.registry import family_of
 from jaxpar.nn import kernel_tuning, kernels, moe
-from jaxpar.parallel.schedule import Schedule
+from jaxpar.parallel.schedules import make_schedule, schedule_class
+from jaxpar.parallel.schedules.base import PipelineSchedule
 
 
 def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training: bool = True,
@@ -102,7 +103,7 @@ def num_microbatches(t: TrainConfig, dp: int, micro_batch: int | None = None) ->
     return t.grad_accum * split
 
 
-def microbatches(t: TrainConfig, dp: int, schedule: Schedule | None, micro_batch: int) -> int:
+def microbatches(t: TrainConfig, dp: int, schedule: PipelineSchedule | None, micro_batch: int) -> int:
     """Microbatches a step: the pipeline's M per grad_accum round when there is one; dp: the ways
     the rows split."""
     if schedule is not None:
@@ -110,16 +111,19 @@ def microbatches(t: TrainConfig, dp: int, schedule: Schedule | None, micro_batch
     return num_microbatches(t, dp, micro_batch)
 
 
-def schedule_of(cfg: Config, mesh) -> Schedule | None:
-    """cfg's pipeline schedule on `mesh`, its layers, microbatches and table checked; None at pp=1."""
-    pp = mesh.shape[PIPE]
+def schedule_of(cfg: Config, mesh) -> PipelineSchedule | None:
+    """cfg's pipeline schedule on `mesh`, its layer chunks, microbatches and table checked; None at
+    pp=1 (where its name and pipeline.virtual are checked all the same)."""
+    pp, p = mesh.shape[PIPE], cfg.pipeline
+    chunks = schedule_class(p.schedule).chunks_per_stage(p.virtual)
     if pp == 1:
         return None
     M = pipeline_microbatches(cfg, split_ways(mesh, "batch"), pp)
-    return Schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
+    check_chunks(cfg.model, pp, chunks)
+    return make_schedule(p.schedule, pp, M, p.virtual)
 
 
-def accumulation(cfg: Config, mesh, passes: int, schedule: Schedule | None) -> str:
+def accumulation(cfg: Config, mesh, passes: int, schedule: PipelineSchedule | None) -> str:
     """How a step sums its passes' gradients. Locally, on each data-parallel device, with one
     reduction over 'data' a step, unless dropout draws each pass's masks over the whole batch as
     one device does, another axis splits the rows too (expert parallelism), the family cannot be
@@ -133,7 +137,7 @@ def accumulation(cfg: Config, mesh, passes: int, schedule: Schedule | None) -> s
     return REDUCED_ONCE
 
 
-def stage_grads(cfg: Config, mesh, schedule: Schedule | None) -> str:
+def stage_grads(cfg: Config, mesh, schedule: PipelineSchedule | None) -> str:
     """How a stage's gradients leave it: reduced over 'data' once a round by each stage, unless
     dropout draws its masks over every row, ZeRO-3 gathers each layer's weights where it runs, or
     another axis splits the rows too (then the shardings reduce each microbatch's)."""

@@ -1,0 +1,40 @@
+"""Pipeline schedules, one file each, and their registry: `--pipeline.schedule=NAME` picks one.
+
+A schedule (jaxpar.parallel.schedules.base.PipelineSchedule) owns its per-stage orders, the
+placement of its layer chunks, whether a backward's weight gradient runs apart, its checks, its
+bubble formula and its FLOPs run again; the executor (jaxpar.parallel.pipeline) reads its table.
+A new schedule is a file here and a line in SCHEDULES.
+"""
+
+from jaxpar.core.errors import UserError
+from jaxpar.parallel.schedules.base import PipelineSchedule
+from jaxpar.parallel.schedules.forward import ForwardOnly
+from jaxpar.parallel.schedules.gpipe import GPipe
+from jaxpar.parallel.schedules.interleaved import Interleaved
+from jaxpar.parallel.schedules.one_f_one_b import OneFOneB
+from jaxpar.parallel.schedules.zb_h1 import ZBH1
+
+SCHEDULES: dict[str, type[PipelineSchedule]] = {s.name: s for s in (GPipe, OneFOneB, Interleaved, ZBH1)}
+DEFAULT = OneFOneB  # pipeline.schedule left empty
+
+
+def schedule_class(name: str) -> type[PipelineSchedule]:
+    """The schedule named `name` ("": the default); a UserError naming the choices otherwise."""
+    if not name:
+        return DEFAULT
+    if name not in SCHEDULES:
+        raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, got '{name}'")
+    return SCHEDULES[name]
+
+
+def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> PipelineSchedule:
+    """The named schedule's table on pp stages, checked: a UserError where it cannot run."""
+    cls = schedule_class(name)
+    chunks = cls.chunks_per_stage(virtual)
+    cls.check(pp, microbatches, chunks)
+    return cls(pp, microbatches, chunks)
+
+
+def evaluation(pp: int, microbatches: int) -> PipelineSchedule:
+    """Evaluation's table: the forwards alone, the layers in order."""
+    return ForwardOnly(pp, microbatches)
