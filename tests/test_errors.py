@@ -25,6 +25,8 @@ from jaxpar.train import main
     (["--mesh", "dp=4,pp=2", "--pipeline.microbatches=4"], ["do not split into dp=4 x 4 microbatches"]),
     (["--mesh", "tp=4,pp=2", "--train.batch_size=3"], ["cannot split 3 sequences", "pipeline.microbatches"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.microbatches=1"], ["1f1b needs at least pp=2 microbatches"]),
+    (["--mesh", "dp=4,pp=2", "--pipeline.schedule=dualpipev", "--model.n_layer=4"],
+     ["dualpipev needs at least 2*pp=4 microbatches"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.schedule=zigzag"], ["pipeline.schedule must be one of gpipe, 1f1b"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.schedule=interleaved"], ["interleaved needs --pipeline.virtual >= 2"]),
     (["--mesh", "dp=4,pp=2", "--pipeline.schedule=interleaved", "--pipeline.virtual=2"],

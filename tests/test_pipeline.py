@@ -106,3 +106,45 @@ def test_dry_run_shows_the_stage_buffers_of_the_schedule(capsys):
     out = capsys.readouterr().out
     assert f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)" in out
     assert "activations (1-layer chunk)" in out and "temporaries" in out
+
+
+# DualPipeV: two chunks a stage, so 2*pp layers; its M at least 2*pp. The batch of 10 makes M=5 on
+# pp=2, a count that is not a multiple of pp. Each reference is one device on the same model and batch.
+DUALPIPEV = {"pipeline.schedule": "dualpipev"}
+ODD_M = {"model.n_layer": 4, "train.batch_size": 10, "pipeline.microbatches": 5}
+# DeepSeek's first layer is dense and runs ahead of the stages: one more layer.
+ODD_M_LEAD = {**ODD_M, "model.n_layer": 5}
+
+
+def same_model(overrides: dict) -> dict:
+    return {k: v for k, v in overrides.items() if k.startswith("model.") or k == "train.batch_size"}
+
+
+@pytest.mark.parametrize("config, spec, overrides", [
+    ("tiny", "pp=2", ODD_M),
+    ("tiny", "pp=4", {"model.n_layer": 8, "pipeline.microbatches": 8}),
+    pytest.param("tiny", "pp=4", {"model.n_layer": 8, "train.batch_size": 9, "pipeline.microbatches": 9},
+                 marks=pytest.mark.slow),
+    ("tiny", "dp=2,pp=2", {"model.n_layer": 4, "pipeline.microbatches": 4, "train.zero": 1}),
+    ("tiny", "dp=2,pp=2", {"model.n_layer": 4, "pipeline.microbatches": 4, "train.zero": 3}),
+    ("tiny_llama", "pp=2", ODD_M),
+    ("tiny_moe", "pp=2", ODD_M),
+    ("tiny_deepseek", "pp=2", ODD_M_LEAD),
+    *(pytest.param(config, "pp=4", {"model.n_layer": 8 + lead, "pipeline.microbatches": 8}, marks=pytest.mark.slow)
+      for config, lead in (("tiny_llama", 0), ("tiny_moe", 0), ("tiny_deepseek", 1))),
+])
+def test_dualpipev_matches_one_device(config, spec, overrides):
+    reference = train(config=config, **{"train.zero": 0, **same_model(overrides)})
+    assert_same_training(train(spec, config=config, **overrides, **DUALPIPEV), reference)
+
+
+def test_dualpipev_resumes_a_1f1b_checkpoint(four_layers, tmp_path):
+    """Checkpoints hold the layers in model order whatever the placement: stopped after step 5 on
+    1F1B, the run resumes under DualPipeV's V and goes on as one device would."""
+    def config(**overrides):
+        return tiny_config(**mesh_overrides("pp=2"), **FOUR_LAYERS, **overrides, **{"train.steps": STEPS})
+    run(config(**{"pipeline.schedule": "1f1b"}), tmp_path, jax.devices()[:2], progress=False, stop_at=5)
+    resumed = run(config(**DUALPIPEV, **{"pipeline.microbatches": 4}), tmp_path, jax.devices()[:2], progress=False)
+    assert resumed.info["resumed_from"] == 5
+    np.testing.assert_allclose([resumed.losses[s] for s in range(5, STEPS)],
+                               [four_layers.losses[s] for s in range(5, STEPS)], rtol=LOSS_RTOL)

@@ -157,12 +157,28 @@ def test_zb_h1_keeps_1f1b_memory_and_a_smaller_bubble(pp, M):
     assert schedule.rerun_factors == (3.0, 2.0)
 
 
+@pytest.mark.parametrize("pp, M", [(2, 4), (2, 5), (4, 8), (4, 9), (8, 16)])
+def test_dualpipev_places_its_chunks_in_a_v_and_fills_the_bubble(pp, M):
+    """Stage 0 embeds and computes the loss, the turn at the bottom is kept on stage pp-1 (nothing
+    crosses to another stage there), and its bubble is below 1F1B's on the same M."""
+    schedule = make_schedule("dualpipev", pp, M)
+    assert schedule.virtual == 2 and schedule.placement.last == (0, 1)
+    assert schedule.placement.home(pp - 1) == (pp - 1, 0) and schedule.placement.home(pp) == (pp - 1, 1)
+    arrays = schedule.executor_arrays()
+    assert (arrays["kept_slot"][:, :pp - 1] < 0).all() and (arrays["kept_slot"][:, pp - 1] >= 0).any()
+    assert schedule.bubble_fraction < make_schedule("1f1b", pp, M).bubble_fraction
+    ops = [op.kind for row in schedule.table for op in row if op is not None]
+    assert ops.count(WEIGHT) == ops.count(INPUT_GRAD) > 0 and ops.count(BACKWARD) > 0
+
+
 @pytest.mark.parametrize("name, pp, M, virtual, message", [
     ("1f1b", 4, 3, 1, "1f1b needs at least pp=4 microbatches"),
     ("interleaved", 4, 6, 2, "interleaved needs microbatches in whole groups of pp=4"),
     ("interleaved", 2, 4, 1, "interleaved needs --pipeline.virtual >= 2"),
     ("zb-h1", 2, 4, 2, "zb-h1 runs one layer chunk per stage"),
-    ("nope", 2, 4, 1, "pipeline.schedule must be one of gpipe, 1f1b, interleaved, zb-h1"),
+    ("dualpipev", 4, 7, 1, "dualpipev needs at least 2*pp=8 microbatches"),
+    ("dualpipev", 2, 4, 3, "dualpipev runs two layer chunks a stage"),
+    ("nope", 2, 4, 1, "pipeline.schedule must be one of gpipe, 1f1b, interleaved, zb-h1, dualpipev"),
 ])
 def test_a_schedule_refuses_what_it_cannot_run_in_one_line(name, pp, M, virtual, message):
     with pytest.raises(UserError) as error:
@@ -172,9 +188,9 @@ def test_a_schedule_refuses_what_it_cannot_run_in_one_line(name, pp, M, virtual,
 
 def test_the_tables_are_drawn_and_a_bad_one_refused(tmp_path, capsys):
     png = tmp_path / "s.png"
-    schedule_main(["--schedule", "zb-h1", "--pp", "4", "--microbatches", "8", "--out", str(png)])
+    schedule_main(["--schedule", "dualpipev", "--pp", "4", "--microbatches", "8", "--out", str(png)])
     out = capsys.readouterr().out
-    assert "zb-h1: pp=4, 8 microbatches" in out and " W7" in out and png.stat().st_size > 0
+    assert "dualpipev: pp=4, V=2, 8 microbatches" in out and " W7.0" in out and png.stat().st_size > 0
     schedule_main(["--pp", "4", "--microbatches", "8", "--out", str(png)])  # the default, 1F1B
     assert "bubble 27.3%" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:

@@ -8,13 +8,14 @@ A new schedule is a file here and a line in SCHEDULES.
 
 from jaxpar.core.errors import UserError
 from jaxpar.parallel.schedules.base import PipelineSchedule
+from jaxpar.parallel.schedules.dualpipev import DualPipeV
 from jaxpar.parallel.schedules.forward import ForwardOnly
 from jaxpar.parallel.schedules.gpipe import GPipe
 from jaxpar.parallel.schedules.interleaved import Interleaved
 from jaxpar.parallel.schedules.one_f_one_b import OneFOneB
 from jaxpar.parallel.schedules.zb_h1 import ZBH1
 
-SCHEDULES: dict[str, type[PipelineSchedule]] = {s.name: s for s in (GPipe, OneFOneB, Interleaved, ZBH1)}
+SCHEDULES: dict[str, type[PipelineSchedule]] = {s.name: s for s in (GPipe, OneFOneB, Interleaved, ZBH1, DualPipeV)}
 DEFAULT = OneFOneB  # pipeline.schedule left empty
 
 
