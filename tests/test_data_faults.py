@@ -1,28 +1,32 @@
 """Damaged data and logs: token ids beyond meta.json's vocabulary are one line naming the file,
 the id and the fix (prepare records each split's largest id, trusted while the file's mtime is
-the one recorded; other data is scanned), for a mixture's sources too; a torn or undecodable line
-in metrics.jsonl is skipped with one warning, and a run resumes over it exactly."""
+the one recorded; other data is scanned; and every batch the loader builds is checked, since an
+mtime can be put back), for a mixture's sources too; a torn or undecodable line in metrics.jsonl
+is skipped with one warning, and a run resumes over it exactly."""
 
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import mesh_overrides, tiny_config
 from helpers import fails_with
 
 from jaxpar.core.config import DataConfig
 from jaxpar.core.errors import UserError
 from jaxpar.data import split_writer
 from jaxpar.data import token_files as prep_read
-from jaxpar.data.loader import load_dataset, read_text
+from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, read_text
 from jaxpar.data.prepare import main as prepare_main
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run
 from jaxpar.training import loss_plots, metrics
 
 FAR_ID = 60_123  # beyond any test vocabulary, within uint16
+BLOCK = 32
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +54,27 @@ def overwrite_with_far_ids(path) -> None:
     ids[len(ids) // 2] = FAR_ID
     ids.tofile(path)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+
+
+def rewrite_keeping_mtime(path, ids) -> None:
+    """`ids` written over the file, its mtime put back as prepare recorded it (os.utime, as some
+    copies and restores do): meta.json's record of its largest id still looks current."""
+    before = path.stat()
+    np.asarray(ids, "<u2").tofile(path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def all_far_ids_keeping_mtime(path) -> None:
+    rewrite_keeping_mtime(path, np.full(path.stat().st_size // 2, FAR_ID))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return build_mesh(tiny_config(**mesh_overrides("dp=2")), jax.devices()[:2])
+
+
+def loader(dataset, split, mesh) -> BatchLoader:
+    return BatchLoader(dataset, split, 7, 8, 1, BLOCK, mesh)
 
 
 def beyond(path, token_id, vocab) -> str:
@@ -115,9 +140,13 @@ def test_ids_beyond_the_vocabulary_are_found_in_the_file(chars, tmp_path, record
     assert str(info.value) == beyond(data / "train.bin", FAR_ID, meta_of(data)["vocab_size"])
 
 
-def test_training_on_another_tokenizers_ids_is_one_line_and_writes_nothing(chars, tmp_path, capsys):
+@pytest.mark.parametrize("overwrite", [overwrite_with_far_ids, all_far_ids_keeping_mtime],
+                         ids=["mtime changed", "mtime put back"])
+def test_training_on_another_tokenizers_ids_is_one_line_and_writes_nothing(chars, tmp_path, capsys, overwrite):
+    """Found when loading (a changed mtime sends the file to a scan), or in the first batch, before
+    the compile (a put-back mtime keeps the stale record)."""
     data = copy_of(chars, tmp_path)
-    overwrite_with_far_ids(data / "train.bin")
+    overwrite(data / "train.bin")
     fails_with(capsys, tmp_path, ["--config", "tiny", "--mesh", "dp=8", "--steps", "1", f"--data.path={data}"],
                beyond(data / "train.bin", FAR_ID, meta_of(data)["vocab_size"]))
 
@@ -130,6 +159,67 @@ def test_each_source_of_a_mixture_is_checked(chars, tmp_path):
         load_dataset(DataConfig(mix=mix), 32)
     assert str(info.value) == "data.mix source 'b': " + beyond(bad / "train.bin", FAR_ID, meta_of(bad)["vocab_size"])
     assert load_dataset(DataConfig(mix=f"a={good}:1,b={good}:1"), 32).mixture  # Control
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_batch_holding_ids_beyond_the_vocabulary_is_one_line(chars, tmp_path, mesh, split):
+    """The split rewritten with another tokenizer's ids, its mtime put back, still loads (the
+    record is trusted); its first batch names the file and the id."""
+    data = copy_of(chars, tmp_path)
+    all_far_ids_keeping_mtime(data / f"{split}.bin")
+    dataset = load_dataset(DataConfig(path=str(data)), BLOCK)
+    loader(dataset, {"train": "val", "val": "train"}[split], mesh)(0)  # Control: the other split
+    with pytest.raises(UserError) as info:
+        loader(dataset, split, mesh)(0)
+    assert str(info.value) == beyond(data / f"{split}.bin", FAR_ID, meta_of(data)["vocab_size"])
+
+
+def test_a_prefetched_batchs_error_reaches_the_caller(chars, tmp_path, mesh):
+    """One id beyond the vocabulary where step 1's batch reads and step 0's does not: step 0
+    trains, and step 1's batch, built on the worker thread, raises the one line in the caller."""
+    data = copy_of(chars, tmp_path)
+    path, ids = data / "train.bin", np.fromfile(data / "train.bin", "<u2")
+    order = loader(load_dataset(DataConfig(path=str(data)), BLOCK), "train", mesh)
+    reads = lambda step: set((order.rows(step)[1][..., None] + np.arange(BLOCK + 1)).ravel())
+    ids[min(reads(1) - reads(0))] = FAR_ID
+    rewrite_keeping_mtime(path, ids)
+    batches = Prefetcher(loader(load_dataset(DataConfig(path=str(data)), BLOCK), "train", mesh), 0)
+    try:
+        batches(0)  # Control: step 0's batch holds no such id
+        with pytest.raises(UserError) as info:
+            batches(1)
+    finally:
+        batches.close()
+    assert str(info.value) == beyond(path, FAR_ID, meta_of(data)["vocab_size"])
+
+
+def test_a_mixtures_batch_names_the_source_beyond_the_vocabulary(chars, tmp_path, mesh):
+    good, bad = copy_of(chars, tmp_path, "good"), copy_of(chars, tmp_path, "bad")
+    all_far_ids_keeping_mtime(bad / "train.bin")
+    dataset = load_dataset(DataConfig(mix=f"a={good}:1,b={bad}:1"), BLOCK)
+    loader(dataset, "val", mesh)(0)  # Control: both val splits are sound
+    with pytest.raises(UserError) as info:
+        loader(dataset, "train", mesh)(0)
+    assert str(info.value) == ("data.mix source 'b': "
+                               + beyond(bad / "train.bin", FAR_ID, meta_of(bad)["vocab_size"]))
+
+
+def test_text_and_uint32_sources_are_checked_too(mesh, tmp_path):
+    """The built-in corpus (ids from a tokenizer made from it, so a bad one is a bug), and a uint32
+    file's id past 2**31, which the cast to int32 would turn negative (never seen by a max after)."""
+    builtin = load_dataset(DataConfig(), BLOCK)
+    loader(builtin, "val", mesh)(0)  # Control
+    vocab = builtin.tokenizer.vocab_size
+    broken = Dataset(builtin.tokenizer, builtin.train[:1000].copy(), builtin.val[:1000].copy())
+    broken.train[:] = vocab
+    with pytest.raises(RuntimeError, match=f"token id {vocab}, beyond the vocabulary of {vocab} "):
+        loader(broken, "train", mesh)(0)
+    wide = np.full(1000, 2**31 + 5, np.uint32)
+    tokenizer = SimpleNamespace(vocab_size=200_019, spec="tiktoken:o200k_base")
+    with pytest.raises(UserError) as info:
+        loader(Dataset(tokenizer, wide, wide, prepared=str(tmp_path)), "train", mesh)(0)
+    assert str(info.value).startswith(f"'{tmp_path / 'train.bin'}' holds token id {2**31 + 5}, "
+                                      "beyond the vocabulary of 200019 tokens")
 
 
 TORN = b'{"step": 6, "loss": 4.1'

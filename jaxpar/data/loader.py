@@ -3,7 +3,10 @@ memory-mapped), a UTF-8 text file (the built-in Tiny Shakespeare by default) at 
 or a weighted mixture of sources sharing one tokenizer (jaxpar.data.mixture).
 
 The global batch at step s is a pure function of (seed, split, s): the same for every mesh and
-process count. Each process materialises only the rows its devices hold.
+process count. Each process materialises only the rows its devices hold, and checks that each id
+lies within the tokenizer's vocabulary before it leaves the host: meta.json's record of a
+file's largest id can be stale (an edited train.bin whose mtime was put back), and an embedding
+lookup beyond the vocabulary clamps or reads garbage, silently.
 """
 
 import gzip
@@ -20,6 +23,7 @@ from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import batch_sharding
 from jaxpar.data.mixture import Mixture, mixture_rows
+from jaxpar.data.token_files import beyond_vocab, read_prepared
 from jaxpar.data.tokenizer import CharTokenizer, from_meta, same_mapping
 
 BUILTIN_NAME = "tinyshakespeare.txt.gz"
@@ -33,6 +37,7 @@ class Dataset:
     val: np.ndarray | None
     mixture: Mixture | None = None
     parts: tuple["Dataset", ...] = ()  # a mixture's sources, in its order
+    prepared: str = ""  # the jaxpar.prepare directory the splits were mapped from; "" for text
 
     def splits(self, name: str) -> list[np.ndarray]:
         """The split's tokens, one array per source."""
@@ -81,12 +86,11 @@ def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
 
 
 def load_prepared(directory: str, block_size: int) -> Dataset:
-    from jaxpar.data.token_files import read_prepared
     meta, train, val = read_prepared(directory)
     if "tokenizer_meta" not in meta:
         raise UserError(f"'{directory}/meta.json' does not describe its tokenizer; run "
                         "python -m jaxpar.prepare again")
-    return checked(Dataset(from_meta(meta["tokenizer_meta"]), train, val),
+    return checked(Dataset(from_meta(meta["tokenizer_meta"]), train, val, prepared=directory),
                    f"prepared data '{directory}'", "tokens", block_size)
 
 
@@ -160,6 +164,9 @@ class BatchLoader:
     def __init__(self, dataset: Dataset, split: str, seed: int, batch_size: int,
                  microbatches: int, block_size: int, mesh):
         self.sources, self.mixture = dataset.splits(split), dataset.mixture
+        self.parts = dataset.parts if dataset.mixture else (dataset,)
+        # The mapping the model embeds (a mixture's sources share it); None: unchecked (tests).
+        self.vocab = None if dataset.tokenizer is None else dataset.tokenizer.vocab_size
         self.split, self.seed = split, seed
         self.batch_size, self.block_size = batch_size, block_size
         self.shape = (microbatches, batch_size // microbatches, block_size)
@@ -182,11 +189,32 @@ class BatchLoader:
         which, offsets = self.rows(step)
         window = offsets[:, self.row_start:self.row_stop, None] + np.arange(self.block_size + 1)
         if which is None:
-            return self.sources[0][window].astype(np.int32)
+            return self.gather(0, window).astype(np.int32)
         which, chunk = which[:, self.row_start:self.row_stop], np.empty(window.shape, np.int32)
         for source in np.unique(which):
-            chunk[which == source] = self.sources[source][window[which == source]]
+            chunk[which == source] = self.gather(source, window[which == source])
         return chunk
+
+    def gather(self, source: int, window: np.ndarray) -> np.ndarray:
+        """The source's ids at `window`, checked against the vocabulary before the cast to int32
+        (which would wrap a uint32 id past 2**31 to a negative one)."""
+        ids = self.sources[source][window]
+        if self.vocab is not None and (top := int(ids.max())) >= self.vocab:
+            raise self.beyond(source, top)
+        return ids
+
+    def beyond(self, source: int, top: int) -> Exception:
+        """The error for a batch of the source's split holding id `top`, past the vocabulary."""
+        part = self.parts[source]
+        if not part.prepared:  # text is encoded by a tokenizer made from it: only a bug gets here
+            return RuntimeError(f"a {self.split} batch holds token id {top}, beyond the vocabulary "
+                                f"of {self.vocab} tokens of the tokenizer that encoded it; this is "
+                                "a bug in jaxpar: please report it")
+        error = beyond_vocab(Path(part.prepared) / f"{self.split}.bin", top, self.vocab,
+                             part.tokenizer.spec)
+        if self.mixture is None:
+            return error
+        return UserError(f"data.mix source '{self.mixture.sources[source].name}': {error}")
 
     def __call__(self, step: int) -> tuple[jax.Array, jax.Array]:
         chunk = self.local_rows(step)
@@ -197,7 +225,8 @@ class BatchLoader:
 class Prefetcher:
     """The loader's batches for consecutive steps, each built on a worker thread while the step
     before it runs, so building a batch (reading a memory-mapped file, above all) never holds up
-    the device. Any step may be asked for; a step out of order is built at once."""
+    the device. Any step may be asked for; a step out of order is built at once. A batch that
+    fails to build (an id past the vocabulary) raises its error in the call for its step."""
 
     def __init__(self, loader: BatchLoader, first_step: int):
         self.loader, self.sharding = loader, loader.sharding

@@ -4,7 +4,9 @@ memory-mapped read-only. Each inconsistency is one UserError naming the file and
 Every token id must lie within meta.json's tokenizer vocabulary (an embedding lookup beyond it
 clamps or reads garbage, silently). The largest id prepare recorded is trusted while the file's
 mtime is the one it recorded; otherwise (data from before the record, or a file changed since)
-one np.max pass over the file finds it: 0.08 s/GB from the page cache, else the disk's read time."""
+one np.max pass over the file finds it: 0.08 s/GB from the page cache, else the disk's read time.
+An mtime can be put back (os.utime, some copies), so the record is a first check only: the
+loader checks the ids of every batch it builds too (jaxpar.data.loader), with this message."""
 
 import json
 from pathlib import Path
@@ -79,13 +81,18 @@ def largest_id(path: Path, tokens: np.memmap, record: dict) -> int:
     return int(tokens.max())
 
 
+def beyond_vocab(path: Path, top: int, vocab: int, tokenizer: str) -> UserError:
+    """The error for a token file holding id `top`, past its tokenizer's `vocab`."""
+    return UserError(f"'{path}' holds token id {top}, beyond the vocabulary of {vocab} tokens of "
+                     f"meta.json's tokenizer ({tokenizer}): it is not that tokenizer's data, or "
+                     f"was changed after jaxpar.prepare; {AGAIN}")
+
+
 def check_ids(directory: Path, split: str, tokens: np.memmap, meta: dict) -> None:
     path, vocab = directory / f"{split}.bin", meta["vocab_size"]
     top = largest_id(path, tokens, meta["splits"][split])
     if top >= vocab:
-        raise UserError(f"'{path}' holds token id {top}, beyond the vocabulary of {vocab} tokens "
-                        f"of meta.json's tokenizer ({meta.get('tokenizer', 'unnamed')}): it is not "
-                        f"that tokenizer's data, or was changed after jaxpar.prepare; {AGAIN}")
+        raise beyond_vocab(path, top, vocab, meta.get("tokenizer", "unnamed"))
 
 
 def read_prepared(directory) -> tuple[dict, np.memmap, np.memmap]:
