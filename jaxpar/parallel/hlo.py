@@ -127,20 +127,25 @@ def collective_ops(hlo_text: str) -> list[dict]:
     comps, entry = computations(hlo_text)
     runs = multiplicities(comps, entry) if entry else defaultdict(lambda: 1)
     found: dict = defaultdict(int)
-    channels: dict = {}  # channel id: (op, runs)
+    channels: dict = defaultdict(int)  # (channel id, op): its runs a step
     for name, lines in (comps or {"": hlo_text.splitlines()}).items():
+        here: dict = defaultdict(int)  # (channel id, op): its lines in this computation
         for line in lines:
             if not (op := collective_of(line, name)):
                 continue
             # XLA:TPU runs one async collective as pieces in several fusions (start, continuations,
-            # done), each naming the op and its channel. The MoE dispatch's ragged-all-to-alls are
-            # each its own op, though XLA gives them one channel.
+            # done), each naming the op and its channel: counted once. XLA:CPU gives distinct ops
+            # one channel id (a step's several collective-permutes, an all-reduce): a channel
+            # names one op only together with its kind and size, and each line of one
+            # computation is an op of its own. The MoE dispatch's ragged-all-to-alls are each
+            # its own op, though XLA gives them one channel.
             if (channel := CHANNEL.search(line)) and op[0] != "ragged-all-to-all":
-                seen = channels.get(channel.group(1), (op, 0))[1]
-                channels[channel.group(1)] = (op, max(seen, runs[name]))
+                here[channel.group(1), op] += 1
             else:
                 found[op] += runs[name]
-    for op, count in channels.values():
+        for key, lines_here in here.items():
+            channels[key] = max(channels[key], lines_here * runs[name])
+    for (_, op), count in channels.items():
         found[op] += count
     return [{"kind": kind, "bytes": size, "group": group, "count": count}
             for (kind, size, group), count in found.items() if count]
