@@ -1,5 +1,6 @@
 """Context parallelism (`--mesh cp=N`) trains as one device does: the sequence split over a ring of
-devices in the zigzag layout, attention as a ring (jaxpar.nn.ring_attention), for GPT-2
+devices in the zigzag layout, attention as a ring (jaxpar.nn.ring_attention), or by every other
+strategy of jaxpar.nn.context's registry, for GPT-2
 (configs/tiny.toml) and the Llama family (configs/tiny_llama.toml: GQA, llama3 RoPE), alone and
 with data, tensor, sequence and pipeline parallelism, ZeRO-3, and two processes. The combinations not supported yet,
 and what the ring needs, are one-line errors.
@@ -15,6 +16,7 @@ import pytest
 from conftest import mesh_overrides, tiny_config
 from helpers import STEPS, assert_same_training, fails_with, launch, logged_losses, losses, train
 
+from jaxpar.nn.context import DEFAULT, STRATEGIES
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.build import build
 
@@ -49,6 +51,26 @@ def test_context_parallel_matches_one_device(config, spec, overrides):
     assert_same_training(train(spec, evaluate=True, config=config, **overrides), train(config=config, evaluate=True))
 
 
+# Every other strategy of the registry, on the layouts that show what it changes: Llama's 2 KV heads
+# repeated to cp=4, DeepSeek's latent attention, and the head split beside dp and tp; the others slow.
+STRATEGY_LAYOUTS = [("tiny_llama", "cp=4", False), ("tiny_deepseek", "cp=2", False), ("tiny", "dp=2,tp=2,cp=2", False),
+                    ("tiny", "cp=2", True), ("tiny", "cp=4", True), ("tiny_llama", "cp=2,pp=2", True)]
+
+
+def strategy_cases():
+    for name in STRATEGIES:
+        if name == DEFAULT.name:
+            continue  # the default runs every layout above
+        for config, spec, slow in STRATEGY_LAYOUTS:
+            yield pytest.param(config, spec, name, id=f"{name}-{config}-{spec}", marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("config, spec, strategy", list(strategy_cases()))
+def test_each_context_strategy_matches_one_device(config, spec, strategy):
+    assert_same_training(train(spec, evaluate=True, config=config, **{"model.context_strategy": strategy}),
+                         train(config=config, evaluate=True))
+
+
 @pytest.mark.parametrize("config", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_llama"])  # as above
 def test_two_processes_with_a_context_ring_match_one(config, tmp_path):
     out = tmp_path / "run"
@@ -62,11 +84,11 @@ def test_the_compiled_step_passes_kv_blocks_around_the_ring():
     """The step's HLO has the ring's collective-permutes (none without cp)."""
     import jax
     texts = {}
-    for spec in ("dp=4", "cp=4"):
-        cfg = tiny_config(**mesh_overrides(spec))
+    for spec, strategy in (("dp=4", "ring"), ("cp=4", "ring")):
+        cfg = tiny_config(**mesh_overrides(spec), **{"model.context_strategy": strategy})
         mesh = build_mesh(cfg, jax.devices()[:4])
-        texts[spec] = build(cfg, mesh, vocab=65).compile_abstract().as_text()
-    assert "collective-permute" not in texts["dp=4"] and "collective-permute" in texts["cp=4"]
+        texts[spec, strategy] = build(cfg, mesh, vocab=65).compile_abstract().as_text()
+    assert "collective-permute" not in texts["dp=4", "ring"] and "collective-permute" in texts["cp=4", "ring"]
 
 
 def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsys):
@@ -91,6 +113,7 @@ def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsy
     (["--mesh", "dp=4,cp=2", "--model.dropout=0.1"], ["model.dropout=0.1 with cp=2", "--model.dropout=0"]),
     (["--mesh", "cp=2,tp=4", "--model.sequence_parallel=true", "--model.block_size=36"],
      ["sequence parallelism with cp=2 splits the stream over cp*tp=8", "block_size=36"]),
+    (["--mesh", "cp=2,dp=4", "--model.context_strategy=spiral"], ["model.context_strategy must be one of ring"]),
 ])
 def test_what_the_ring_cannot_do_is_one_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)

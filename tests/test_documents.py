@@ -16,8 +16,8 @@ import pytest
 from conftest import mesh_overrides, tiny_config
 from helpers import LOSS_RTOL, PARAM_TOL, fails_with
 
-from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.transformer import build_model
+from jaxpar.nn import context
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.build import build
 from jaxpar.training.execution import plan_execution
@@ -88,7 +88,8 @@ def on_mesh(spec: str, family: str, params, mask: bool = True, **overrides):
         if cfg.mesh.pp == 1:
             laid = jax.jit(laid_out(lambda p, x, y: token_losses(model(p, x), y), model.plan))(placed, inputs, targets)
             per_token = np.empty(inputs.shape, np.float32)
-            order = zigzag_permutation(T, cfg.mesh.cp) if cfg.mesh.cp > 1 else np.arange(T)
+            order = context.of(model.plan).permutation(T, cfg.mesh.cp)
+            order = np.arange(T) if order is None else order
             per_token[:, order] = np.asarray(laid)
     return per_token, float(metrics["loss"]), jax.tree.map(np.asarray, grads)
 
@@ -103,15 +104,15 @@ def grad_errors(grads, reference) -> dict:
 # Each layout once in the default run: the ring with Llama's RoPE, the others with GPT-2's learned
 # positions (both families take the same document positions); the repeats are marked slow.
 SLOW = pytest.mark.slow
-LAYOUTS = [("gpt2", "dp=1"), ("gpt2", "dp=2,tp=2"), pytest.param("gpt2", "cp=2", marks=SLOW), ("gpt2", "pp=2"),
-           ("llama", "dp=1"), ("llama", "cp=2"),
-           *(pytest.param("llama", spec, marks=SLOW) for spec in ("dp=2,tp=2", "pp=2"))]
+LAYOUTS = [("gpt2", "dp=1", {}), ("gpt2", "dp=2,tp=2", {}), pytest.param("gpt2", "cp=2", {}, marks=SLOW),
+           ("gpt2", "pp=2", {}), ("llama", "dp=1", {}), ("llama", "cp=2", {}),
+           *(pytest.param("llama", spec, {}, marks=SLOW) for spec in ("dp=2,tp=2", "pp=2"))]
 
 
-@pytest.mark.parametrize("reference, spec", LAYOUTS, indirect=["reference"])
-def test_a_row_of_documents_equals_each_document_alone(reference, spec):
+@pytest.mark.parametrize("reference, spec, overrides", LAYOUTS, indirect=["reference"])
+def test_a_row_of_documents_equals_each_document_alone(reference, spec, overrides):
     family, params, (losses, grads) = reference
-    per_token, loss, got = on_mesh(spec, family, params)
+    per_token, loss, got = on_mesh(spec, family, params, **overrides)
     if per_token is not None:
         np.testing.assert_allclose(per_token, losses, rtol=LOSS_RTOL)
     np.testing.assert_allclose(loss, losses.mean(), rtol=LOSS_RTOL)

@@ -134,7 +134,7 @@ def test_bf16_projections_have_float32s_gradients(spec, x_shape, w_shape, for_cp
     gradient's operand laid out) gives autodiff's float32 gradients to bf16 rounding: within 1e-2
     of each gradient's largest magnitude (a wrong transpose is off by order 1). Every dot of the
     backward takes bf16 operands (autodiff's would take the float32 output gradient)."""
-    from jaxpar.nn.matmul import low_precision_project
+    from jaxpar.nn.recipes.model_dtype import low_precision_project
     rng = np.random.default_rng(0)
     x, w = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in (x_shape, w_shape))
     out_shape = jax.eval_shape(lambda x, w: jnp.einsum(spec, x, w), x, w).shape

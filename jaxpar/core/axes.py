@@ -14,8 +14,6 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
-
 from jaxpar.core.axis_costs import AxisCosts, ContextCosts, DataCosts, ExpertCosts, PipeCosts, TensorCosts
 from jaxpar.core.errors import UserError
 
@@ -45,10 +43,6 @@ class MeshAxis:
 
     def check(self, cfg, size: int, sizes: dict[str, int]) -> None:
         """Refuse a config this axis cannot run at `size` (sizes: every axis's, by key)."""
-
-    def lay_out(self, tokens, size: int):
-        """A batch of (..., seq) tokens in the layout this axis computes it in."""
-        return tokens
 
 
 class Data(MeshAxis):
@@ -103,31 +97,16 @@ class Pipe(MeshAxis):
 
 
 class Context(MeshAxis):
-    """Context parallelism: every activation's sequence split over a ring of devices, attention as
-    a ring (jaxpar.nn.ring_attention), the batch laid out in the ring's zigzag order."""
+    """Context parallelism: every activation's sequence split over the axis's devices, attention by
+    the plan's context strategy (jaxpar.nn.context: the zigzag ring, or Ulysses' all-to-alls),
+    which lays the batch out and checks what it needs."""
     costs = ContextCosts()
 
     def check(self, cfg, size, sizes):
         m, tp = cfg.model, sizes[TENSOR_AXIS.key]
-        if size == 1:
-            return
-        if m.block_size % (2 * size):
-            raise UserError(f"cp={size} needs model.block_size divisible by 2*cp={2 * size} (the sequence is "
-                            f"cut into 2*cp chunks, two per device); got {m.block_size}")
-        if m.dropout > 0:
-            raise UserError(f"model.dropout={m.dropout} with cp={size}: ring attention has no attention "
-                            "dropout; pass --model.dropout=0 or drop cp")
-        if m.sequence_parallel and m.block_size % (size * tp):
+        if size > 1 and m.sequence_parallel and m.block_size % (size * tp):
             raise UserError(f"sequence parallelism with cp={size} splits the stream over cp*tp={size * tp}; "
                             f"model.block_size={m.block_size} does not divide by it")
-        if m.n_experts and m.moe_capacity_factor:  # a mixture of experts has the key
-            raise UserError(f"model.moe_capacity_factor={m.moe_capacity_factor} ranks each sequence's tokens in "
-                            f"order, and cp={size} splits the sequences; use cp=1, or drop the capacity factor")
-
-    def lay_out(self, tokens, size):
-        """Once per batch, tokens and targets alike (the targets were shifted before), never per
-        layer: each device's two zigzag chunks side by side."""
-        return tokens if size == 1 else tokens[..., zigzag_permutation(tokens.shape[-1], size)]
 
 
 class Expert(MeshAxis):
@@ -201,17 +180,6 @@ def check_axes(cfg, sizes: dict[str, int]) -> None:
     """Every axis's checks, at the sizes of a resolved mesh."""
     for axis in AXES:
         axis.check(cfg, sizes[axis.key], sizes)
-
-
-def zigzag_permutation(seq_len: int, ring: int) -> np.ndarray:
-    """Global positions in zigzag order: device 0's tokens first (chunks 0 and 2*ring - 1 of the
-    2*ring equal chunks), then device 1's (chunks 1 and 2*ring - 2), and so on; `x[:, perm]` lays
-    a batch out for a split of the sequence axis over `ring` devices."""
-    if seq_len % (2 * ring):
-        raise ValueError(f"zigzag ring attention needs seq_len divisible by 2 * ring: seq_len {seq_len}, "
-                         f"ring {ring}")
-    chunks = np.arange(seq_len).reshape(2 * ring, -1)
-    return np.concatenate([np.concatenate([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
 
 
 def check_chunks(m, pp: int, virtual: int) -> None:

@@ -77,16 +77,9 @@ class PipeCosts(AxisCosts):
 
 
 class ContextCosts(AxisCosts):
+    """The sequence split: its collectives are the context strategy's (jaxpar.nn.context), which the
+    planner adds (jaxpar.planning.estimate.guess_collectives)."""
     divides = ("sequence",)
-
-    def collectives(self, size, cfg, step):
-        """Each layer's ring: the K and V blocks passed on size-1 times forward, and with dK and dV
-        in the backward."""
-        if size == 1:
-            return []
-        m = cfg.model
-        kv = 2 * m.kv_heads * m.head_size / m.n_embd / step.width * step.activation_bytes
-        return [collective("collective-permute", kv, size, 3 * (size - 1) * step.layers * step.passes)]
 
 
 class ExpertCosts(AxisCosts):

@@ -84,7 +84,7 @@ MeshConfig = dataclasses.make_dataclass("MeshConfig", [(axis.key, int, field(def
 
 @dataclass
 class PipelineConfig:
-    schedule: str = ""  # a schedule of jaxpar.parallel.schedules by name; empty: its default (python -m jaxpar.schedule --help)
+    schedule: str = ""  # one of jaxpar.parallel.schedules by name; empty: the default (see python -m jaxpar.schedule -h)
     virtual: int = 1  # interleaved: layer chunks per stage (stage s holds chunks s, s+pp, ...)
     microbatches: int = 0  # per step and grad_accum round; 0: the largest multiple of pp up to 4*pp that fits
 

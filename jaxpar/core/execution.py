@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import kernel_registry as registry
-from jaxpar.core.axes import EXPERT, rule_table
+from jaxpar.core.axes import CONTEXT, EXPERT, rule_table
+from jaxpar.core.matmul_recipe import MatmulRecipe
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import drop_axes, logical_to_spec, names_of
 
@@ -42,6 +43,7 @@ class ExecutionPlan:
     mesh: object = None  # the jax Mesh the step runs on
     platform: str = "cpu"
     sequence_parallel: bool = False
+    context: object = None  # the context strategy (jaxpar.nn.context) where 'context' splits the sequence
     attention: str = registry.XLA  # xla, splash, cudnn or tokamax
     attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists, or planned a stand-in
     moe_gemm: str = registry.RAGGED_DOT  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
@@ -54,6 +56,7 @@ class ExecutionPlan:
     accumulation: str = ONE_PASS
     remat: str = "none"  # model.remat, a policy of jaxpar.core.remat
     offload: str = "none"  # train.offload: "optimizer" keeps the optimizer's state in host memory
+    recipe: MatmulRecipe | None = None  # how the matmuls compute (jaxpar.nn.recipes); None: model.dtype's
     xla_options: tuple = ()  # (name, value) XLA compile options of the steps (jaxpar.core.xla_options)
     regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
     microbatches: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
@@ -103,7 +106,7 @@ class ExecutionPlan:
 
     @property
     def cpu_matmuls(self) -> bool:
-        """The projections' backward shaped for XLA:CPU's bf16 kernels (jaxpar.nn.matmul)."""
+        """The projections' backward shaped for XLA:CPU's bf16 kernels (jaxpar.nn.recipes.model_dtype)."""
         return self.platform == "cpu"
 
     @property
@@ -180,9 +183,12 @@ class ExecutionPlan:
         """What run.json and --dry-run print."""
         kernel = self.attention + (f" ({self.attention_note})" if self.attention_note else "")
         tuned = {"kernel_tuning": self.tuning_note} if self.tuning_note else {}
-        return {"platform": self.platform, "mesh": self.sizes, "attention": kernel,
+        split = self.context is not None and self.sizes.get(CONTEXT, 1) > 1
+        split = {"context_strategy": self.context.name} if split else {}
+        return {"platform": self.platform, "mesh": self.sizes, "attention": kernel, **split,
                 **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.grouped_gemm, **tuned}}
                    if self.experts else {}),
+                **({"matmuls": self.recipe.describe()} if self.recipe is not None else {}),
                 "micro_batch": self.micro_batch, "passes": self.microbatches,
                 "accumulation": self.accumulation, "remat": self.remat, "offload": self.offload,
                 **({"xla_options": dict(self.xla_options)} if self.xla_options else {}),

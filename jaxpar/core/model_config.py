@@ -55,6 +55,9 @@ class ModelConfig:
     # dropout, the residual adds) is split over 'tensor' along the sequence. Same math; those
     # activations shrink by tp. No effect at tp = 1.
     sequence_parallel: bool = False
+    # How attention runs with the sequence split over 'context' (cp > 1), a strategy of
+    # jaxpar.nn.context: ring (the zigzag ring, K/V passed round) or ulysses (all-to-alls to a head split).
+    context_strategy: str = "ring"
     # Tests only: the coefficient of an auxiliary loss, the mean square of each block's output
     # (jaxpar.models.family), which proves the auxiliary-loss path on every layout. 0: off.
     test_activation_l2: float = 0.0

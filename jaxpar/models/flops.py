@@ -127,7 +127,8 @@ def measure_matmul_peak(device, dtype: str, size: int = 2048, repeats: int = 5) 
 
 
 def peak_flops(devices, dtype: str) -> tuple[float, str]:
-    """(total peak FLOP/s of these devices, where the figure came from).
+    """(total peak FLOP/s of these devices in `dtype`, where the figure came from); MFU's dtype is
+    the matmul recipe's (jaxpar.nn.recipes: mfu_dtype).
 
     Accelerators: the data-sheet figure per device times the device count. CPU: forced host
     devices share the same cores, so the peak is one measured matmul over all cores, not times n.

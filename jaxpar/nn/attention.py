@@ -22,7 +22,7 @@ import jax.numpy as jnp
 QUERY_BLOCK = 64
 MAX_QUERY_BLOCKS = 8  # each block is its own ops in every layer: more of them cost compile time
 # Every dot accumulates into float32: in bfloat16 that is the form XLA:CPU's bf16 kernels take
-# (jaxpar.nn.matmul); in float32 it is the same dot.
+# (jaxpar.nn.recipes.model_dtype); in float32 it is the same dot.
 F32 = jnp.float32
 
 

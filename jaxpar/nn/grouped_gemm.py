@@ -6,7 +6,9 @@ expert).
 
 Each leg (the product, its input's gradient, its weights' gradient) can be a different kernel:
 `legged_gemm` runs the plan's choice of each (jaxpar.nn.kernel_tuning measures them on a GPU); with
-one kernel for all three, jaxpar.nn.moe runs that kernel's own program.
+one kernel for all three, jaxpar.nn.moe runs that kernel's own program. Whichever runs, jaxpar.nn.moe
+calls it through the plan's matmul recipe (jaxpar.nn.recipes: `grouped`), which owns its operands'
+precision.
 """
 
 import functools

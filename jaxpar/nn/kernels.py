@@ -46,6 +46,7 @@ from jaxpar.core.kernel_registry import (
 )
 from jaxpar.core.platform import GPUS
 from jaxpar.nn import tokamax_kernels
+from jaxpar.nn.attention import causal_attention
 
 Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim"), \
     ("batch", "seq", "heads", "head_dim")
@@ -143,6 +144,19 @@ def fused_attention(plan, q, k, v, doc_starts=None):
     if plan.mesh is None:
         return local(*args)
     return plan.per_device(local, in_axes, OUT_AXES)(*args)
+
+
+def local_attention(plan):
+    """The plan's kernel on one device's arrays, the whole sequence there (a context strategy's
+    attention after it gathers the sequence): (q, k, v, doc_starts or None) -> (batch, seq, heads,
+    head_dim), causal, within documents where given."""
+    if plan.attention == registry.XLA:
+        return lambda q, k, v, docs: causal_attention(q, k, v, 0.0, None, docs)
+    if plan.attention == TOKAMAX:
+        fused = functools.partial(tokamax_kernels.attention, on_gpu=plan.platform in GPUS)
+    else:
+        fused = local_kernel(plan.attention, plan.interpret)
+    return lambda q, k, v, docs: fused(q, k, v) if docs is None else fused(q, k, v, segments=(docs, docs))
 
 
 def local_kernel(kernel: str, interpret: bool):

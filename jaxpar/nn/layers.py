@@ -20,11 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.core.axes import zigzag_permutation
+from jaxpar.nn import context, recipes
 from jaxpar.nn.attention import apply_dropout, causal_attention
-from jaxpar.nn.kernels import KV_AXES, Q_AXES, BlockKernel, fused_attention
-from jaxpar.nn.matmul import project
-from jaxpar.nn.ring_attention import ring_attention
+from jaxpar.nn.kernels import BlockKernel, fused_attention
 
 VOCAB_MULTIPLE = 64  # pad the vocabulary so it splits over any tensor-parallel size up to 64
 GATHERED = "gathered_weights"  # checkpoint name of weights pinned to their compute layout
@@ -83,17 +81,18 @@ def to_stream(plan, y: jax.Array, shape: tuple) -> jax.Array:
 
 
 def sequence_positions(plan, seq_len: int) -> jax.Array | None:
-    """Each token's true position while the sequence is laid out for a context ring (zigzag: see
-    jaxpar.nn.ring_attention), or None when it is in order."""
-    _, ring = plan.ring()
-    return None if ring == 1 else jnp.asarray(zigzag_permutation(seq_len, ring))
+    """Each token's true position while the sequence is laid out for the plan's context strategy
+    (the ring's zigzag: jaxpar.nn.context), or None when it is in order."""
+    order = context.of(plan).permutation(seq_len, plan.ring()[1])
+    return None if order is None else jnp.asarray(order)
 
 
 def document_starts(plan, tokens: jax.Array, eot_id: int) -> jax.Array:
-    """Each token's document start, (batch, seq) int32, in the sequence's layout: a context ring's
-    tokens are put back in order for the running maximum, and the starts laid out as they were."""
-    T, (_, ring) = tokens.shape[1], plan.ring()
-    order = None if ring == 1 else zigzag_permutation(T, ring)
+    """Each token's document start, (batch, seq) int32, in the sequence's layout: tokens laid out
+    for a context strategy are put back in order for the running maximum, and the starts laid out
+    as they were."""
+    T = tokens.shape[1]
+    order = context.of(plan).permutation(T, plan.ring()[1])
     in_order = tokens if order is None else tokens[:, np.argsort(order)]
     index = jnp.arange(T, dtype=jnp.int32)
     starts = jax.lax.cummax(jnp.where(in_order == eot_id, index, 0), axis=1)
@@ -163,24 +162,13 @@ def cached_attention(q: jax.Array, cache: KVCache, doc_starts: jax.Array | None 
 def attend(plan, q: jax.Array, k: jax.Array, v: jax.Array, rate: float, key, doc_starts=None) -> jax.Array:
     """Causal attention of q (batch, heads, seq, head_dim) with k, v (batch, kv_heads, seq,
     head_dim) -> (batch, seq, heads, head_dim), within documents when doc_starts is given, by the
-    plan's kernel: on one device's whole sequence, or as a ring over the mesh axis the sequence
-    is split over (context parallelism; no dropout there)."""
-    axis, ring = plan.ring()
-    kernel = BlockKernel(plan.attention, plan.interpret)
-    if ring == 1:
-        if not kernel.fused:
-            return causal_attention(q, k, v, rate, key, doc_starts)
-        return fused_attention(plan, q, k, v, doc_starts)
-
-    def ring_of_shards(q, k, v, *segments):
-        B, H, T, D = q.shape
-        K = k.shape[1]
-        return ring_attention(q.reshape(B, K, H // K, T, D), k, v, axis_name=axis, kernel=kernel,
-                              segments=segments[0] if segments else None).reshape(B, H, T, D)
-    in_axes, args = (Q_AXES, KV_AXES, KV_AXES), (q, k, v)
-    if doc_starts is not None:
-        in_axes, args = in_axes + (("batch", "seq"),), args + (doc_starts,)
-    return plan.per_device(ring_of_shards, in_axes, Q_AXES)(*args).transpose(0, 2, 1, 3)
+    plan's kernel: on one device's whole sequence, or, where the sequence is split over 'context',
+    by the plan's context strategy (jaxpar.nn.context; no dropout there)."""
+    if plan.ring()[1] > 1:
+        return context.of(plan).attend(plan, q, k, v, doc_starts)
+    if not BlockKernel(plan.attention, plan.interpret).fused:
+        return causal_attention(q, k, v, rate, key, doc_starts)
+    return fused_attention(plan, q, k, v, doc_starts)
 
 
 def head_logits(plan, x: jax.Array, head: jax.Array, vocab_size: int, dtype, logits_dtype="float32") -> jax.Array:
@@ -188,7 +176,8 @@ def head_logits(plan, x: jax.Array, head: jax.Array, vocab_size: int, dtype, log
     `logits_dtype` (model.logits_dtype; accumulated in float32 either way), the vocabulary's
     padding rows masked so they can never be predicted."""
     x = plan.constrain(x, ("batch", "seq", "embed"))  # the whole sequence
-    logits = project("btc,vc->btv", x.astype(dtype), head.astype(dtype), dtype, plan.cpu_matmuls).astype(logits_dtype)
+    recipe = recipes.of(plan, dtype)
+    logits = recipe.project("btc,vc->btv", x.astype(dtype), head.astype(dtype), recipes.HEAD).astype(logits_dtype)
     logits = plan.constrain(logits, ("batch", "seq", "vocab"))
     is_real = jnp.arange(logits.shape[-1]) < vocab_size
     return jnp.where(is_real, logits, -1e9)

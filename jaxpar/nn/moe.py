@@ -18,9 +18,10 @@ than B x E_l x capacity rows (B sequences, E_l experts a device): the buffers ha
 The receiving device runs its experts as one grouped GEMM over its rows sorted by expert (the
 plan's: `jax.lax.ragged_dot`, the Megablox kernels, tokamax's Triton kernel on GPUs
 (jaxpar.nn.tokamax_kernels), or the blocked GEMM, tiles of rows each times its expert's matrix, where
-ragged_dot is a dense product over every expert), and the results go back the same way. Where the
-tokens are whole on every device of 'expert' (decoding), each device runs its own experts on every
-token and the outputs are summed.
+ragged_dot is a dense product over every expert), through the plan's matmul recipe
+(jaxpar.nn.recipes), and the results go back the same way. Where the tokens are whole on every
+device of 'expert' (decoding), each device runs its own experts on every token and the outputs are
+summed.
 
 The router's losses are per sequence, so that every layout gives the same values: the
 load-balancing loss E * sum_i f_i * P_i (Hugging Face's form: f_i the tokens routed to expert i
@@ -40,8 +41,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.core import kernel_registry as registry
 from jaxpar.core import remat
 from jaxpar.core.axes import EXPERT
+from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
-from jaxpar.nn import tokamax_kernels
+from jaxpar.nn import recipes, tokamax_kernels
 from jaxpar.nn.grouped_gemm import LEGS, Tiles, grouped_gemm, legged_gemm
 from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, within_capacity
 
@@ -49,8 +51,9 @@ from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, with
 class Experts(NamedTuple):
     """A device's E_l experts and how they compute: their fused gate and up (E_l, C, 2, F) and
     down (E_l, F, C) weights, the matmuls' dtype, the grouped GEMM (the plan's moe_gemm), whether
-    Pallas interprets Megablox (off TPU), and each leg's kernel where the plan chose them
-    (forward, dlhs, drhs; (): all three `gemm`, the GEMM's own backward)."""
+    Pallas interprets Megablox (off TPU), each leg's kernel where the plan chose them (forward,
+    dlhs, drhs; (): all three `gemm`, the GEMM's own backward), and the plan's matmul recipe, which
+    the kernel's calls go through (None: the default's in dtype; jaxpar.nn.recipes)."""
     gate_up: jax.Array
     out: jax.Array
     dtype: object
@@ -58,6 +61,7 @@ class Experts(NamedTuple):
     interpret: bool = True
     legs: tuple = ()
     tuning: str = ""  # tokamax's configs tuned for this GPU at plan time (JSON; jaxpar.nn.kernel_tuning)
+    recipe: recipes.MatmulRecipe | None = None
 
 
 def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.Array:
@@ -74,6 +78,7 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.
         gemm, put, take = tiles.gemm, tiles.put, tiles.take
     else:
         gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=legs[0], interpret=local.interpret)
+    gemm = (local.recipe if local.recipe is not None else recipes.default(dtype)).grouped(gemm)
     x = checkpoint_name(put(x.astype(dtype)), remat.EXPERTS_IN)  # names a recompute policy may keep
     h = checkpoint_name(gemm(x, local.gate_up.reshape(E_l, C, 2 * F).astype(dtype)), remat.HIDDEN)
     h = (jax.nn.silu(h[..., :F].astype(dtype)) * h[..., F:].astype(dtype)).astype(dtype)
@@ -189,6 +194,14 @@ def gemm_of(cfg, platform: str) -> tuple[str, str | None]:
     return kernel.name, None
 
 
+def check_capacity(m, cp: int) -> None:
+    """A capacity factor ranks each sequence's tokens in order, which a split of the sequences over
+    cp > 1 devices breaks: refused in one line."""
+    if m.n_experts and m.moe_capacity_factor:  # a mixture of experts has the key
+        raise UserError(f"model.moe_capacity_factor={m.moe_capacity_factor} ranks each sequence's tokens in "
+                        f"order, and cp={cp} splits the sequences; use cp=1, or drop the capacity factor")
+
+
 def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tuple[jax.Array, dict]:
     """h (batch, seq, embed), normed -> (the experts' mixture (batch, seq, embed) in dtype, the
     router's per-sequence losses and load, means over this batch's sequences), dispatched as the
@@ -215,7 +228,8 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
             weights, dropped = weights * keep, 1 - keep.reshape(B, -1).mean(1)
             sent = jnp.where(keep, experts, cfg.n_experts)
             room = min(room, B * gate_up.shape[0] * capacity(cfg, seq_len))  # a destination's most
-        local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret, plan.gemm_legs, plan.gemm_tuning)
+        local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret, plan.gemm_legs, plan.gemm_tuning,
+                        recipes.of(plan, dtype))
         y = experts_of_device(jnp.repeat(x, k, axis=0), sent.reshape(-1), local, ep, mode, room)
         y = checkpoint_name(y, remat.EXPERTS_OUT)  # back from the experts: no exchange reruns for it
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)

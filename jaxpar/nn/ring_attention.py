@@ -28,13 +28,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.core.axes import zigzag_permutation
 from jaxpar.nn.attention import F32
 from jaxpar.nn.kernels import XLA, BlockKernel, block_attention
 from jaxpar.nn.ring_backward import ring_backward
 from jaxpar.nn.ring_blocks import causal, ids, late_mask, ring_send, rows, scores, shares_document, source_before
 
 LAYOUTS = ("zigzag", "contiguous")
+
+
+def zigzag_permutation(seq_len: int, ring: int) -> np.ndarray:
+    """Global positions in zigzag order: device 0's tokens first (chunks 0 and 2*ring - 1 of the
+    2*ring equal chunks), then device 1's (chunks 1 and 2*ring - 2), and so on; `x[:, perm]` lays
+    a batch out for a split of the sequence axis over `ring` devices."""
+    if seq_len % (2 * ring):
+        raise ValueError(f"zigzag ring attention needs seq_len divisible by 2 * ring: seq_len {seq_len}, "
+                         f"ring {ring}")
+    chunks = np.arange(seq_len).reshape(2 * ring, -1)
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * ring - 1 - r]]) for r in range(ring)])
 
 
 def contiguous_permutation(seq_len: int, ring: int) -> np.ndarray:

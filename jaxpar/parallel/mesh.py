@@ -11,11 +11,14 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.core.axes import AXES, CONTEXT_AXIS, KEYS, NAMES, check_axes, sizes_of
+from jaxpar.core.axes import AXES, CONTEXT_AXIS, KEYS, NAMES, TENSOR_AXIS, check_axes, sizes_of
 from jaxpar.core.config import Config, MeshConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.platform import MAX_HOST_DEVICES
+from jaxpar.nn import context
+from jaxpar.nn.context.base import ContextStrategy
 from jaxpar.nn.kernels import check_mesh, cudnn_head_max
+from jaxpar.nn.moe import check_capacity
 
 
 def parse_mesh_spec(spec: str) -> dict[str, str]:
@@ -95,14 +98,26 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         raise UserError(f"mesh {spec} uses {math.prod(sizes.values())} devices but {num_devices} are "
                         f"available; make the product {num_devices}, or use -1 for one axis")
     check_axes(cfg, sizes)
+    check_context(cfg, sizes)
     return sizes
+
+
+def check_context(cfg: Config, sizes: dict[str, int]) -> ContextStrategy:
+    """cfg's context strategy (jaxpar.nn.context), checked at the mesh's cp: what it needs of the
+    model, and of a mixture of experts' capacity factor."""
+    strategy, cp = context.strategy_named(cfg.model.context_strategy), sizes[CONTEXT_AXIS.key]
+    if cp > 1:
+        strategy.check(cfg.model, cp, sizes[TENSOR_AXIS.key], cfg.model.dropout)
+        check_capacity(cfg.model, cp)
+    return strategy
 
 
 def build_mesh(cfg: Config, devices=None) -> Mesh:
     """An Auto-typed Mesh over `devices` (default: all), validated against cfg."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_mesh_shape(cfg, len(devices))
-    check_mesh(cfg.model, devices[0].platform, sizes[CONTEXT_AXIS.key], cudnn_head_max(devices[0]))
+    kernel_context = context.strategy_named(cfg.model.context_strategy).kernel_context(sizes[CONTEXT_AXIS.key])
+    check_mesh(cfg.model, devices[0].platform, kernel_context, cudnn_head_max(devices[0]))
     # jax.make_mesh lays devices out by topology and process, the last axis the most local, so
     # the axes go in by locality: a tensor group stays on one host where it can (its all-reduces
     # run in every layer), and a context ring next to it (its K/V blocks move every layer too).

@@ -22,12 +22,13 @@ shares of a chip each divides, and the collectives each adds; no axis is named h
 
 import math
 
-from jaxpar.core.axes import AXES, batch_ways, layers_per_stage
-from jaxpar.core.axis_costs import StepShape
+from jaxpar.core.axes import AXES, CONTEXT_AXIS, batch_ways, layers_per_stage
+from jaxpar.core.axis_costs import StepShape, collective
 from jaxpar.core.config import Config, ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.remat import policy_of
 from jaxpar.models.flops import NO_PIPELINE, flops_per_token, hardware_flops_per_token
+from jaxpar.nn import context
 from jaxpar.nn.routing import capacity
 from jaxpar.planning.hardware import Chip
 from jaxpar.planning.placement import activation_bytes
@@ -190,4 +191,17 @@ def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, row
     step = StepShape(zero=layout["zero"], passes=passes, batch_ways=batch_ways(sizes), width=ways(sizes, "width"),
                      stages=stages, layers=layers_per_stage(m, stages),
                      weight_bytes=4 * weights_per_chip(n_params, expert_params, sizes), activation_bytes=activation)
-    return [op for axis in AXES for op in axis.costs.collectives(sizes[axis.key], cfg, step)]
+    ops = [op for axis in AXES for op in axis.costs.collectives(sizes[axis.key], cfg, step)]
+    return ops + context_collectives(m, layout, step)
+
+
+def context_collectives(m: ModelConfig, layout: dict, step: StepShape) -> list[dict]:
+    """The context strategy's collectives (jaxpar.nn.context) where cp splits the sequence: the
+    ring's K/V blocks, or Ulysses' all-to-alls of q, k, v and the output."""
+    cp = axis_sizes(layout).get(CONTEXT_AXIS.key, 1)
+    if cp == 1:
+        return []
+    strategy = context.strategy_named(layout.get("context", m.context_strategy))
+    per_head = m.head_size / m.n_embd / step.width * step.activation_bytes
+    ops = strategy.collectives(cp, m, 2 * m.kv_heads * per_head, m.n_head * per_head, step.layers, step.passes)
+    return [collective(kind, nbytes, cp, count) for kind, nbytes, count in ops]

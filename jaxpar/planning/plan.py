@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from jaxpar.core.axes import AXES, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
+from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
 from jaxpar.core.config import MICRO_BATCH_AUTO, OFFLOADS, Config, load_config, valid_keys, validate
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
@@ -73,7 +73,15 @@ def layout_config(cfg: Config, layout: dict) -> Config:
         setattr(c.mesh, axis.key, layout.get(axis.key, 1))
     c.train.zero, c.train.micro_batch, c.model.remat = layout["zero"], layout["micro_batch"], layout["remat"]
     c.train.offload = layout.get("offload", "none")
+    c.model.context_strategy = layout.get("context", c.model.context_strategy)
     return c
+
+
+def context_choices(cfg: Config, sizes: dict) -> list[str | None]:
+    """The context strategies a layout tries: every registered one where cp splits the sequence
+    (None: the config's own, where it does not)."""
+    from jaxpar.nn.context import STRATEGIES
+    return list(STRATEGIES) if sizes.get(CONTEXT_AXIS.key, 1) > 1 else [None]
 
 
 def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros=(0, 1, 2, 3),
@@ -85,8 +93,9 @@ def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros
     for sizes in parse_layouts(layouts, devices, fixed):
         for zero, offload in itertools.product(zeros, offloads):
             for micro_batch in micro_batch_options(cfg, batch_ways(sizes), sizes[PIPE_AXIS.key], micro):
-                for remat in remats:
+                for remat, strategy in itertools.product(remats, context_choices(cfg, sizes)):
                     layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat, "offload": offload}
+                    layout |= {"context": strategy} if strategy else {}
                     c = Candidate(layout, layout_config(cfg, layout))
                     try:
                         validate(c.cfg)
@@ -179,7 +188,8 @@ def take_turns(ordered: list[Candidate]) -> list[Candidate]:
 
 def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
     """The `jaxpar.train` command line that runs layout c."""
-    set_here = {f"mesh.{key}" for key in KEYS} | {"train.zero", "train.micro_batch", "model.remat", "train.offload"}
+    set_here = {f"mesh.{key}" for key in KEYS} | {"train.zero", "train.micro_batch", "model.remat", "train.offload",
+                                                  "model.context_strategy"}
     parts = ["python -m jaxpar.train"] + ([f"--config {config}"] if config else [])
     parts += [f"--{k}={v}" for k, v in overrides.items() if k not in set_here]
     lay = c.layout
@@ -190,6 +200,8 @@ def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
         parts.append(f"--model.remat={lay['remat']}")
     if lay.get("offload", "none") != "none":
         parts.append(f"--train.offload={lay['offload']}")
+    if "context" in lay:
+        parts.append(f"--model.context_strategy={lay['context']}")
     return " ".join(parts)
 
 

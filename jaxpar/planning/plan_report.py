@@ -29,7 +29,8 @@ def layout_cell(c) -> str:
     micro = f" mb={lay['micro_batch']}" if lay[PIPE_AXIS.key] == 1 else ""
     remat = f" remat={lay['remat']}" if lay["remat"] != "none" else ""
     offload = f" offload={lay['offload']}" if lay.get("offload", "none") != "none" else ""
-    return f"{c.mesh_spec()} z{lay['zero']}{micro}{remat}{offload}"
+    context = f" {lay['context']}" if "context" in lay else ""
+    return f"{c.mesh_spec()}{context} z{lay['zero']}{micro}{remat}{offload}"
 
 
 def memory_cell(r: dict) -> str:

@@ -26,7 +26,8 @@ from jaxpar.core.execution import (
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
 from jaxpar.models.registry import family_of
-from jaxpar.nn import kernel_tuning, kernels, moe
+from jaxpar.nn import context, kernel_tuning, kernels, moe
+from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.schedules import make_schedule, schedule_class
 from jaxpar.parallel.schedules.base import PipelineSchedule
 
@@ -40,15 +41,18 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     platform = platform or kernels.platform_of(mesh)
     m = cfg.model
     device = kernels.device_of(mesh)
-    attention, note = kernels.resolve(m, platform, mesh.shape.get(CONTEXT, 1), cfg.data.document_mask,
-                                      kernels.cudnn_head_max(device), kernels.cudnn_head_max(device, host=device))
+    strategy = context.strategy_named(m.context_strategy)  # checked at the mesh's cp when it was built
+    attention, note = kernels.resolve(m, platform, strategy.kernel_context(mesh.shape.get(CONTEXT, 1)),
+                                      cfg.data.document_mask, kernels.cudnn_head_max(device),
+                                      kernels.cudnn_head_max(device, host=device))
     experts = {}
     if m.n_experts:
         gemm, gemm_note = moe.gemm_of(m, platform)
         experts = {"experts": True, "moe_gemm": gemm, "moe_gemm_note": gemm_note,
                    "moe_dispatch": registry.chosen(registry.MOE_DISPATCH, m.moe_dispatch, platform)}
-    common = dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, attention=attention,
-                  attention_note=note, remat=m.remat, regather_weights=cfg.train.zero == 3, **experts)
+    common = dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, context=strategy,
+                  attention=attention, attention_note=note, remat=m.remat, regather_weights=cfg.train.zero == 3, **experts)
+    common["recipe"] = recipe_for(m, platform)  # how the matmuls compute, refused here where it cannot run
     if not for_training:
         return ExecutionPlan(**common)
     check_host_memory(cfg.train.offload, m.remat, mesh, platform)

@@ -17,10 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.axes import AXES, DATA
+from jaxpar.core.axes import CONTEXT, DATA
 from jaxpar.core.execution import ONE_PASS, REDUCED_ONCE
 from jaxpar.core.sharding import without_axis
 from jaxpar.models.transformer import Transformer
+from jaxpar.nn import context
 from jaxpar.parallel import pipeline
 
 
@@ -123,13 +124,13 @@ def accumulate_locally(run, inputs, targets, params, grad_shardings, dp: int):
 
 
 def laid_out(fn, plan):
-    """fn(params, inputs, targets, ...) with the batch in the layout each mesh axis computes it in
-    (a context ring's zigzag order)."""
+    """fn(params, inputs, targets, ...) with the batch in the layout the plan's context strategy
+    computes it in (the ring's zigzag order), once per batch, tokens and targets alike (the
+    targets were shifted before), never per layer."""
     @functools.wraps(fn)
     def wrapped(params, inputs, targets, *rest):
-        sizes = plan.sizes
-        for axis in AXES:
-            size = sizes.get(axis.name, 1)
-            inputs, targets = axis.lay_out(inputs, size), axis.lay_out(targets, size)
+        order = context.of(plan).permutation(inputs.shape[-1], plan.sizes.get(CONTEXT, 1))
+        if order is not None:
+            inputs, targets = inputs[..., order], targets[..., order]
         return fn(params, inputs, targets, *rest)
     return wrapped

@@ -226,7 +226,7 @@ def train(cfg: Config, out_dir: Path | None, devices, progress: bool, fresh: boo
     built = build(cfg, mesh, vocab=vocab, eot_id=eot_id)  # every decision the step's trace needs, made here
     if built.note and progress and is_main_process():
         print(built.note, file=sys.stderr)
-    peak = flops.peak_flops(mesh.devices.flatten().tolist(), cfg.model.dtype)
+    peak = flops.peak_flops(mesh.devices.flatten().tolist(), built.plan.recipe.mfu_dtype)
     result = RunResult()
     with jax.set_mesh(mesh):
         p = set_up(built, dataset, out_dir, fresh)

@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.core.axes import zigzag_permutation
 from jaxpar.models.llama.model import rms_norm
+from jaxpar.nn import context, recipes
 from jaxpar.nn.loss import cross_entropy
-from jaxpar.nn.matmul import project
 from jaxpar.nn.params import dense, norm, per_layer, tree_of
 
 STACK = "mtp_layers"  # the modules' stacked axis (replicated: every device holds every module)
@@ -53,9 +52,11 @@ def mtp_losses(model, top: dict, x: jax.Array, targets: jax.Array, doc_starts=No
     next tokens are `targets`, x the main model's last layer output on them; `top` holds the
     embedding, the head and the modules."""
     ring_axis, ring = model.plan.ring()
-    if ring > 1:  # in order, each device the whole sequence
+    laid_out = context.of(model.plan).permutation(targets.shape[1], ring) if ring > 1 else None
+    if ring > 1:  # each device the whole sequence
         model = model.on(model.plan.unsplit(ring_axis))
-        order = np.argsort(zigzag_permutation(targets.shape[1], ring))
+    if laid_out is not None:  # in order
+        order = np.argsort(laid_out)
         x, targets = x[:, order], targets[:, order]
         doc_starts = None if doc_starts is None else doc_starts[:, order]
     family, plan, cfg = model.family, model.plan, model.cfg
@@ -67,8 +68,8 @@ def mtp_losses(model, top: dict, x: jax.Array, targets: jax.Array, doc_starts=No
         embedded = family.embed(plan, top, targets[:, k - 1:k - 1 + n])
         joined = jnp.concatenate([rms_norm(embedded, p["enorm"], cfg.norm_eps),
                                   rms_norm(h[:, :n], p["hnorm"], cfg.norm_eps)], axis=-1)
-        h = project("btc,cd->btd", joined.astype(family.dtype), p["eh_proj"]["kernel"].astype(family.dtype),
-                    family.dtype, plan.cpu_matmuls)
+        h = recipes.of(plan, family.dtype).project("btc,cd->btd", joined.astype(family.dtype),
+                                                   p["eh_proj"]["kernel"].astype(family.dtype))
         docs = None if doc_starts is None else doc_starts[:, :n]
         h, more, _ = family.block(plan, h, p["block"], axes, None, None, docs)
         head = {**model.head(top), "norm": p["norm"]}

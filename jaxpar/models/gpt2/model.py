@@ -15,6 +15,7 @@ from jaxpar.core import remat
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.platform import GPUS
 from jaxpar.models.family import Family
+from jaxpar.nn import recipes
 from jaxpar.nn.layers import (
     STREAM,
     attention,
@@ -27,7 +28,6 @@ from jaxpar.nn.layers import (
     to_stream,
     weights_for_compute,
 )
-from jaxpar.nn.matmul import project
 from jaxpar.nn.params import EMBEDDING, Param, dense, norm
 
 LN_EPS = 1e-5
@@ -103,7 +103,7 @@ def block(plan, x: jax.Array, p: dict, axes: dict, cfg: ModelConfig, dtype, key,
         return dropout(checkpoint_name(add_bias(to_stream(plan, y, (B, T, C)), p_out), name), rate, key)
 
     def dot(spec, a, w):
-        return project(spec, a, w, dtype, plan.cpu_matmuls)
+        return recipes.of(plan, dtype).project(spec, a, w)
 
     qkv = dot("nc,cshd->nshd", matmul_input(x, p["ln_1"]), p["qkv"]["kernel"])
     if "bias" in p["qkv"]:

@@ -17,7 +17,7 @@ from jaxpar.core import remat
 from jaxpar.core.config import ModelConfig
 from jaxpar.models.family import Family
 from jaxpar.models.llama import rope
-from jaxpar.nn import moe
+from jaxpar.nn import moe, recipes
 from jaxpar.nn.layers import (
     STREAM,
     attention,
@@ -30,7 +30,6 @@ from jaxpar.nn.layers import (
     token_positions,
     weights_for_compute,
 )
-from jaxpar.nn.matmul import project
 from jaxpar.nn.params import EMBEDDING, MATRIX, Param, dense, norm
 
 
@@ -125,7 +124,7 @@ class Layer:
         return gather_stream(self.plan, rms_norm(x, norm, self.cfg.norm_eps).astype(self.dtype))
 
     def dot(self, spec: str, a: jax.Array, w: jax.Array) -> jax.Array:
-        return project(spec, a, w, self.dtype, self.plan.cpu_matmuls)
+        return recipes.of(self.plan, self.dtype).project(spec, a, w)
 
     def residual(self, x: jax.Array, y: jax.Array, key, name: str) -> jax.Array:
         """x + y, y summed into the stream's layout and named for the recompute policies."""

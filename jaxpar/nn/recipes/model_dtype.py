@@ -1,35 +1,57 @@
-"""The model's projections, shaped so that the bfloat16 units run their backward too.
+"""The matmuls in model.dtype: float32, or bfloat16 shaped so that the bfloat16 units run their
+backward too. Every platform runs it; MFU divides by model.dtype's peak.
+
+In float32 every projection is the plain einsum, and so is the grouped GEMM the plan's kernel runs.
 
 In a low-precision dtype a projection accumulates into and returns float32, so its output
 gradient arrives in float32; autodiff's transposed dots would then run in float32 (TF32 on an
-H100, at half the bf16 rate; on a CPU, in XLA:CPU's float32 kernels). So `project` has its own
+H100, at half the bf16 rate; on a CPU, in XLA:CPU's float32 kernels). So a projection has its own
 backward: the output gradient is cast to the compute dtype and both gradients are
 float32-accumulated dots of bf16 operands, as PyTorch autocast's are.
 
-On CPUs it also shapes those dots for XLA:CPU, which hands a bf16 x bf16 dot to its bf16 kernels
-only when the dot returns float32 and its left operand is row-major in the contracted dims:
-autodiff's weight gradient x^T g contracts over the leading (token) dim, so its transposed operand
-is laid out explicitly (an optimization barrier keeps XLA from folding the transpose back into the
-dot), and a 2-D one is split in two. In float32 every projection is the plain einsum.
+On CPUs (the plan's cpu_matmuls) it also shapes those dots for XLA:CPU, which hands a bf16 x bf16
+dot to its bf16 kernels only when the dot returns float32 and its left operand is row-major in the
+contracted dims: autodiff's weight gradient x^T g contracts over the leading (token) dim, so its
+transposed operand is laid out explicitly (an optimization barrier keeps XLA from folding the
+transpose back into the dot), and a 2-D one is split in two. The grouped GEMM's kernels take their
+bf16 operands as they are (each kernel's own backward, jaxpar.nn.grouped_gemm).
 """
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
+from jaxpar.nn.recipes.base import PROJECTIONS, GroupedGemm, MatmulRecipe, gradient_specs
 
-def project(spec: str, x: jax.Array, w: jax.Array, dtype, for_cpu: bool) -> jax.Array:
-    """einsum(spec, x, w) of activations x and weights w: float32 in, float32 out; in a lower
-    dtype, x and w in it and the result accumulated in and returned as float32. `for_cpu`: the
-    backward shaped for XLA:CPU (the execution plan's cpu_matmuls)."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-    return low_precision_project(spec, x, w, for_cpu)
+
+@dataclass(frozen=True)
+class ModelDtype(MatmulRecipe):
+    """Every matmul's operands in model.dtype, accumulated in float32."""
+    name = "model_dtype"
+    about = "every matmul in model.dtype, accumulated in float32"
+
+    @property
+    def mfu_dtype(self) -> str:
+        return self.dtype
+
+    def operand_dtype(self, matmul: str) -> str:
+        return self.dtype
+
+    def project(self, spec: str, x: jax.Array, w: jax.Array, matmul: str = PROJECTIONS) -> jax.Array:
+        if jnp.dtype(self.dtype) == jnp.float32:
+            return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+        return low_precision_project(spec, x, w, self.cpu_matmuls)
+
+    def grouped(self, gemm: GroupedGemm) -> GroupedGemm:
+        return gemm  # the kernel's own program, float32-accumulated in either dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def low_precision_project(spec: str, x: jax.Array, w: jax.Array, for_cpu: bool) -> jax.Array:
+    """einsum(spec, x, w) of bf16 operands into float32, with bf16 dots in its backward too
+    (`for_cpu`: shaped for XLA:CPU's bf16 kernels)."""
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
 
 
@@ -62,10 +84,11 @@ def _backward(spec, for_cpu, residuals, g):
     rows = "".join(c for c in xs if c in out)  # the tokens: contracted in the weight gradient
     w_in = "".join(c for c in ws if c not in out)
     w_out = "".join(c for c in ws if c in out)
+    input_spec, weight_spec = gradient_specs(spec)
     g = g.astype(x.dtype)
-    dx = jnp.einsum(f"{out},{ws}->{xs}", g, w, preferred_element_type=jnp.float32)
+    dx = jnp.einsum(input_spec, g, w, preferred_element_type=jnp.float32)
     if not for_cpu:  # accelerators run a bf16 dot in any layout
-        dw = jnp.einsum(f"{xs},{out}->{ws}", x, g, preferred_element_type=jnp.float32)
+        dw = jnp.einsum(weight_spec, x, g, preferred_element_type=jnp.float32)
     elif ws.startswith(w_in):  # stored (in, out): dw = x^T g
         dw = weight_gradient(f"{w_in}{rows}", laid_out(f"{xs}->{w_in}{rows}", x), out, g, w.shape)
     else:  # stored (out, in): dw = g^T x
