@@ -1,6 +1,6 @@
 """Context parallelism (`--mesh cp=N`) trains as one device does: the sequence split over a ring of
 devices in the zigzag layout, attention as a ring (jaxpar.nn.ring_attention), or by every other
-strategy of jaxpar.nn.context's registry, for GPT-2
+strategy of jaxpar.nn.context's registry (Ulysses' all-to-alls, on GPT-2, Llama and DeepSeek), for GPT-2
 (configs/tiny.toml) and the Llama family (configs/tiny_llama.toml: GQA, llama3 RoPE), alone and
 with data, tensor, sequence and pipeline parallelism, ZeRO-3, and two processes. The combinations not supported yet,
 and what the ring needs, are one-line errors.
@@ -80,15 +80,17 @@ def test_two_processes_with_a_context_ring_match_one(config, tmp_path):
     np.testing.assert_allclose([got[s] for s in range(STEPS)], reference, rtol=1e-5)
 
 
-def test_the_compiled_step_passes_kv_blocks_around_the_ring():
-    """The step's HLO has the ring's collective-permutes (none without cp)."""
+def test_the_compiled_step_passes_kv_blocks_around_the_ring_or_trades_splits_by_all_to_all():
+    """The step's HLO has the ring's collective-permutes (none without cp); Ulysses' has all-to-alls
+    and no collective-permute."""
     import jax
     texts = {}
-    for spec, strategy in (("dp=4", "ring"), ("cp=4", "ring")):
+    for spec, strategy in (("dp=4", "ring"), ("cp=4", "ring"), ("cp=4", "ulysses")):
         cfg = tiny_config(**mesh_overrides(spec), **{"model.context_strategy": strategy})
         mesh = build_mesh(cfg, jax.devices()[:4])
         texts[spec, strategy] = build(cfg, mesh, vocab=65).compile_abstract().as_text()
     assert "collective-permute" not in texts["dp=4", "ring"] and "collective-permute" in texts["cp=4", "ring"]
+    assert "all-to-all" in texts["cp=4", "ulysses"] and "collective-permute" not in texts["cp=4", "ulysses"]
 
 
 def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsys):
@@ -113,7 +115,9 @@ def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsy
     (["--mesh", "dp=4,cp=2", "--model.dropout=0.1"], ["model.dropout=0.1 with cp=2", "--model.dropout=0"]),
     (["--mesh", "cp=2,tp=4", "--model.sequence_parallel=true", "--model.block_size=36"],
      ["sequence parallelism with cp=2 splits the stream over cp*tp=8", "block_size=36"]),
-    (["--mesh", "cp=2,dp=4", "--model.context_strategy=spiral"], ["model.context_strategy must be one of ring"]),
+    (["--mesh", "cp=4,tp=2", "--model.context_strategy=ulysses"],
+     ["model.context_strategy=ulysses splits the 4 heads over tp x cp = 8 devices", "--model.context_strategy=ring"]),
+    (["--mesh", "cp=2,dp=4", "--model.context_strategy=spiral"], ["model.context_strategy must be one of ring, ulysses"]),
 ])
 def test_what_the_ring_cannot_do_is_one_line(capsys, tmp_path, argv, expected):
     fails_with(capsys, tmp_path, ["--config", "tiny"] + argv, *expected)

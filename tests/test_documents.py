@@ -1,7 +1,8 @@
 """Document masking (data.document_mask): a row holding documents A|B|C gives the per-token losses
 and the gradients of A, B and C run separately, each from position 0, on one device and on
-dp=2,tp=2, cp=2 and pp=2 (per-token losses where the layout returns them; the pipeline returns the
-mean loss and the gradients), for GPT-2's learned positions and Llama's RoPE.
+dp=2,tp=2, cp=2 (the ring, and Ulysses on cp=4) and pp=2 (per-token losses where the layout returns
+them; the pipeline returns the mean loss and the gradients), for GPT-2's learned positions and
+Llama's RoPE.
 
 Tolerance: rtol 1e-5 for the losses (f32), and each gradient within 1e-5 of its tensor's largest
 magnitude (test_equivalence's). Control: the same rows without the mask differ.
@@ -101,11 +102,14 @@ def grad_errors(grads, reference) -> dict:
         jax.tree.map(error, grads, jax.tree.map(np.asarray, reference))) if e > PARAM_TOL}
 
 
-# Each layout once in the default run: the ring with Llama's RoPE, the others with GPT-2's learned
-# positions (both families take the same document positions); the repeats are marked slow.
+# Each layout once in the default run: each context strategy with Llama's RoPE (Ulysses on cp=4,
+# its 2 KV heads repeated to 4), the others with GPT-2's learned positions (both families take the
+# same document positions); the repeats are marked slow.
 SLOW = pytest.mark.slow
+ULYSSES = {"model.context_strategy": "ulysses"}
 LAYOUTS = [("gpt2", "dp=1", {}), ("gpt2", "dp=2,tp=2", {}), pytest.param("gpt2", "cp=2", {}, marks=SLOW),
-           ("gpt2", "pp=2", {}), ("llama", "dp=1", {}), ("llama", "cp=2", {}),
+           ("gpt2", "pp=2", {}), ("llama", "dp=1", {}), ("llama", "cp=2", {}), ("llama", "cp=4", ULYSSES),
+           pytest.param("gpt2", "cp=2", ULYSSES, marks=SLOW),
            *(pytest.param("llama", spec, {}, marks=SLOW) for spec in ("dp=2,tp=2", "pp=2"))]
 
 

@@ -4,8 +4,9 @@ picks how attention runs when the sequence is split over 'context' (jaxpar.nn.co
 from jaxpar.core.errors import UserError
 from jaxpar.nn.context.base import ContextStrategy
 from jaxpar.nn.context.ring import Ring
+from jaxpar.nn.context.ulysses import Ulysses
 
-STRATEGIES: dict[str, ContextStrategy] = {s.name: s for s in (Ring(),)}
+STRATEGIES: dict[str, ContextStrategy] = {s.name: s for s in (Ring(), Ulysses())}
 DEFAULT = STRATEGIES[Ring.name]
 
 
