@@ -58,6 +58,8 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
             raise UserError(f"model.vocab_size={asked} conflicts with vocab_size={vocab} of the "
                             f"model in {cfg.train.init_from}; drop the override")
         cfg.model.vocab_size = vocab
+    from jaxpar.training.execution import check_names
+    check_names(cfg)  # a registry's name (optimizer, schedules, context strategy) before any other work
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name
     if not args.dry_run:  # which writes nothing

@@ -27,6 +27,7 @@ from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import parse_target, target_devices
 from jaxpar.planning.layouts import choices, host_memory_choices, int_list, parse_layouts
 from jaxpar.planning.plan_report import plan_outputs
+from jaxpar.training.execution import check_names
 
 DEFAULT_MAX_COMPILES = 32
 # Today's two: every policy doubles the compiles, and `none` and `full` bracket the memory; `auto`
@@ -246,6 +247,7 @@ def parse_args(argv: list[str]):
     args, rest = build_parser().parse_known_args(argv)
     overrides = parse_overrides(rest)
     cfg = load_config(args.config, overrides)
+    check_names(cfg)  # a bad registry name fails before any layout is weighed
     target = parse_target(args.target)
     remats = choices(args.remat, REMAT_KINDS, "--remat")
     offloads = choices(args.offload, OFFLOADS, "--offload")

@@ -30,6 +30,7 @@ from jaxpar.nn import context, kernel_tuning, kernels, moe
 from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.schedules import make_schedule, schedule_class
 from jaxpar.parallel.schedules.base import PipelineSchedule
+from jaxpar.training import optimizers
 
 
 def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training: bool = True,
@@ -55,6 +56,7 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     common["recipe"] = recipe_for(m, platform)  # how the matmuls compute, refused here where it cannot run
     if not for_training:
         return ExecutionPlan(**common)
+    check_names(cfg)
     check_host_memory(cfg.train.offload, m.remat, mesh, platform)
     options = xla_options.resolved(cfg.train.xla_options, platform)
     xla_options.check(options, device if isinstance(device, jax.Device) else None)
@@ -69,6 +71,15 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
                          microbatches=passes, micro_batch=rows, schedule=schedule,
                          stage_grads=stage_grads(cfg, mesh, schedule),
                          ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
+
+
+def check_names(cfg: Config) -> None:
+    """Every name the config gives a registry, each refused in one line naming the choices: the
+    optimizer and its learning-rate schedule, the pipeline schedule and its layer chunks, the
+    context strategy. plan_execution checks them; a command may ask first, before other work."""
+    optimizers.check(cfg.optimizer)
+    schedule_class(cfg.pipeline.schedule).chunks_per_stage(cfg.pipeline.virtual)
+    context.strategy_named(cfg.model.context_strategy)
 
 
 def tuned_gemm(cfg: Config, mesh, platform: str, device, gemm: str, passes: int) -> dict:

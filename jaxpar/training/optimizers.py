@@ -6,9 +6,9 @@ Gradient clipping is applied by the train step before the update: it keeps no st
 optimizer state is the entry's alone, and a run may turn clipping on or off when it resumes.
 
 Adding an optimizer: an entry here (its builder and the size of its state, which jaxpar.plan's
-memory guess reads), its own keys in jaxpar.core.optimizer_config (declared `only_for_optimizer`),
-and its name in that module's OPTIMIZERS: the config is checked at load, and jaxpar.core may not
-import this module.
+memory guess reads) and its own keys in jaxpar.core.optimizer_config (declared `only_for_optimizer`).
+Adding a learning-rate schedule: its function and its entry in AFTER_WARMUP. `check` refuses a name
+neither registry holds, naming the choices (jaxpar.training.execution.plan_execution calls it).
 """
 
 import math
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.core.optimizer_config import LR_SCHEDULES, OptimizerConfig, decay_start
-from jaxpar.core.optimizer_config import OPTIMIZERS as OPTIMIZER_NAMES
+from jaxpar.core.errors import UserError
+from jaxpar.core.optimizer_config import OptimizerConfig, decay_start
 from jaxpar.nn.params import EMBEDDING, MATRIX
 from jaxpar.training import muon as muon_split
 
@@ -51,8 +51,7 @@ def constant(step, o: OptimizerConfig, xp):
     return o.lr + 0.0 * step
 
 
-AFTER_WARMUP = {"cosine": cosine, "wsd": wsd, "constant": constant}
-assert tuple(AFTER_WARMUP) == LR_SCHEDULES, "jaxpar.core.optimizer_config names the same schedules"
+AFTER_WARMUP = {"cosine": cosine, "wsd": wsd, "constant": constant}  # optimizer.schedule: the lr after the warmup
 
 
 def decayed(roles: dict) -> dict:
@@ -118,7 +117,13 @@ OPTIMIZERS = {
     "adafactor": Optimizer(adafactor, state_copies=0),  # a matrix's row and column means: ~0
     "muon": Optimizer(muon, state_copies=1),  # the momentum of the matrices, most of the params
 }
-assert tuple(OPTIMIZERS) == OPTIMIZER_NAMES, "jaxpar.core.optimizer_config names the same optimizers"
+
+
+def check(o: OptimizerConfig) -> None:
+    """Refuse an optimizer or learning-rate schedule that the registries do not hold, naming them."""
+    for key, value, registry in (("name", o.name, OPTIMIZERS), ("schedule", o.schedule, AFTER_WARMUP)):
+        if value not in registry:
+            raise UserError(f"optimizer.{key} must be one of {', '.join(registry)}, got '{value}'")
 
 
 def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None,
