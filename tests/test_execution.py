@@ -14,6 +14,7 @@ from conftest import mesh_overrides, tiny_config
 from helpers import save_random_gpt2
 
 from jaxpar.core import execution
+from jaxpar.core.strategies import Accumulation, StageGrads
 from jaxpar.data.loader import load_dataset
 from jaxpar.inference import evaluate
 from jaxpar.inference.loading import load
@@ -29,11 +30,11 @@ def plan_of(spec: str, config: str = "tiny", **overrides):
 
 
 @pytest.mark.parametrize("spec, overrides, accumulation", [
-    ("dp=2", {"train.micro_batch": 0}, execution.ONE_PASS),
-    ("dp=2", {"train.grad_accum": 2}, execution.REDUCED_ONCE),
-    ("dp=2", {"train.grad_accum": 2, "model.dropout": 0.1}, execution.EACH_PASS_REDUCED),  # masks over the batch
-    ("dp=1", {"train.grad_accum": 2}, execution.EACH_PASS_REDUCED),
-    ("dp=2,pp=2", {"train.grad_accum": 2}, execution.EACH_PASS_REDUCED),  # each round reduces its own
+    ("dp=2", {"train.micro_batch": 0}, Accumulation.ONE_PASS),
+    ("dp=2", {"train.grad_accum": 2}, Accumulation.REDUCED_ONCE),
+    ("dp=2", {"train.grad_accum": 2, "model.dropout": 0.1}, Accumulation.EACH_PASS_REDUCED),  # masks over the batch
+    ("dp=1", {"train.grad_accum": 2}, Accumulation.EACH_PASS_REDUCED),
+    ("dp=2,pp=2", {"train.grad_accum": 2}, Accumulation.EACH_PASS_REDUCED),  # each round reduces its own
 ])
 def test_the_accumulation_path_is_decided_before_tracing(spec, overrides, accumulation):
     assert plan_of(spec, **overrides).accumulation == accumulation
@@ -87,8 +88,8 @@ def test_the_plan_says_what_runs_and_where():
     """The pipeline's schedule and how its gradients leave a stage; the CPU's choices; the rule
     table with sequence parallelism; a mixture's dispatch only where experts are split."""
     piped = plan_of("dp=2,pp=2").describe()
-    assert piped["pipeline"]["gradients_reduced"] == execution.STAGES_REDUCE
-    assert plan_of("dp=2,pp=2", **{"model.dropout": 0.1}).pipeline["gradients_reduced"] == execution.SHARDINGS_REDUCE
+    assert piped["pipeline"]["gradients_reduced"] == StageGrads.STAGES_REDUCE.value
+    assert plan_of("dp=2,pp=2", **{"model.dropout": 0.1}).pipeline["gradients_reduced"] == StageGrads.SHARDINGS_REDUCE.value
     assert (piped["platform"], piped["attention"], piped["activations_recomputed"]) == ("cpu", "xla", False)
     assert "moe" not in piped and plan_of("dp=2,tp=2", **{"model.sequence_parallel": "true"}).rules["stream_seq"]
     moe = plan_of("dp=2,ep=2", "tiny_moe")

@@ -133,7 +133,7 @@ def test_chooser_picks_the_fastest_leg_and_drops_a_wrong_one(tmp_path):
         right = kernel_tuning.leg_fn("ragged_dot", leg)
         return named("wrong", leg, lambda *args: 1.01 * right(*args))
     cfg = Config(model=model_config("llama", n_experts=4, experts_per_token=2, n_embd=16, block_size=8))
-    requests = kernel_tuning.gemm_requests(cfg, "grouped_gemm", rows=32, ep=1)
+    requests = kernel_tuning.gemm_requests(cfg.model, "grouped_gemm", rows=32, ep=1)
 
     def tuner(request):
         fns = {k: named(k, request.leg, kernel_tuning.leg_fn(k, request.leg)) for k in ("ragged_dot", "blocks")}
@@ -152,7 +152,7 @@ def test_chooser_picks_the_fastest_leg_and_drops_a_wrong_one(tmp_path):
 def test_cpu_plan_tunes_nothing_and_keeps_the_one_kernel(tmp_path):
     cfg = Config(model=model_config("llama", n_experts=4, experts_per_token=2, moe_gemm="blocks"))
     cfg.train.kernel_cache, cfg.train.choose_gemm_legs = str(tmp_path), True
-    assert kernel_tuning.plan_tuning(cfg, "cpu", jax.devices()[0], "blocks", 32, 1, True) == {}
+    assert kernel_tuning.plan_tuning(cfg.model, str(tmp_path), True, "cpu", jax.devices()[0], "blocks", 32, 1, True) == {}
     assert not list(tmp_path.iterdir())
     plan = ExecutionPlan(experts=True, moe_gemm="blocks")
     assert plan.describe()["moe"]["grouped_gemm"] == "blocks" and plan.gemm_legs == ()
@@ -171,17 +171,17 @@ def test_gpu_plan_path_with_stand_ins(monkeypatch, tmp_path):
     cfg = Config(model=model_config("llama", n_experts=4, experts_per_token=2, n_embd=16, block_size=8))
     cfg.train.kernel_cache = str(tmp_path)
     tuner = StandIn(0.25, text=True)
-    plan = lambda kind: kernel_tuning.plan_tuning(cfg, "gpu", FakeGPU(kind), "tokamax", 32, 1, False,
-                                                  tuner=tuner)
+    plan = lambda kind: kernel_tuning.plan_tuning(cfg.model, str(tmp_path), False, "gpu", FakeGPU(kind), "tokamax",
+                                                  32, 1, False, tuner=tuner)
     fields = plan("NVIDIA H200")
     assert len(tuner.calls) == 6 and "nvidia_h200: tuned 6" in fields["tuning_note"] and "in 1.50 s" in fields["tuning_note"]
-    assert len(json.loads(fields["gemm_tuning"])) == 6 and "gemm_legs" not in fields
+    assert len(fields["gemm_tuning"]) == 6 and "gemm_legs" not in fields
     assert "tuned nothing" in plan("NVIDIA H200")["tuning_note"] and len(tuner.calls) == 6
     assert plan("NVIDIA H100 80GB HBM3") == {} and len(tuner.calls) == 6
     monkeypatch.setattr(kernel_tuning, "candidates", lambda platform: ("ragged_dot",))
     cfg.train.choose_gemm_legs = True
-    fields = kernel_tuning.plan_tuning(cfg, "gpu", FakeGPU("NVIDIA H200"), "tokamax", 32, 1, False,
-                                       timer=lambda fn, args: 1.0, tuner=tuner)
+    fields = kernel_tuning.plan_tuning(cfg.model, str(tmp_path), True, "gpu", FakeGPU("NVIDIA H200"), "tokamax", 32, 1,
+                                       False, timer=lambda fn, args: 1.0, tuner=tuner)
     assert fields["gemm_legs"] == ("ragged_dot",) * 3 and "gemm_tuning" not in fields  # tokamax runs no leg
 
 

@@ -18,42 +18,34 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import kernel_registry as registry
 from jaxpar.core.axes import CONTEXT, EXPERT, rule_table
-from jaxpar.core.matmul_recipe import MatmulRecipe
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import drop_axes, logical_to_spec, names_of
-
-# How a step sums its passes' gradients (jaxpar.training.passes, jaxpar.parallel.pipeline).
-ONE_PASS = "one pass"
-EACH_PASS_REDUCED = "summed over passes, reduced over data after each"
-REDUCED_ONCE = "summed on each data-parallel device, reduced over data once"
-# How a pipeline stage's gradients are reduced over 'data' (jaxpar.parallel.pipeline).
-STAGES_REDUCE = "by each stage once a round"
-SHARDINGS_REDUCE = "by the shardings, each microbatch"
+from jaxpar.core.strategies import Accumulation, ContextStrategy, MatmulRecipe, PipelineSchedule, StageGrads
 
 
 @dataclass(frozen=True, eq=False)
 class ExecutionPlan:
     """The decisions of one step on one mesh (None: one device, no mesh: nothing is constrained)."""
 
-    mesh: object = None  # the jax Mesh the step runs on
+    mesh: Mesh | AbstractMesh | None = None  # the mesh the step runs on (abstract: compiled for devices not here)
     platform: str = "cpu"
     sequence_parallel: bool = False
-    context: object = None  # the context strategy (jaxpar.nn.context) where 'context' splits the sequence
+    context: ContextStrategy | None = None  # how attention runs where 'context' splits the sequence
     attention: str = registry.XLA  # xla, splash, cudnn or tokamax
     attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists, or planned a stand-in
     moe_gemm: str = registry.RAGGED_DOT  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
     moe_gemm_note: str | None = None  # why `auto` runs a dearer GEMM than the platform has
     # Each leg's kernel (forward, dlhs, drhs) where measured (jaxpar.nn.kernel_tuning); (): all three moe_gemm
     gemm_legs: tuple = ()
-    gemm_tuning: str = ""  # tokamax's grouped-GEMM configs tuned for this GPU at plan time (JSON)
+    gemm_tuning: tuple[str, ...] = ()  # tokamax's grouped-GEMM configs tuned for this GPU at plan time, each its JSON
     tuning_note: str | None = None  # the one line of what was tuned at plan time, and what it cost
     moe_dispatch: str = registry.ALL_TO_ALL  # all_to_all or ragged, where experts are split over 'expert'
-    accumulation: str = ONE_PASS
+    accumulation: Accumulation = Accumulation.ONE_PASS
     remat: str = "none"  # model.remat, a policy of jaxpar.core.remat
     offload: str = "none"  # train.offload: "optimizer" keeps the optimizer's state in host memory
     recipe: MatmulRecipe | None = None  # how the matmuls compute (jaxpar.nn.recipes); None: model.dtype's
@@ -61,8 +53,8 @@ class ExecutionPlan:
     regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
     microbatches: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
     micro_batch: int = 0  # train.micro_batch resolved (`auto` too): the most rows a device takes a pass; 0: no limit
-    schedule: object = None  # the pipeline's jaxpar.parallel.schedules schedule, checked once; None: no pipeline
-    stage_grads: str = ""  # how a pipeline stage's gradients are reduced over 'data' (STAGES_REDUCE, ...)
+    schedule: PipelineSchedule | None = None  # the pipeline's table (jaxpar.parallel.schedules), checked once; None: no pipeline
+    stage_grads: StageGrads = StageGrads.NONE  # how a pipeline stage's gradients are reduced over 'data'
     ahead_of_stages: str = ""  # what runs ahead of the stages on every stage (jaxpar.models.lead)
     experts: bool = False  # the model has a mixture of experts (its dispatch is worth printing)
     manual: frozenset = frozenset()  # mesh axes that are manual here (inside shard_map)
@@ -87,7 +79,7 @@ class ExecutionPlan:
             return {}
         ahead = {"ahead_of_stages": self.ahead_of_stages} if self.ahead_of_stages else {}
         return {"schedule": s.name, "pp": s.pp, "virtual": s.virtual, "microbatches": s.microbatches,
-                "ticks": s.ticks, "bubble_fraction": s.bubble_fraction, "gradients_reduced": self.stage_grads} | ahead
+                "ticks": s.ticks, "bubble_fraction": s.bubble_fraction, "gradients_reduced": self.stage_grads.value} | ahead
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -190,7 +182,7 @@ class ExecutionPlan:
                    if self.experts else {}),
                 **({"matmuls": self.recipe.describe()} if self.recipe is not None else {}),
                 "micro_batch": self.micro_batch, "passes": self.microbatches,
-                "accumulation": self.accumulation, "remat": self.remat, "offload": self.offload,
+                "accumulation": self.accumulation.value, "remat": self.remat, "offload": self.offload,
                 **({"xla_options": dict(self.xla_options)} if self.xla_options else {}),
                 "activations_recomputed": self.recompute_activations, "weights_regathered": self.regather_weights,
                 "rules": {name: axes for name, axes in self.rules.items() if axes is not None},

@@ -103,13 +103,13 @@ def kernel_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, i
     return grouped_gemm(x, w, group_sizes, gemm, interpret)
 
 
-def gemm_leg(x, w, group_sizes, dy, gemm: str, leg: str, interpret: bool = True, tuning: str = "") -> jax.Array:
+def gemm_leg(x, w, group_sizes, dy, gemm: str, leg: str, interpret: bool = True, tuning: tuple[str, ...] = ()) -> jax.Array:
     """One leg of the grouped GEMM by kernel `gemm`: the product (rows, N) float32, or, for dy
     (rows, N) float32, the gradient of x (dlhs) or of w (drhs) as that kernel's own backward
     takes it (jax.vjp of its forward in the one argument: the other leg is not computed). tokamax
     reads its tuned configs (`tuning`) as it traces, its backward's too: all inside them."""
     gemm_xw = functools.partial(kernel_gemm, group_sizes=group_sizes, gemm=gemm, interpret=interpret)
-    with tokamax_kernels.tuned(tuning if gemm == registry.TOKAMAX else ""):
+    with tokamax_kernels.tuned(tuning if gemm == registry.TOKAMAX else ()):
         if leg == "forward":
             return gemm_xw(x, w)
         if leg == "dlhs":
@@ -119,7 +119,7 @@ def gemm_leg(x, w, group_sizes, dy, gemm: str, leg: str, interpret: bool = True,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def legged_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, legs: tuple, interpret: bool,
-                tuning: str) -> jax.Array:
+                tuning: tuple[str, ...]) -> jax.Array:
     """grouped_gemm with each leg (forward, dlhs, drhs) by its own kernel of `legs`."""
     return gemm_leg(x, w, group_sizes, None, legs[0], "forward", interpret, tuning)
 

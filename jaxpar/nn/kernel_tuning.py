@@ -10,7 +10,6 @@ nothing is written.
 """
 
 import functools
-import json
 import time
 
 import jax
@@ -27,11 +26,11 @@ LEG_RTOL = 1e-5  # a candidate leg against jax.lax.ragged_dot's, float32
 CHECK_GROUPS = (5, 0, 17, 3, 0)  # uneven and empty groups, and rows past them, for the correctness check
 
 
-def gemm_requests(cfg, kernel: str, rows: int, ep: int, legs=grouped_gemm.LEGS) -> list[Request]:
+def gemm_requests(m, kernel: str, rows: int, ep: int, legs=grouped_gemm.LEGS) -> list[Request]:
     """The step's two grouped GEMMs, each leg: (rows, C) x (E_l, C, 2F) and (rows, F) x (E_l, F, C),
     where `rows` are the GEMM's rows a device a pass (dropless: tokens x experts_per_token, times
     ep where a dispatch gathers every device's)."""
-    m, dtype = cfg.model, cfg.model.dtype
+    dtype = m.dtype
     E_l, C, F = m.n_experts // ep, m.n_embd, m.expert_width
     return [Request(kernel, leg, ((rows, k), (E_l, k, n)), (dtype, dtype))
             for k, n in ((C, 2 * F), (F, C)) for leg in legs]
@@ -48,7 +47,7 @@ def leg_inputs(request: Request, group_sizes=None, key=0):
 
 
 @functools.cache
-def leg_fn(kernel: str, leg: str, interpret: bool = True, tuning: str = ""):
+def leg_fn(kernel: str, leg: str, interpret: bool = True, tuning: tuple[str, ...] = ()):
     """The jitted leg of a kernel: (x, w, group_sizes, dy) -> that leg's result (tokamax's with
     its `tuning`, jaxpar.nn.grouped_gemm.gemm_leg)."""
     return jax.jit(lambda x, w, gs, dy: grouped_gemm.gemm_leg(x, w, gs, dy, kernel, leg, interpret, tuning))
@@ -89,7 +88,7 @@ def candidates(platform: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def leg_tuner(kernels, timer=device_timer, interpret: bool = True, fns=None, tuning: str = ""):
+def leg_tuner(kernels, timer=device_timer, interpret: bool = True, fns=None, tuning: tuple[str, ...] = ()):
     """A tuner (for `tune`) of a grouped GEMM leg: each kernel checked against ragged_dot, then
     timed on the request's shapes; its config names the fastest, each one's seconds, and those
     dropped. `fns`: {kernel: leg function} of the tests' own (a wrong one, the control);
@@ -160,24 +159,25 @@ def tokamax_tuner(request: Request):
     return result.dumps(), time.perf_counter() - start
 
 
-def plan_tuning(cfg, platform: str, device, gemm: str, rows: int, ep: int, interpret: bool,
-                timer=device_timer, tuner=tokamax_tuner) -> dict:
+def plan_tuning(m, kernel_cache: str, choose: bool, platform: str, device, gemm: str, rows: int, ep: int,
+                interpret: bool, timer=device_timer, tuner=tokamax_tuner) -> dict:
     """The plan's tuned fields, at plan time, on the host's own GPU only (a compile-only
-    device is not measured; on a CPU nothing is tuned or written): `gemm_legs` where
-    train.choose_gemm_legs asks, `gemm_tuning` (tokamax's configs, JSON) where the grouped GEMM is
-    tokamax's and tokamax ships none for this device kind (a JSON list of tokamax's results), and
-    the `tuning_note`: a line for each dropped kernel, then the cache's one line."""
+    device is not measured; on a CPU nothing is tuned or written): `gemm_legs` where `choose`
+    (train.choose_gemm_legs) asks, `gemm_tuning` (tokamax's configs, each its JSON) where the
+    grouped GEMM is tokamax's and tokamax ships none for this device kind, and the `tuning_note`:
+    a line for each dropped kernel, then the cache's one line. `m`: the [model] section;
+    `kernel_cache`: train.kernel_cache, the cache's folder."""
     if platform not in GPUS or device is None or jax.default_backend() not in GPUS:
         return {}
-    kind, cache, fields, lines = device_kind(device), TuningCache(cfg.train.kernel_cache), {}, []
-    kernels = candidates(platform) if cfg.train.choose_gemm_legs else (gemm,)
-    tuning = ""
+    kind, cache, fields, lines = device_kind(device), TuningCache(kernel_cache), {}, []
+    kernels = candidates(platform) if choose else (gemm,)
+    tuning = ()
     if registry.TOKAMAX in kernels and kind not in SHIPPED:  # tuned first: its legs are timed tuned
-        configs, line = tune(cache, kind, gemm_requests(cfg, registry.TOKAMAX, rows, ep), tuner,
+        configs, line = tune(cache, kind, gemm_requests(m, registry.TOKAMAX, rows, ep), tuner,
                              lambda config: None if isinstance(config, str) else "not tokamax's tuned configs (text)")
-        tuning, lines = json.dumps(list(configs.values())), [line]
-    if cfg.train.choose_gemm_legs:
-        requests = gemm_requests(cfg, "grouped_gemm", rows, ep)
+        tuning, lines = tuple(configs.values()), [line]
+    if choose:
+        requests = gemm_requests(m, "grouped_gemm", rows, ep)
         legs, chosen = choose_legs(cache, kind, requests, leg_tuner(kernels, timer, interpret, tuning=tuning), kernels)
         fields["gemm_legs"], lines = legs, [*lines, *chosen]
     if tuning and registry.TOKAMAX in (fields.get("gemm_legs") or (gemm,)):

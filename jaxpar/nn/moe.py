@@ -60,7 +60,7 @@ class Experts(NamedTuple):
     gemm: str
     interpret: bool = True
     legs: tuple = ()
-    tuning: str = ""  # tokamax's configs tuned for this GPU at plan time (JSON; jaxpar.nn.kernel_tuning)
+    tuning: tuple[str, ...] = ()  # tokamax's configs tuned for this GPU at plan time (jaxpar.nn.kernel_tuning)
     recipe: recipes.MatmulRecipe | None = None
 
 

@@ -15,7 +15,6 @@ host). Off a GPU the attention runs tokamax's XLA reference, the same function (
 import contextlib
 import functools
 import importlib.util
-import json
 import logging
 
 import jax
@@ -80,14 +79,13 @@ def triton_ragged_dot():
     return Triton()
 
 
-def tuned(configs: str):
-    """A context in which tokamax reads `configs` (a JSON list of its AutotuningResults, each as
-    JSON, tuned for this GPU at plan time: jaxpar.nn.kernel_tuning) before its shipped ones; none
-    where empty."""
+def tuned(configs: tuple[str, ...]):
+    """A context in which tokamax reads `configs` (its AutotuningResults, each as JSON, tuned for
+    this GPU at plan time: jaxpar.nn.kernel_tuning) before its shipped ones; none where empty."""
     if not configs:
         return contextlib.nullcontext()
     from tokamax import AutotuningResult
-    return functools.reduce(lambda a, b: a | b, map(AutotuningResult.loads, json.loads(configs)))
+    return functools.reduce(lambda a, b: a | b, map(AutotuningResult.loads, configs))
 
 
 def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core.axes import DATA, PIPE
-from jaxpar.core.execution import STAGES_REDUCE
+from jaxpar.core.strategies import StageGrads
 from jaxpar.models.flops import flops_per_token, hardware_flops_per_token
 from jaxpar.models.transformer import Transformer, split_layers
 from jaxpar.nn.layers import document_positions
@@ -44,7 +44,7 @@ def make_executor(model: Transformer, layer_axes: dict, schedule: PipelineSchedu
     # 'data' once per round, the rows split over 'data' by hand, where the plan says so
     # (jaxpar.training.execution); else the shardings reduce each microbatch's.
     plan = model.plan
-    local = train and plan.stage_grads == STAGES_REDUCE
+    local = train and plan.stage_grads == StageGrads.STAGES_REDUCE
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())
     stage_model = model.on(plan.inside(*manual))
 

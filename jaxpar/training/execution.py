@@ -15,16 +15,10 @@ from jaxpar.core import remat, xla_options
 from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, check_chunks, pipeline_microbatches
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig
 from jaxpar.core.errors import UserError
-from jaxpar.core.execution import (
-    EACH_PASS_REDUCED,
-    ONE_PASS,
-    REDUCED_ONCE,
-    SHARDINGS_REDUCE,
-    STAGES_REDUCE,
-    ExecutionPlan,
-)
+from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
+from jaxpar.core.strategies import Accumulation, StageGrads
 from jaxpar.models.registry import family_of
 from jaxpar.nn import context, kernel_tuning, kernels, moe
 from jaxpar.nn.recipes import recipe_for
@@ -91,7 +85,8 @@ def tuned_gemm(cfg: Config, mesh, platform: str, device, gemm: str, passes: int)
     ep = mesh.shape.get(EXPERT, 1)
     sequences = cfg.train.batch_size // passes // split_ways(mesh, "batch")
     rows = sequences * cfg.model.block_size * cfg.model.experts_per_token * ep
-    return kernel_tuning.plan_tuning(cfg, platform, device, gemm, rows, ep, interpret=False)
+    return kernel_tuning.plan_tuning(cfg.model, cfg.train.kernel_cache, cfg.train.choose_gemm_legs, platform, device,
+                                     gemm, rows, ep, interpret=False)
 
 
 def check_host_memory(offload: str, policy: str, mesh, platform: str) -> None:
@@ -138,29 +133,29 @@ def schedule_of(cfg: Config, mesh) -> PipelineSchedule | None:
     return make_schedule(p.schedule, pp, M, p.virtual)
 
 
-def accumulation(cfg: Config, mesh, passes: int, schedule: PipelineSchedule | None) -> str:
+def accumulation(cfg: Config, mesh, passes: int, schedule: PipelineSchedule | None) -> Accumulation:
     """How a step sums its passes' gradients. Locally, on each data-parallel device, with one
     reduction over 'data' a step, unless dropout draws each pass's masks over the whole batch as
     one device does, another axis splits the rows too (expert parallelism), the family cannot be
     vmapped, or a pipeline's rounds reduce their own."""
     if (cfg.train.grad_accum if schedule is not None else passes) == 1:
-        return ONE_PASS
+        return Accumulation.ONE_PASS
     dp = mesh.shape[DATA]
     if (dp == 1 or cfg.model.dropout > 0 or schedule is not None or split_ways(mesh, "batch") != dp
             or not family_of(cfg.model).vmappable):
-        return EACH_PASS_REDUCED
-    return REDUCED_ONCE
+        return Accumulation.EACH_PASS_REDUCED
+    return Accumulation.REDUCED_ONCE
 
 
-def stage_grads(cfg: Config, mesh, schedule: PipelineSchedule | None) -> str:
+def stage_grads(cfg: Config, mesh, schedule: PipelineSchedule | None) -> StageGrads:
     """How a stage's gradients leave it: reduced over 'data' once a round by each stage, unless
     dropout draws its masks over every row, ZeRO-3 gathers each layer's weights where it runs, or
     another axis splits the rows too (then the shardings reduce each microbatch's)."""
     if schedule is None:
-        return ""
+        return StageGrads.NONE
     dp = mesh.shape[DATA]
     local = 1 < dp == split_ways(mesh, "batch") and cfg.model.dropout == 0 and cfg.train.zero < 3
-    return STAGES_REDUCE if local else SHARDINGS_REDUCE
+    return StageGrads.STAGES_REDUCE if local else StageGrads.SHARDINGS_REDUCE
 
 
 def ahead_of_stages(k: int) -> str:

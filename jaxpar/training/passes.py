@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.axes import CONTEXT, DATA
-from jaxpar.core.execution import ONE_PASS, REDUCED_ONCE
 from jaxpar.core.sharding import without_axis
+from jaxpar.core.strategies import Accumulation
 from jaxpar.models.transformer import Transformer
 from jaxpar.nn import context
 from jaxpar.parallel import pipeline
@@ -72,13 +72,13 @@ def make_grad_fn(model: Transformer, seed: int, grad_shardings: dict):
             inputs, targets = (a.reshape(rounds, -1, *a.shape[1:]) for a in (inputs, targets))
         step_key = jax.random.fold_in(jax.random.key(seed), step) if use_dropout else None
         passes = inputs.shape[0]
-        if plan.accumulation == ONE_PASS:  # its loss and gradients as they are
+        if plan.accumulation == Accumulation.ONE_PASS:  # its loss and gradients as they are
             if passes != 1:  # a plan made for other passes would leave rows out, silently
                 raise ValueError(f"the plan says one pass and the batch holds {passes}: build the model "
                                  "with its step's plan (jaxpar.training.build)")
             metrics, grads = one_pass(params, inputs[0], targets[0], step_key, 0)
             return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
-        if plan.accumulation == REDUCED_ONCE:
+        if plan.accumulation == Accumulation.REDUCED_ONCE:
             # The passes of each data-parallel device's rows, traced where 'data' splits nothing.
             group_pass, _ = make_pass(model.on(plan.unsplit(DATA)))
             metrics, grads = accumulate_locally(lambda i, x, y: group_pass(params, x, y, step_key, i),

@@ -36,10 +36,10 @@ def main() -> None:
         cfg = Config(model=model_config("llama", n_experts=experts, n_embd=args.embd, moe_mlp_dim=args.width,
                                         dtype="bfloat16"))
         cfg.train.kernel_cache, cfg.train.choose_gemm_legs = args.cache, True
-        fields = kernel_tuning.plan_tuning(cfg, "gpu", device, "tokamax", args.rows, 1, rehearsal)
+        fields = kernel_tuning.plan_tuning(cfg.model, args.cache, True, "gpu", device, "tokamax", args.rows, 1, rehearsal)
         print(f"{experts} experts on {kind}: legs {fields.get('gemm_legs')}; {fields.get('tuning_note')}")
         cache = tuning_cache.TuningCache(args.cache)
-        for request in kernel_tuning.gemm_requests(cfg, "grouped_gemm", args.rows, 1):
+        for request in kernel_tuning.gemm_requests(cfg.model, "grouped_gemm", args.rows, 1):
             chosen = cache.entries[request.key(kind)]["config"]
             times = ", ".join(f"{name} {1e3 * s:.3f} ms" for name, s in chosen["seconds"].items())
             print(f"  {request.leg} {request.shapes}: {times}; dropped: {chosen['dropped'] or 'none'}")
