@@ -26,6 +26,15 @@ UNSPLIT = ("embed", "pos", "qkv", "gate_up", "head_dim", "microbatch", "routes",
 
 
 @dataclass(frozen=True)
+class Run:
+    """What the axes' checks read of a run: its model, the sequences of a step's grad_accum round
+    (train.batch_size / train.grad_accum), and pipeline.microbatches (0: chosen)."""
+    model: object  # the [model] section (jaxpar.core.model_config.ModelConfig)
+    rows: int
+    microbatches: int = 0
+
+
+@dataclass(frozen=True)
 class MeshAxis:
     """One parallelism. `locality`: its place in the device order; a higher one is kept on fewer
     hosts (jax.make_mesh puts its last axis on the closest devices). `splits`: the logical axes it
@@ -41,8 +50,8 @@ class MeshAxis:
     def logical_axes(self, sequence_parallel: bool) -> tuple[str, ...]:
         return self.splits
 
-    def check(self, cfg, size: int, sizes: dict[str, int]) -> None:
-        """Refuse a config this axis cannot run at `size` (sizes: every axis's, by key)."""
+    def check(self, run: Run, size: int, sizes: dict[str, int]) -> None:
+        """Refuse a run this axis cannot run at `size` (sizes: every axis's, by key)."""
 
 
 class Data(MeshAxis):
@@ -50,8 +59,8 @@ class Data(MeshAxis):
     params over it."""
     costs = DataCosts()
 
-    def check(self, cfg, size, sizes):
-        micro_batch = cfg.train.batch_size // cfg.train.grad_accum
+    def check(self, run, size, sizes):
+        micro_batch = run.rows
         if micro_batch % size:
             raise UserError(f"dp={size} does not divide the batch of {micro_batch} sequences per "
                             f"microbatch (train.batch_size / train.grad_accum); change one of them")
@@ -65,9 +74,9 @@ class Tensor(MeshAxis):
     def logical_axes(self, sequence_parallel):
         return self.splits + (("stream_seq",) if sequence_parallel else ())
 
-    def check(self, cfg, size, sizes, origin: str | None = None):
-        """origin: where the model's shape comes from (a Hugging Face config.json), if not cfg."""
-        m = cfg.model
+    def check(self, run, size, sizes, origin: str | None = None):
+        """origin: where the model's shape comes from (a Hugging Face config.json), if not the config."""
+        m = run.model
         for field, heads in (("n_head", m.n_head), ("n_kv_head", m.kv_heads)):
             if heads % size == 0:
                 continue
@@ -91,9 +100,9 @@ class Pipe(MeshAxis):
     """Pipeline parallelism: the stacked layers split into stages (jaxpar.parallel.pipeline)."""
     costs = PipeCosts()
 
-    def check(self, cfg, size, sizes):
+    def check(self, run, size, sizes):
         if size > 1:
-            pipeline_microbatches(cfg, batch_ways(sizes), size)
+            pipeline_microbatches(run, batch_ways(sizes), size)
 
 
 class Context(MeshAxis):
@@ -102,8 +111,8 @@ class Context(MeshAxis):
     which lays the batch out and checks what it needs."""
     costs = ContextCosts()
 
-    def check(self, cfg, size, sizes):
-        m, tp = cfg.model, sizes[TENSOR_AXIS.key]
+    def check(self, run, size, sizes):
+        m, tp = run.model, sizes[TENSOR_AXIS.key]
         if size > 1 and m.sequence_parallel and m.block_size % (size * tp):
             raise UserError(f"sequence parallelism with cp={size} splits the stream over cp*tp={size * tp}; "
                             f"model.block_size={m.block_size} does not divide by it")
@@ -114,16 +123,16 @@ class Expert(MeshAxis):
     and everywhere else more data parallelism, the batch's rows split over (data, expert)."""
     costs = ExpertCosts()
 
-    def check(self, cfg, size, sizes):
+    def check(self, run, size, sizes):
         if size == 1:
             return
-        experts = cfg.model.n_experts
+        experts = run.model.n_experts
         if not experts:
             raise UserError(f"ep={size} splits a mixture of experts, and this model has none; set "
                             f"--model.n_experts (a llama-family model), or drop ep")
         if experts % size:
             raise UserError(f"ep={size} does not divide model.n_experts={experts}; choose ep from its divisors")
-        micro_batch, rows = cfg.train.batch_size // cfg.train.grad_accum, batch_ways(sizes)
+        micro_batch, rows = run.rows, batch_ways(sizes)
         if micro_batch % rows:
             raise UserError(f"dp x ep = {rows} does not divide the batch of {micro_batch} sequences per "
                             f"microbatch (train.batch_size / train.grad_accum); change one of them")
@@ -176,10 +185,10 @@ def batch_ways(sizes: dict[str, int]) -> int:
     return math.prod(sizes[a.key] for a in AXES if "batch" in a.splits)
 
 
-def check_axes(cfg, sizes: dict[str, int]) -> None:
+def check_axes(run: Run, sizes: dict[str, int]) -> None:
     """Every axis's checks, at the sizes of a resolved mesh."""
     for axis in AXES:
-        axis.check(cfg, sizes[axis.key], sizes)
+        axis.check(run, sizes[axis.key], sizes)
 
 
 def check_chunks(m, pp: int, virtual: int) -> None:
@@ -210,16 +219,17 @@ def layers_per_stage(m, stages: int) -> int:
     return m.n_layer if stages == 1 else pipelined_layers(m) // stages + m.lead_layers
 
 
-def pipeline_microbatches(cfg, dp: int, pp: int) -> int:
+def pipeline_microbatches(run: Run, dp: int, pp: int) -> int:
     """The pipeline's microbatch count M for this config and mesh, after checking that the stages
     split the layers and the microbatches the rows; dp: the ways the rows split (batch_ways). The
     schedule checks the rest (jaxpar.parallel.schedules)."""
-    n_layer, rows = pipelined_layers(cfg.model), cfg.train.batch_size // cfg.train.grad_accum
-    layers = (f"model.n_layer={n_layer}" if n_layer == cfg.model.n_layer else
-              f"the {n_layer} layers after the {cfg.model.lead_layers} dense first ones (which run ahead)")
+    m, rows = run.model, run.rows
+    n_layer = pipelined_layers(m)
+    layers = (f"model.n_layer={n_layer}" if n_layer == m.n_layer else
+              f"the {n_layer} layers after the {m.lead_layers} dense first ones (which run ahead)")
     if n_layer % pp:
         raise UserError(f"pp={pp} does not divide {layers}; every stage needs the same number of layers")
-    M = cfg.pipeline.microbatches
+    M = run.microbatches
     if M == 0:  # the largest multiple of pp up to 4*pp that splits the batch evenly over dp
         M = next((m for m in range(4 * pp, 0, -pp) if rows % (m * dp) == 0), 0)
         if M == 0:

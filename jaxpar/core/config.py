@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxpar.core.axes import AXES
+from jaxpar.core.axes import AXES, Run
 from jaxpar.core.config_files import CONFIG_DIR, coerce, read_toml, resolve_config_path  # noqa: F401
 from jaxpar.core.data_config import DataConfig, mix_text, validate_data
 from jaxpar.core.errors import UserError
@@ -137,6 +137,11 @@ class Config:
     def __post_init__(self):
         # Keys set through an older name (train.lr for optimizer.lr): messages use the user's word.
         self.spelled: dict[str, str] = {}
+
+    @property
+    def run(self) -> Run:
+        """What the mesh axes' checks read of this config (jaxpar.core.axes.Run)."""
+        return Run(self.model, self.train.batch_size // self.train.grad_accum, self.pipeline.microbatches)
 
     def key_name(self, key: str) -> str:
         """A canonical key as the user set it: its older name if that is how it came."""

@@ -108,7 +108,7 @@ def apply_hf_config(cfg: Config, hf_dir, explicit: dict) -> int:
 def check_tensor_parallel(cfg: Config, where: Path) -> None:
     """The tensor axis's check, naming config.json as where the head counts come from."""
     sizes = sizes_of(cfg.mesh)
-    TENSOR_AXIS.check(cfg, sizes[TENSOR_AXIS.key], sizes, origin=str(where))
+    TENSOR_AXIS.check(cfg.run, sizes[TENSOR_AXIS.key], sizes, origin=str(where))
 
 
 def declared_params(m: ModelConfig, vocab_size: int) -> dict:

@@ -97,7 +97,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         spec = ",".join(f"{key}={size}" for key, size in sizes.items())
         raise UserError(f"mesh {spec} uses {math.prod(sizes.values())} devices but {num_devices} are "
                         f"available; make the product {num_devices}, or use -1 for one axis")
-    check_axes(cfg, sizes)
+    check_axes(cfg.run, sizes)
     check_context(cfg, sizes)
     return sizes
 

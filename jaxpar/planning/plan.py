@@ -117,7 +117,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
     cfg, lay = c.cfg, c.layout
     dp, pp = batch_ways(lay), lay[PIPE_AXIS.key]  # dp: the ways the rows split
     if pp > 1:
-        M = pipeline_microbatches(cfg, dp, pp)
+        M = pipeline_microbatches(cfg.run, dp, pp)
         schedule = make_schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
         passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
         reruns = schedule.rerun_factors

@@ -128,7 +128,7 @@ def schedule_of(cfg: Config, mesh) -> PipelineSchedule | None:
     chunks = schedule_class(p.schedule).chunks_per_stage(p.virtual)
     if pp == 1:
         return None
-    M = pipeline_microbatches(cfg, split_ways(mesh, "batch"), pp)
+    M = pipeline_microbatches(cfg.run, split_ways(mesh, "batch"), pp)
     check_chunks(cfg.model, pp, chunks)
     return make_schedule(p.schedule, pp, M, p.virtual)
 
