@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config, parse_overrides, valid_keys
+from jaxpar.core.config import DEFAULT_CONFIG_NAME, load_config, parse_overrides, valid_keys
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.parallel.mesh import mesh_help, parse_mesh_spec
 from jaxpar.training.loss_plots import plot_after_training
@@ -18,7 +18,7 @@ from jaxpar.training.trainer import run
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=prog, epilog="Any config field can be set as "
-                            f"--section.field=value, with keys: {', '.join(valid_keys(Config()))}.")
+                            f"--section.field=value, with keys: {', '.join(valid_keys())}.")
     parser.add_argument("--config", help=f"TOML file, or a name in configs/ (default: "
                         f"{DEFAULT_CONFIG_NAME}, which equals the built-in defaults)")
     parser.add_argument("--mesh", help=mesh_help())
@@ -59,7 +59,7 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
                             f"model in {cfg.train.init_from}; drop the override")
         cfg.model.vocab_size = vocab
     from jaxpar.training.execution import check_names
-    check_names(cfg)  # a registry's name (optimizer, schedules, context strategy) before any other work
+    check_names(cfg.optimizer, cfg.pipeline, cfg.model)  # a registry name before any other work
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name
     if not args.dry_run:  # which writes nothing

@@ -76,7 +76,8 @@ def test_step_time_arithmetic_on_a_hand_made_case():
     assert comm == pytest.approx(0.03 + 0.0035 + 0.003 + 0.01)
     layout = {"dp": 2, "tp": 1, "pp": 2, "zero": 0, "micro_batch": 0, "remat": "full"}
     cfg = layout_config(tiny_config(), layout)  # 8 x 32 tokens per step
-    t = estimate.step_time(cfg, 65, layout, CHIP, comm_s=1e-9, bubble=0.25)
+    reruns = make_schedule("1f1b", 2, 4).rerun_factors  # pp=2's backward reruns its stage once
+    t = estimate.step_time(cfg.model, cfg.train.batch_size, 65, layout, CHIP, comm_s=1e-9, bubble=0.25, reruns=reruns)
     per_token = flops.flops_per_token(cfg.model, 65) + 2 * flops.recompute_flops_per_token(cfg.model)
     assert t["flops_per_chip"] == per_token * 256 / 4
     assert t["step_s"] == pytest.approx(t["flops_per_chip"] / 100e12 / 0.75)
@@ -396,11 +397,12 @@ def test_host_transfers_of_offloaded_state_add_to_the_step():
         state = estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, layout)
         host = estimate.host_transfer_bytes(cfg.model, cfg.train.batch_size, layout, state)
         assert host == moved, layout
-        t = estimate.step_time(cfg, 65, layout, host_chip, comm_s=0.0, bubble=0.0, host_bytes=host)
+        t = estimate.step_time(cfg.model, cfg.train.batch_size, 65, layout, host_chip, comm_s=0.0, bubble=0.0,
+                               host_bytes=host)
         assert t["host_s"] == moved / 1e9
         assert t["step_s"] == pytest.approx(t["flops_per_chip"] / CHIP.peak_flops + moved / 1e9)
     cfg = layout_config(tiny_config(), base)
-    assert estimate.guess_memory(cfg, 65, n_params, {**base, "offload": "optimizer"}, 4, 1) == pytest.approx(
-        estimate.guess_memory(cfg, 65, n_params, base, 4, 1) - estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, base))
+    assert estimate.guess_memory(cfg.model, cfg.optimizer.name, 65, n_params, {**base, "offload": "optimizer"}, 4, 1) == pytest.approx(
+        estimate.guess_memory(cfg.model, cfg.optimizer.name, 65, n_params, base, 4, 1) - estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, base))
     with pytest.raises(UserError, match="no host link figure"):
         estimate.host_seconds(1.0, CHIP)

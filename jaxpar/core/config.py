@@ -143,6 +143,25 @@ class Config:
         """What the mesh axes' checks read of this config (jaxpar.core.axes.Run)."""
         return Run(self.model, self.train.batch_size // self.train.grad_accum, self.pipeline.microbatches)
 
+    def set(self, key: str, value) -> None:
+        """Set `section.field` (or an older name of one) from a string or TOML value; unknown keys
+        list the valid ones."""
+        canonical = ALIASES.get(key, key)
+        if key in ALIASES:
+            self.spelled[canonical] = key
+        else:
+            self.spelled.pop(key, None)
+        section, _, name = canonical.partition(".")
+        sub = getattr(self, section, None) if section in {f.name for f in dataclasses.fields(self)} else None
+        types = {f.name: f.type for f in dataclasses.fields(sub)} if sub is not None else {}
+        if name not in types:
+            raise (section == "model" and not_this_family(self.model.family, name)
+                   or UserError(f"unknown config key '{canonical}'; valid keys: {keys_help()}"))
+        if canonical == "model.family":  # the model's keys are its family's
+            self.model = with_family(self.model, coerce(key, str, value))
+            return
+        setattr(sub, name, coerced(canonical, key, types[name], value))
+
     def key_name(self, key: str) -> str:
         """A canonical key as the user set it: its older name if that is how it came."""
         return self.spelled.get(key, key)
@@ -156,56 +175,37 @@ class Config:
         family does not declare is passed over: configs saved before each family had its own
         keys hold every family's."""
         cfg, model = cls(), sections.get("model", {})
-        set_value(cfg, "model.family", model.get("family", cfg.model.family))
+        cfg.set("model.family", model.get("family", cfg.model.family))
         declared = field_names(cfg.model)
         for section, table in sections.items():
             for name, value in table.items():
                 if section != "model" or name in declared:
-                    set_value(cfg, f"{section}.{name}", value)
+                    cfg.set(f"{section}.{name}", value)
         validate(cfg)
         return cfg
 
 
-def valid_keys(cfg: Config) -> list[str]:
+def valid_keys() -> list[str]:
     """Every section's keys; the model's of every family."""
-    return [f"{s.name}.{name}" for s in dataclasses.fields(cfg)
-            for name in (model_keys() if s.name == "model" else [f.name for f in dataclasses.fields(getattr(cfg, s.name))])]
+    return [f"{s.name}.{name}" for s in dataclasses.fields(Config)
+            for name in (model_keys() if s.name == "model" else [f.name for f in dataclasses.fields(s.default_factory)])]
 
 
-def keys_help(cfg: Config) -> str:
+def keys_help() -> str:
     """Every valid key, then the older names that still work."""
-    return f"{', '.join(valid_keys(cfg))}; older names still accepted: {', '.join(ALIASES)}"
+    return f"{', '.join(valid_keys())}; older names still accepted: {', '.join(ALIASES)}"
 
 
-def set_value(cfg: Config, key: str, value) -> None:
-    """Set `section.field` (or an older name of one) from a string or TOML value; unknown keys
-    list the valid ones."""
-    if key in ALIASES:
-        cfg.spelled[ALIASES[key]] = key
-        _set(cfg, ALIASES[key], value, spelled=key)
-    else:
-        cfg.spelled.pop(key, None)
-        _set(cfg, key, value, spelled=key)
-
-
-def _set(cfg: Config, key: str, value, spelled: str) -> None:
-    section, _, name = key.partition(".")
-    sub = getattr(cfg, section, None) if section in {f.name for f in dataclasses.fields(cfg)} else None
-    types = {f.name: f.type for f in dataclasses.fields(sub)} if sub is not None else {}
-    if name not in types:
-        raise (section == "model" and not_this_family(cfg.model.family, name)
-               or UserError(f"unknown config key '{key}'; valid keys: {keys_help(cfg)}"))
-    if key == "model.family":  # the model's keys are its family's
-        cfg.model = with_family(cfg.model, coerce(spelled, str, value))
-        return
-    if key == "data.mix" and isinstance(value, dict):  # a [data.mix] table
+def coerced(canonical: str, spelled: str, kind, value):
+    """A key's value from a string or TOML value, in its field's type; the TOML forms some keys
+    take besides (a [data.mix] table, a list of layer indices, micro_batch's "auto")."""
+    if canonical == "data.mix" and isinstance(value, dict):  # a [data.mix] table
         value = mix_text(value)
-    if key == "model.dense_layers" and isinstance(value, list):  # a TOML list of layer indices
+    if canonical == "model.dense_layers" and isinstance(value, list):  # a TOML list of layer indices
         value = ",".join(map(str, value))
-    if key == "train.micro_batch" and value == MICRO_BATCH_AUTO:  # resolved on the mesh, before tracing
-        setattr(sub, name, value)
-        return
-    setattr(sub, name, coerce(spelled, types[name], value))
+    if canonical == "train.micro_batch" and value == MICRO_BATCH_AUTO:  # resolved on the mesh, before tracing
+        return value
+    return coerce(spelled, kind, value)
 
 
 def read_config_file(file: Path) -> dict[str, dict]:
@@ -214,7 +214,7 @@ def read_config_file(file: Path) -> dict[str, dict]:
     for section, table in data.items():
         if not isinstance(table, dict):
             raise UserError(f"config file '{file}': '{section}' must be a [section]; "
-                            f"valid keys: {keys_help(Config())}")
+                            f"valid keys: {keys_help()}")
     return data
 
 
@@ -228,14 +228,14 @@ def load_config(path: str | None, overrides: dict[str, str]) -> Config:
         check_aliases(in_file, f"in config file '{file}'")
     family = overrides.get("model.family", data.get("model", {}).get("family"))
     if family is not None:  # first: which keys the model has depends on it
-        set_value(cfg, "model.family", family)
+        cfg.set("model.family", family)
     if path is not None:
         for section, table in data.items():
             for name, value in table.items():
-                set_value(cfg, f"{section}.{name}", value)
+                cfg.set(f"{section}.{name}", value)
     check_aliases(set(overrides), "on the command line")
     for key, value in overrides.items():
-        set_value(cfg, key, value)
+        cfg.set(key, value)
     check_optimizer_keys(cfg.optimizer, set(overrides), in_file)
     validate(cfg)
     if cfg.optimizer.decay_steps == 0:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import jax
 from jax.sharding import Mesh
 
-from jaxpar.core.config import Config, load_config
+from jaxpar.core.config import Config, MeshConfig, load_config
 from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.sharding import shardings_for
@@ -75,16 +75,16 @@ def load(path, mesh: str = "dp=1", devices=None) -> Model:
                  f"the checkpoint in '{ckpt.directory}'")
 
 
-def set_mesh_spec(cfg: Config, mesh: str) -> None:
-    """cfg.mesh set to a --mesh spec such as "tp=2" (axes it omits are 1)."""
+def set_mesh_spec(mesh_cfg: MeshConfig, mesh: str) -> None:
+    """The [mesh] section set to a --mesh spec such as "tp=2" (axes it omits are 1)."""
     for key, value in parse_mesh_spec(mesh).items():
-        setattr(cfg.mesh, key.split(".")[1], int(value))
+        setattr(mesh_cfg, key.split(".")[1], int(value))
 
 
 def inference_mesh(cfg: Config, mesh: str, devices=None) -> Mesh:
     """The mesh `mesh` (e.g. "tp=2") over `devices` (default: the first ones it needs), set in
     cfg with ZeRO off: no optimizer here, and the whole params on every data replica."""
-    set_mesh_spec(cfg, mesh)
+    set_mesh_spec(cfg.mesh, mesh)
     cfg.train.zero = 0
     wanted = requested_devices(cfg.mesh)
     chosen = devices if devices is not None else jax.devices()[:wanted or len(jax.devices())]
@@ -101,7 +101,7 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     tokens (default: max_position_embeddings, at most DEFAULT_BLOCK)."""
     cfg = Config()
     cfg.model.block_size = block_size or DEFAULT_BLOCK
-    set_mesh_spec(cfg, mesh)  # the heads are checked against tp
+    set_mesh_spec(cfg.mesh, mesh)  # the heads are checked against tp
     vocab = apply_hf_config(cfg, hf_dir, {"model.block_size": str(block_size)} if block_size else {})
     mesh_obj = inference_mesh(cfg, mesh, devices)
     tokenizer = hf_tokenizer(hf_dir)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxpar.core.axes import TENSOR_AXIS, sizes_of
-from jaxpar.core.config import Config, ModelConfig, set_value, validate, with_family
+from jaxpar.core.config import Config, ModelConfig, validate, with_family
 from jaxpar.core.errors import UserError
 from jaxpar.data.tokenizer import META_FILE, from_meta, load_tokenizer
 from jaxpar.formats.hf_files import CONFIG_FILE, EXPECTED, is_a, open_weights, read_hf_config
@@ -89,8 +89,8 @@ def apply_hf_config(cfg: Config, hf_dir, explicit: dict) -> int:
         key = f"model.{name}"
         if key in explicit:
             scratch = Config()
-            set_value(scratch, "model.family", family)
-            set_value(scratch, key, explicit[key])
+            scratch.set("model.family", family)
+            scratch.set(key, explicit[key])
             if getattr(scratch.model, name) != value:
                 raise UserError(f"{key}={explicit[key]} conflicts with {source} in {where}; "
                                 "drop the override")
@@ -100,15 +100,10 @@ def apply_hf_config(cfg: Config, hf_dir, explicit: dict) -> int:
             raise UserError(f"model.block_size={cfg.model.block_size} is past max_position_embeddings="
                             f"{positions} in {where}; pass at most {positions}")
         cfg.model.block_size = positions
-    check_tensor_parallel(cfg, where)
+    sizes = sizes_of(cfg.mesh)  # the tensor axis's check, naming config.json as where the heads come from
+    TENSOR_AXIS.check(cfg.run, sizes[TENSOR_AXIS.key], sizes, origin=str(where))
     validate(cfg)
     return vocab_size
-
-
-def check_tensor_parallel(cfg: Config, where: Path) -> None:
-    """The tensor axis's check, naming config.json as where the head counts come from."""
-    sizes = sizes_of(cfg.mesh)
-    TENSOR_AXIS.check(cfg.run, sizes[TENSOR_AXIS.key], sizes, origin=str(where))
 
 
 def declared_params(m: ModelConfig, vocab_size: int) -> dict:

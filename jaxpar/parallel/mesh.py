@@ -12,7 +12,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, KEYS, NAMES, TENSOR_AXIS, check_axes, sizes_of
-from jaxpar.core.config import Config, MeshConfig
+from jaxpar.core.config import Config, MeshConfig, ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.platform import MAX_HOST_DEVICES
 from jaxpar.nn import context
@@ -98,17 +98,17 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         raise UserError(f"mesh {spec} uses {math.prod(sizes.values())} devices but {num_devices} are "
                         f"available; make the product {num_devices}, or use -1 for one axis")
     check_axes(cfg.run, sizes)
-    check_context(cfg, sizes)
+    check_context(cfg.model, sizes)
     return sizes
 
 
-def check_context(cfg: Config, sizes: dict[str, int]) -> ContextStrategy:
-    """cfg's context strategy (jaxpar.nn.context), checked at the mesh's cp: what it needs of the
-    model, and of a mixture of experts' capacity factor."""
-    strategy, cp = context.strategy_named(cfg.model.context_strategy), sizes[CONTEXT_AXIS.key]
+def check_context(m: ModelConfig, sizes: dict[str, int]) -> ContextStrategy:
+    """The model's context strategy (jaxpar.nn.context), checked at the mesh's cp: what it needs of
+    the model, and of a mixture of experts' capacity factor."""
+    strategy, cp = context.strategy_named(m.context_strategy), sizes[CONTEXT_AXIS.key]
     if cp > 1:
-        strategy.check(cfg.model, cp, sizes[TENSOR_AXIS.key], cfg.model.dropout)
-        check_capacity(cfg.model, cp)
+        strategy.check(m, cp, sizes[TENSOR_AXIS.key], m.dropout)
+        check_capacity(m, cp)
     return strategy
 
 

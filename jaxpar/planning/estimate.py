@@ -24,7 +24,7 @@ import math
 
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, batch_ways, layers_per_stage
 from jaxpar.core.axis_costs import StepShape, collective
-from jaxpar.core.config import Config, ModelConfig
+from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.remat import policy_of
 from jaxpar.models.flops import NO_PIPELINE, flops_per_token, hardware_flops_per_token
@@ -89,12 +89,12 @@ def devices_of(layout: dict) -> int:
     return math.prod(axis_sizes(layout).values())
 
 
-def flop_terms(cfg: Config, vocab: int, layout: dict, reruns: tuple = NO_PIPELINE) -> dict:
+def flop_terms(m: ModelConfig, batch_size: int, vocab: int, layout: dict, reruns: tuple = NO_PIPELINE) -> dict:
     """FLOPs per chip and step: the hardware's (the model's plus what reruns: model.remat's policy
     and, by `reruns`, a pipeline's backward, jaxpar.models.flops) and the model's, and their ratio."""
-    devices, tokens = devices_of(layout), cfg.train.batch_size * cfg.model.block_size
-    hardware = hardware_flops_per_token(cfg.model, vocab, reruns) * tokens / devices
-    model = flops_per_token(cfg.model, vocab) * tokens / devices
+    devices, tokens = devices_of(layout), batch_size * m.block_size
+    hardware = hardware_flops_per_token(m, vocab, reruns) * tokens / devices
+    model = flops_per_token(m, vocab) * tokens / devices
     return {"flops_per_chip": hardware, "model_flops_per_chip": model, "rerun_flops_per_chip": hardware - model,
             "flops_over_model": hardware / model}
 
@@ -106,27 +106,27 @@ def speed(m: ModelConfig, batch_size: int, vocab: int, layout: dict, chip: Chip,
             "mfu": flops_per_token(m, vocab) * tokens / step_s / (devices_of(layout) * chip.peak_flops)}
 
 
-def compiled_step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, roof: dict, bubble: float,
+def compiled_step_time(m: ModelConfig, batch_size: int, vocab: int, layout: dict, chip: Chip, roof: dict, bubble: float,
                        host_bytes: float = 0.0, reruns: tuple = NO_PIPELINE) -> dict:
     """A compiled layout's estimate from its roofline (`roofline.estimate`): tokens/s and MFU at
     most. A pipeline's bubble is in the roofline already (idle ticks wait for the busy stages).
     The host transfers of offloaded state (`host_transfer_bytes`) are added whole, as if nothing
     overlapped them: where the step hides them behind its ops, it runs faster than this bound."""
     host_s = host_seconds(host_bytes, chip)
-    return {**roof, **flop_terms(cfg, vocab, layout, reruns), "bubble": bubble, "host_bytes": host_bytes, "host_s": host_s,
-            **speed(cfg.model, cfg.train.batch_size, vocab, layout, chip, roof["step_s"] + host_s)}
+    return {**roof, **flop_terms(m, batch_size, vocab, layout, reruns), "bubble": bubble, "host_bytes": host_bytes,
+            "host_s": host_s, **speed(m, batch_size, vocab, layout, chip, roof["step_s"] + host_s)}
 
 
-def step_time(cfg: Config, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float,
+def step_time(m: ModelConfig, batch_size: int, vocab: int, layout: dict, chip: Chip, comm_s: float, bubble: float,
               host_bytes: float = 0.0, reruns: tuple = NO_PIPELINE) -> dict:
     """The cheap guess for one layout: seconds of compute, comms, host transfers and the step,
     tokens/s and MFU (`reruns`: its pipeline schedule's rerun_factors)."""
-    flops = flop_terms(cfg, vocab, layout, reruns)
+    flops = flop_terms(m, batch_size, vocab, layout, reruns)
     compute_s = flops["flops_per_chip"] / chip.peak_flops
     host_s = host_seconds(host_bytes, chip)
     step_s = max(compute_s, comm_s) / (1 - bubble) + host_s
     return {**flops, "compute_s": compute_s, "comm_s": comm_s, "bubble": bubble, "host_bytes": host_bytes,
-            "host_s": host_s, **speed(cfg.model, cfg.train.batch_size, vocab, layout, chip, step_s)}
+            "host_s": host_s, **speed(m, batch_size, vocab, layout, chip, step_s)}
 
 
 def weights_per_chip(n_params: int, expert_params: int, sizes: dict[str, int]) -> float:
@@ -143,7 +143,7 @@ def optimizer_state_bytes(optimizer: str, n_params: int, layout: dict, expert_pa
     return 4 * share * OPTIMIZERS[optimizer].state_copies * (1 / shards if layout["zero"] >= 1 else 1)
 
 
-def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
+def guess_memory(m: ModelConfig, optimizer: str, vocab: int, n_params: int, layout: dict, rows_per_pass: int,
                  in_flight: int, expert_params: int = 0) -> float:
     """Device bytes per chip, roughly: float32 params, grads and the optimizer's state
     (`optimizer_state_bytes`; none under train.offload=optimizer, whose state is in host memory:
@@ -153,9 +153,9 @@ def guess_memory(cfg: Config, vocab: int, n_params: int, layout: dict, rows_per_
     share, shards = weights_per_chip(n_params, expert_params, sizes), ways(sizes, "state")
     state = 4 * share * ((1 / shards if zero >= 3 else 1) + (1 / shards if zero >= 2 else 1))
     if layout.get("offload", "none") == "none":
-        state += optimizer_state_bytes(cfg.optimizer.name, n_params, layout, expert_params)
-    saved = activation_bytes(cfg.model, vocab, rows_per_pass, ways(sizes, "width"),
-                             layers=layers_per_stage(cfg.model, ways(sizes, "layers")), cp=ways(sizes, "sequence"))
+        state += optimizer_state_bytes(optimizer, n_params, layout, expert_params)
+    saved = activation_bytes(m, vocab, rows_per_pass, ways(sizes, "width"),
+                             layers=layers_per_stage(m, ways(sizes, "layers")), cp=ways(sizes, "sequence"))
     return state + saved * in_flight
 
 
@@ -181,17 +181,18 @@ def host_seconds(host_bytes: float, chip: Chip) -> float:
     return host_bytes / chip.host_bytes_per_s
 
 
-def guess_collectives(cfg: Config, n_params: int, layout: dict, passes: int, rows_per_pass: int,
-                      expert_params: int = 0) -> list[dict]:
+def guess_collectives(m: ModelConfig, grad_accum: int, virtual: int, n_params: int, layout: dict, passes: int,
+                      rows_per_pass: int, expert_params: int = 0) -> list[dict]:
     """The collectives a layout needs, counted from the model rather than from HLO: each axis's
     (its `costs.collectives`). expert_params: how many of the n_params are a mixture's experts."""
-    m, sizes = cfg.model, axis_sizes(layout)
+    sizes = axis_sizes(layout)
     stages = ways(sizes, "layers")
     activation = rows_per_pass * m.block_size * m.n_embd * (2 if m.dtype == "bfloat16" else 4) / ways(sizes, "sequence")
-    step = StepShape(zero=layout["zero"], passes=passes, batch_ways=batch_ways(sizes), width=ways(sizes, "width"),
-                     stages=stages, layers=layers_per_stage(m, stages),
+    step = StepShape(model=m, grad_accum=grad_accum, virtual=virtual, zero=layout["zero"], passes=passes,
+                     batch_ways=batch_ways(sizes), width=ways(sizes, "width"), stages=stages,
+                     layers=layers_per_stage(m, stages),
                      weight_bytes=4 * weights_per_chip(n_params, expert_params, sizes), activation_bytes=activation)
-    ops = [op for axis in AXES for op in axis.costs.collectives(sizes[axis.key], cfg, step)]
+    ops = [op for axis in AXES for op in axis.costs.collectives(sizes[axis.key], step)]
     return ops + context_collectives(m, layout, step)
 
 

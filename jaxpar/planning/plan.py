@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
-from jaxpar.core.config import MICRO_BATCH_AUTO, OFFLOADS, Config, load_config, valid_keys, validate
+from jaxpar.core.config import MICRO_BATCH_AUTO, OFFLOADS, Config, TrainConfig, load_config, valid_keys, validate
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
 from jaxpar.core.remat import HOST, REMAT_KINDS
@@ -53,12 +53,12 @@ class Candidate:
                         if a.planned or self.layout.get(a.key, 1) > 1)
 
 
-def micro_batch_options(cfg: Config, dp: int, pp: int, asked: str) -> list[int]:
+def micro_batch_options(t: TrainConfig, dp: int, pp: int, asked: str) -> list[int]:
     """train.micro_batch values that give distinct rows per pass (one value when pp > 1, where the
     pipeline's microbatches set the rows instead)."""
-    rows = cfg.train.batch_size // cfg.train.grad_accum // max(dp, 1)
+    rows = t.batch_size // t.grad_accum // max(dp, 1)
     if pp > 1 or rows < 1:  # train.micro_batch=auto is no limit under a pipeline too (training.micro_batch)
-        return [0 if cfg.train.micro_batch == MICRO_BATCH_AUTO else cfg.train.micro_batch]
+        return [0 if t.micro_batch == MICRO_BATCH_AUTO else t.micro_batch]
     if asked != "auto":
         return int_list(asked, "--micro-batch")
     options, k = [], 1
@@ -78,7 +78,7 @@ def layout_config(cfg: Config, layout: dict) -> Config:
     return c
 
 
-def context_choices(cfg: Config, sizes: dict) -> list[str | None]:
+def context_choices(sizes: dict) -> list[str | None]:
     """The context strategies a layout tries: every registered one where cp splits the sequence
     (None: the config's own, where it does not)."""
     from jaxpar.nn.context import STRATEGIES
@@ -93,8 +93,8 @@ def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros
     found = []
     for sizes in parse_layouts(layouts, devices, fixed):
         for zero, offload in itertools.product(zeros, offloads):
-            for micro_batch in micro_batch_options(cfg, batch_ways(sizes), sizes[PIPE_AXIS.key], micro):
-                for remat, strategy in itertools.product(remats, context_choices(cfg, sizes)):
+            for micro_batch in micro_batch_options(cfg.train, batch_ways(sizes), sizes[PIPE_AXIS.key], micro):
+                for remat, strategy in itertools.product(remats, context_choices(sizes)):
                     layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat, "offload": offload}
                     layout |= {"context": strategy} if strategy else {}
                     c = Candidate(layout, layout_config(cfg, layout))
@@ -120,17 +120,18 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
         M = pipeline_microbatches(cfg.run, dp, pp)
         schedule = make_schedule(cfg.pipeline.schedule, pp, M, cfg.pipeline.virtual)
         passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
-        reruns = schedule.rerun_factors
+        reruns, virtual = schedule.rerun_factors, schedule.virtual
     else:
-        passes, in_flight, bubble, reruns = num_microbatches(cfg.train, dp), 1, 0.0, NO_PIPELINE
-    rows = cfg.train.batch_size // passes // dp
-    ops = estimate.guess_collectives(cfg, n_params, lay, passes, rows, expert_params)
+        passes, in_flight, bubble, reruns, virtual = num_microbatches(cfg.train, dp), 1, 0.0, NO_PIPELINE, 1
+    m, t = cfg.model, cfg.train
+    rows = t.batch_size // passes // dp
+    ops = estimate.guess_collectives(m, t.grad_accum, virtual, n_params, lay, passes, rows, expert_params)
     comm_s = estimate.collective_seconds(ops, chip, estimate.devices_of(lay))
     state = estimate.optimizer_state_bytes(cfg.optimizer.name, n_params, lay, expert_params)
-    host = estimate.host_transfer_bytes(cfg.model, cfg.train.batch_size, lay, state)
-    time = estimate.step_time(cfg, vocab, lay, chip, comm_s, bubble, host, reruns)
-    return {"memory_bytes": estimate.guess_memory(cfg, vocab, n_params, lay, rows, in_flight, expert_params),
-            "rows_per_pass": rows, **time}
+    host = estimate.host_transfer_bytes(m, t.batch_size, lay, state)
+    time = estimate.step_time(m, t.batch_size, vocab, lay, chip, comm_s, bubble, host, reruns)
+    memory = estimate.guess_memory(m, cfg.optimizer.name, vocab, n_params, lay, rows, in_flight, expert_params)
+    return {"memory_bytes": memory, "rows_per_pass": rows, **time}
 
 
 def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int | None = None) -> None:
@@ -158,7 +159,7 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
     roof = roofline.estimate(text, chip, len(devices), routed_share=1 / factor)
     attention = built.plan.describe()["attention"]
     schedule = built.plan.schedule
-    step = estimate.compiled_step_time(c.cfg, vocab, c.layout, chip, roof, bubble, c.guess.get("host_bytes", 0.0),
+    step = estimate.compiled_step_time(c.cfg.model, c.cfg.train.batch_size, vocab, c.layout, chip, roof, bubble, c.guess.get("host_bytes", 0.0),
                                        schedule.rerun_factors if schedule is not None else NO_PIPELINE)
     c.compiled = {**summary, "attention": attention, "collective_ops": ops, "dispatch_rows_factor": factor, **step,
                   "hlo_over_model": step["hlo_flops_per_chip"] / step["model_flops_per_chip"]}
@@ -209,7 +210,7 @@ def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxpar.plan", description=__doc__.splitlines()[0],
                             epilog="Any config field can be set as --section.field=value, with keys: "
-                            f"{', '.join(valid_keys(Config()))}.")
+                            f"{', '.join(valid_keys())}.")
     parser.add_argument("--config", help="TOML file, or a name in configs/ (e.g. gpt2-xl)")
     parser.add_argument("--target", required=True, help="tpu:v5e-256, tpu:v5p-128, tpu:v4-64, "
                         "tpu:v6e-64 (Cloud TPU accelerator types), gpu:h100-8 (one node of 1, 2, 4 "
@@ -247,7 +248,7 @@ def parse_args(argv: list[str]):
     args, rest = build_parser().parse_known_args(argv)
     overrides = parse_overrides(rest)
     cfg = load_config(args.config, overrides)
-    check_names(cfg)  # a bad registry name fails before any layout is weighed
+    check_names(cfg.optimizer, cfg.pipeline, cfg.model)  # a bad registry name fails before any layout is weighed
     target = parse_target(args.target)
     remats = choices(args.remat, REMAT_KINDS, "--remat")
     offloads = choices(args.offload, OFFLOADS, "--offload")

@@ -12,10 +12,11 @@ import jax
 
 from jaxpar.core import kernel_registry as registry
 from jaxpar.core import remat, xla_options
-from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, check_chunks, pipeline_microbatches
-from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig
+from jaxpar.core.axes import CONTEXT, DATA, EXPERT, PIPE, Run, check_chunks, pipeline_microbatches
+from jaxpar.core.config import MICRO_BATCH_AUTO, Config, ModelConfig, PipelineConfig, TrainConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
+from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
 from jaxpar.core.strategies import Accumulation, StageGrads
@@ -34,59 +35,66 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     default cfg's, which must then be a number). Not `for_training` (evaluation, sampling): no
     passes to sum, and no pipeline."""
     platform = platform or kernels.platform_of(mesh)
-    m = cfg.model
+    m, t = cfg.model, cfg.train
+    common = computing(m, cfg.data.document_mask, t.zero, mesh, platform)
+    if not for_training:
+        return ExecutionPlan(**common)
+    check_names(cfg.optimizer, cfg.pipeline, m)
+    check_host_memory(t.offload, m.remat, mesh, platform)
+    device = kernels.device_of(mesh)
+    options = xla_options.resolved(t.xla_options, platform)
+    xla_options.check(options, device if isinstance(device, jax.Device) else None)
+    rows = t.micro_batch if micro_batch is None else micro_batch
+    if rows == MICRO_BATCH_AUTO:
+        raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
+    schedule = schedule_of(cfg.pipeline, cfg.run, mesh)
+    passes = microbatches(t, split_ways(mesh, "batch"), schedule, rows)
+    if m.n_experts:  # before the compile: on the host's own GPU, tuned for this step's shapes
+        common |= tuned_gemm(m, t, mesh, platform, device, common["moe_gemm"], passes)
+    return ExecutionPlan(**common, offload=t.offload, xla_options=options,
+                         accumulation=accumulation(m, t, mesh, passes, schedule), microbatches=passes,
+                         micro_batch=rows, schedule=schedule, stage_grads=stage_grads(m, t.zero, mesh, schedule),
+                         ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
+
+
+def computing(m: ModelConfig, documents: bool, zero: int, mesh, platform: str) -> dict:
+    """What every step on `mesh` computes with, training's or an inference command's: the
+    attention kernel (for what the context strategy shows it of the sequence), a mixture's GEMM
+    and dispatch, the matmul recipe, and what is recomputed."""
     device = kernels.device_of(mesh)
     strategy = context.strategy_named(m.context_strategy)  # checked at the mesh's cp when it was built
-    attention, note = kernels.resolve(m, platform, strategy.kernel_context(mesh.shape.get(CONTEXT, 1)),
-                                      cfg.data.document_mask, kernels.cudnn_head_max(device),
-                                      kernels.cudnn_head_max(device, host=device))
+    attention, note = kernels.resolve(m, platform, strategy.kernel_context(mesh.shape.get(CONTEXT, 1)), documents,
+                                      kernels.cudnn_head_max(device), kernels.cudnn_head_max(device, host=device))
     experts = {}
     if m.n_experts:
         gemm, gemm_note = moe.gemm_of(m, platform)
         experts = {"experts": True, "moe_gemm": gemm, "moe_gemm_note": gemm_note,
                    "moe_dispatch": registry.chosen(registry.MOE_DISPATCH, m.moe_dispatch, platform)}
-    common = dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, context=strategy,
-                  attention=attention, attention_note=note, remat=m.remat, regather_weights=cfg.train.zero == 3, **experts)
-    common["recipe"] = recipe_for(m, platform)  # how the matmuls compute, refused here where it cannot run
-    if not for_training:
-        return ExecutionPlan(**common)
-    check_names(cfg)
-    check_host_memory(cfg.train.offload, m.remat, mesh, platform)
-    options = xla_options.resolved(cfg.train.xla_options, platform)
-    xla_options.check(options, device if isinstance(device, jax.Device) else None)
-    rows = cfg.train.micro_batch if micro_batch is None else micro_batch
-    if rows == MICRO_BATCH_AUTO:
-        raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
-    schedule = schedule_of(cfg, mesh)
-    passes = microbatches(cfg.train, split_ways(mesh, "batch"), schedule, rows)
-    if m.n_experts:  # before the compile: on the host's own GPU, tuned for this step's shapes
-        common |= tuned_gemm(cfg, mesh, platform, device, common["moe_gemm"], passes)
-    return ExecutionPlan(**common, offload=cfg.train.offload, xla_options=options, accumulation=accumulation(cfg, mesh, passes, schedule),
-                         microbatches=passes, micro_batch=rows, schedule=schedule,
-                         stage_grads=stage_grads(cfg, mesh, schedule),
-                         ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
+    return dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, context=strategy,
+                attention=attention, attention_note=note, remat=m.remat, regather_weights=zero == 3,
+                recipe=recipe_for(m, platform), **experts)  # the recipe is refused here where it cannot run
 
 
-def check_names(cfg: Config) -> None:
-    """Every name the config gives a registry, each refused in one line naming the choices: the
-    optimizer and its learning-rate schedule, the pipeline schedule and its layer chunks, the
-    context strategy. plan_execution checks them; a command may ask first, before other work."""
-    optimizers.check(cfg.optimizer)
-    schedule_class(cfg.pipeline.schedule).chunks_per_stage(cfg.pipeline.virtual)
-    context.strategy_named(cfg.model.context_strategy)
+def check_names(o: OptimizerConfig, p: PipelineConfig, m: ModelConfig) -> None:
+    """Every name a config's sections give a registry, each refused in one line naming the
+    choices: the optimizer and its learning-rate schedule, the pipeline schedule and its layer
+    chunks, the context strategy. plan_execution checks them; a command may ask first."""
+    optimizers.check(o)
+    schedule_class(p.schedule).chunks_per_stage(p.virtual)
+    context.strategy_named(m.context_strategy)
 
 
-def tuned_gemm(cfg: Config, mesh, platform: str, device, gemm: str, passes: int) -> dict:
+def tuned_gemm(m: ModelConfig, t: TrainConfig, mesh, platform: str, device, gemm: str, passes: int) -> dict:
     """The plan's grouped GEMM tuned at plan time (jaxpar.nn.kernel_tuning.plan_tuning), nothing
     off a GPU, for its rows on one device in one of the step's `passes`: the pass's tokens x
     experts_per_token, times ep where the dispatch gathers every device's (dropless)."""
     if platform not in GPUS:
         return {}
     ep = mesh.shape.get(EXPERT, 1)
-    sequences = cfg.train.batch_size // passes // split_ways(mesh, "batch")
-    rows = sequences * cfg.model.block_size * cfg.model.experts_per_token * ep
-    return kernel_tuning.plan_tuning(cfg.model, cfg.train.kernel_cache, cfg.train.choose_gemm_legs, platform, device,
-                                     gemm, rows, ep, interpret=False)
+    sequences = t.batch_size // passes // split_ways(mesh, "batch")
+    rows = sequences * m.block_size * m.experts_per_token * ep
+    return kernel_tuning.plan_tuning(m, t.kernel_cache, t.choose_gemm_legs, platform, device, gemm, rows, ep,
+                                     interpret=False)
 
 
 def check_host_memory(offload: str, policy: str, mesh, platform: str) -> None:
@@ -121,40 +129,41 @@ def microbatches(t: TrainConfig, dp: int, schedule: PipelineSchedule | None, mic
     return num_microbatches(t, dp, micro_batch)
 
 
-def schedule_of(cfg: Config, mesh) -> PipelineSchedule | None:
-    """cfg's pipeline schedule on `mesh`, its layer chunks, microbatches and table checked; None at
-    pp=1 (where its name and pipeline.virtual are checked all the same)."""
-    pp, p = mesh.shape[PIPE], cfg.pipeline
+def schedule_of(p: PipelineConfig, run: Run, mesh) -> PipelineSchedule | None:
+    """The [pipeline] section's schedule on `mesh` for `run` (its model and rows), its layer chunks,
+    microbatches and table checked; None at pp=1 (where its name and pipeline.virtual are checked
+    all the same)."""
+    pp = mesh.shape[PIPE]
     chunks = schedule_class(p.schedule).chunks_per_stage(p.virtual)
     if pp == 1:
         return None
-    M = pipeline_microbatches(cfg.run, split_ways(mesh, "batch"), pp)
-    check_chunks(cfg.model, pp, chunks)
+    M = pipeline_microbatches(run, split_ways(mesh, "batch"), pp)
+    check_chunks(run.model, pp, chunks)
     return make_schedule(p.schedule, pp, M, p.virtual)
 
 
-def accumulation(cfg: Config, mesh, passes: int, schedule: PipelineSchedule | None) -> Accumulation:
+def accumulation(m: ModelConfig, t: TrainConfig, mesh, passes: int, schedule: PipelineSchedule | None) -> Accumulation:
     """How a step sums its passes' gradients. Locally, on each data-parallel device, with one
     reduction over 'data' a step, unless dropout draws each pass's masks over the whole batch as
     one device does, another axis splits the rows too (expert parallelism), the family cannot be
     vmapped, or a pipeline's rounds reduce their own."""
-    if (cfg.train.grad_accum if schedule is not None else passes) == 1:
+    if (t.grad_accum if schedule is not None else passes) == 1:
         return Accumulation.ONE_PASS
     dp = mesh.shape[DATA]
-    if (dp == 1 or cfg.model.dropout > 0 or schedule is not None or split_ways(mesh, "batch") != dp
-            or not family_of(cfg.model).vmappable):
+    if (dp == 1 or m.dropout > 0 or schedule is not None or split_ways(mesh, "batch") != dp
+            or not family_of(m).vmappable):
         return Accumulation.EACH_PASS_REDUCED
     return Accumulation.REDUCED_ONCE
 
 
-def stage_grads(cfg: Config, mesh, schedule: PipelineSchedule | None) -> StageGrads:
+def stage_grads(m: ModelConfig, zero: int, mesh, schedule: PipelineSchedule | None) -> StageGrads:
     """How a stage's gradients leave it: reduced over 'data' once a round by each stage, unless
     dropout draws its masks over every row, ZeRO-3 gathers each layer's weights where it runs, or
     another axis splits the rows too (then the shardings reduce each microbatch's)."""
     if schedule is None:
         return StageGrads.NONE
     dp = mesh.shape[DATA]
-    local = 1 < dp == split_ways(mesh, "batch") and cfg.model.dropout == 0 and cfg.train.zero < 3
+    local = 1 < dp == split_ways(mesh, "batch") and m.dropout == 0 and zero < 3
     return StageGrads.STAGES_REDUCE if local else StageGrads.SHARDINGS_REDUCE
 
 
