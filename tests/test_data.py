@@ -69,10 +69,10 @@ def test_default_config_file_equals_builtin_defaults():
 
 
 def test_micro_batch_caps_rows_per_device():
-    from jaxpar.training.execution import num_microbatches
+    from jaxpar.training.execution import passes_within
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 6}).train
-    assert [num_microbatches(t, dp) for dp in (1, 2, 4)] == [2, 1, 1]
+    assert [passes_within(t, dp) for dp in (1, 2, 4)] == [2, 1, 1]
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 5}).train
-    assert num_microbatches(t, 1) == 3  # 12 rows: 3 passes of 4, the fewest that fit in 5
+    assert passes_within(t, 1) == 3  # 12 rows: 3 passes of 4, the fewest that fit in 5
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 0, "train.grad_accum": 2}).train
-    assert num_microbatches(t, 1) == 2
+    assert passes_within(t, 1) == 2

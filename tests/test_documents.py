@@ -83,7 +83,7 @@ def on_mesh(spec: str, family: str, params, mask: bool = True, **overrides):
     inputs, targets = rows()
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, built.shardings.params)
-        batch = [a.reshape(model.plan.microbatches, -1, T) for a in (inputs, targets)]
+        batch = [a.reshape(model.plan.passes, -1, T) for a in (inputs, targets)]
         metrics, grads = jax.jit(make_grad_fn(model, cfg.train.seed, built.zero.grads))(placed, *batch, 0)
         per_token = None
         if cfg.mesh.pp == 1:

@@ -74,7 +74,7 @@ def test_a_step_refuses_a_batch_of_more_passes_than_its_plan_says():
     from jaxpar.training.passes import make_grad_fn
     cfg = tiny_config(**{"train.grad_accum": 2})
     built = build(cfg, build_mesh(cfg, jax.devices()[:1]), vocab=65)
-    assert built.plan.microbatches == 2
+    assert built.plan.passes == 2
     batch = jax.ShapeDtypeStruct((2, cfg.train.batch_size // 2, cfg.model.block_size), jnp.int32)
     shapes = built.model.shapes()
     grads_of = make_grad_fn(built.model, 0, built.zero.grads)

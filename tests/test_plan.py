@@ -286,11 +286,11 @@ def test_micro_batch_auto_takes_the_most_rows_whose_step_fits():
     options = micro_batch.rows_per_pass_options(cfg.train, 1)
     for capacity, rows in ((need[8], 8), (need[8] - 1, 4), (need[2], 2), (need[1] - 1, 1)):
         assert micro_batch.largest_fitting(options, lambda r, c=capacity: need[r] <= c)[0] == rows, (capacity, need)
-    assert build(cfg, mesh, vocab=65).plan.micro_batch == micro_batch.CPU_MICRO_BATCH
+    assert build(cfg, mesh, vocab=65).plan.rows_per_pass == micro_batch.CPU_MICRO_BATCH
     assert cfg.train.micro_batch == "auto"  # the plan holds the choice; the config keeps what was asked
     piped = tiny_config(**{"train.micro_batch": "auto", "mesh.pp": 2})
-    assert build(piped, build_mesh(piped, jax.devices()[:2]), vocab=65).plan.micro_batch == 0
-    assert build(tiny_config(), mesh, vocab=65).plan.micro_batch == 0  # tiny's own
+    assert build(piped, build_mesh(piped, jax.devices()[:2]), vocab=65).plan.rows_per_pass == 0
+    assert build(tiny_config(), mesh, vocab=65).plan.rows_per_pass == 0  # tiny's own
     with pytest.raises(UserError, match="train.micro_batch expects int, got 'most'"):
         tiny_config(**{"train.micro_batch": "most"})
 

@@ -139,7 +139,7 @@ def test_batches_are_the_same_on_every_mesh_from_a_memmap_or_memory(prepared, sp
     for spec in ["dp=1", "dp=2", "dp=4,tp=2", "pp=2", "dp=2,tp=2,pp=2"]:
         cfg = tiny_config(**mesh_overrides(spec), **on_bpe(prepared))
         mesh = build_mesh(cfg, jax.devices()[:math.prod(cfg.mesh.__dict__.values())])
-        microbatches = plan_execution(cfg, mesh).microbatches
+        microbatches = plan_execution(cfg, mesh).passes
         for tokens in (mapped, in_memory):
             loader = BatchLoader(Dataset(None, tokens, tokens), split, seed, batch, microbatches, BLOCK, mesh)
             for step, (inputs, targets) in expected.items():

@@ -51,8 +51,8 @@ class ExecutionPlan:
     recipe: MatmulRecipe | None = None  # how the matmuls compute (jaxpar.nn.recipes); None: model.dtype's
     xla_options: tuple = ()  # (name, value) XLA compile options of the steps (jaxpar.core.xla_options)
     regather_weights: bool = False  # ZeRO-3: each layer's weights gathered again in the backward
-    microbatches: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
-    micro_batch: int = 0  # train.micro_batch resolved (`auto` too): the most rows a device takes a pass; 0: no limit
+    passes: int = 1  # passes a step: grad_accum x the pipeline's M, or the splits train.micro_batch asks
+    rows_per_pass: int = 0  # train.micro_batch resolved (`auto` too): the most rows a device takes a pass; 0: no limit
     schedule: PipelineSchedule | None = None  # the pipeline's table (jaxpar.parallel.schedules), checked once; None: no pipeline
     stage_grads: StageGrads = StageGrads.NONE  # how a pipeline stage's gradients are reduced over 'data'
     ahead_of_stages: str = ""  # what runs ahead of the stages on every stage (jaxpar.models.lead)
@@ -181,7 +181,7 @@ class ExecutionPlan:
                 **({"moe": {"dispatch": self.moe_mode, "grouped_gemm": self.grouped_gemm, **tuned}}
                    if self.experts else {}),
                 **({"matmuls": self.recipe.describe()} if self.recipe is not None else {}),
-                "micro_batch": self.micro_batch, "passes": self.microbatches,
+                "micro_batch": self.rows_per_pass, "passes": self.passes,
                 "accumulation": self.accumulation.value, "remat": self.remat, "offload": self.offload,
                 **({"xla_options": dict(self.xla_options)} if self.xla_options else {}),
                 "activations_recomputed": self.recompute_activations, "weights_regathered": self.regather_weights,

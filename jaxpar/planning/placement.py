@@ -117,7 +117,7 @@ def dry_run(cfg: Config, devices=None) -> str:
         rows = [f"mesh {mesh_shape(mesh)}, {zero_plan.describe()}; axes across processes: {crossing}",
                 *execution_rows(execution), *([built.note] if built.note else []), "",
                 *tensor_rows(shapes, zero_plan, abstract_opt, shardings.opt_state)]
-        micro = execution.microbatches
+        micro = execution.passes
         rows_per_pass = cfg.train.batch_size // micro // split_ways(mesh, "batch")
         estimate = {
             "params": expected_bytes_per_device(zero_plan.params, shapes),

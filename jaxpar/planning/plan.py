@@ -113,7 +113,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
     from jaxpar.core.axes import pipeline_microbatches
     from jaxpar.parallel.schedules import make_schedule
     from jaxpar.planning import estimate
-    from jaxpar.training.execution import num_microbatches
+    from jaxpar.training.execution import passes_within
     cfg, lay = c.cfg, c.layout
     dp, pp = batch_ways(lay), lay[PIPE_AXIS.key]  # dp: the ways the rows split
     if pp > 1:
@@ -122,7 +122,7 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
         passes, in_flight, bubble = cfg.train.grad_accum * M, schedule.input_slots, schedule.bubble_fraction
         reruns, virtual = schedule.rerun_factors, schedule.virtual
     else:
-        passes, in_flight, bubble, reruns, virtual = num_microbatches(cfg.train, dp), 1, 0.0, NO_PIPELINE, 1
+        passes, in_flight, bubble, reruns, virtual = passes_within(cfg.train, dp), 1, 0.0, NO_PIPELINE, 1
     m, t = cfg.model, cfg.train
     rows = t.batch_size // passes // dp
     ops = estimate.guess_collectives(m, t.grad_accum, virtual, n_params, lay, passes, rows, expert_params)

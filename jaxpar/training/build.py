@@ -71,7 +71,7 @@ class Built:
 
     def compile_abstract(self):
         """The train step compiled for the mesh from ShapeDtypeStructs, under the plan's platform."""
-        micro, rows = self.plan.microbatches, batch_sharding(self.mesh)
+        micro, rows = self.plan.passes, batch_sharding(self.mesh)
         batch = jax.ShapeDtypeStruct((micro, self.cfg.train.batch_size // micro, self.cfg.model.block_size),
                                      "int32", sharding=rows)
         with jax.set_mesh(self.mesh):

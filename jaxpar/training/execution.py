@@ -48,12 +48,12 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     if rows == MICRO_BATCH_AUTO:
         raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
     schedule = schedule_of(cfg.pipeline, cfg.run, mesh)
-    passes = microbatches(t, split_ways(mesh, "batch"), schedule, rows)
+    passes = passes_a_step(t, split_ways(mesh, "batch"), schedule, rows)
     if m.n_experts:  # before the compile: on the host's own GPU, tuned for this step's shapes
         common |= tuned_gemm(m, t, mesh, platform, device, common["moe_gemm"], passes)
     return ExecutionPlan(**common, offload=t.offload, xla_options=options,
-                         accumulation=accumulation(m, t, mesh, passes, schedule), microbatches=passes,
-                         micro_batch=rows, schedule=schedule, stage_grads=stage_grads(m, t.zero, mesh, schedule),
+                         accumulation=accumulation(m, t, mesh, passes, schedule), passes=passes,
+                         rows_per_pass=rows, schedule=schedule, stage_grads=stage_grads(m, t.zero, mesh, schedule),
                          ahead_of_stages=ahead_of_stages(m.lead_layers if schedule is not None else 0))
 
 
@@ -107,7 +107,7 @@ def check_host_memory(offload: str, policy: str, mesh, platform: str) -> None:
                         f"devices here do not have; use train.offload=none and a remat policy without offload")
 
 
-def num_microbatches(t: TrainConfig, dp: int, micro_batch: int | None = None) -> int:
+def passes_within(t: TrainConfig, dp: int, micro_batch: int | None = None) -> int:
     """grad_accum, times the split that keeps each device's rows per pass <= micro_batch (by
     default train.micro_batch).
 
@@ -121,12 +121,12 @@ def num_microbatches(t: TrainConfig, dp: int, micro_batch: int | None = None) ->
     return t.grad_accum * split
 
 
-def microbatches(t: TrainConfig, dp: int, schedule: PipelineSchedule | None, micro_batch: int) -> int:
-    """Microbatches a step: the pipeline's M per grad_accum round when there is one; dp: the ways
-    the rows split."""
+def passes_a_step(t: TrainConfig, dp: int, schedule: PipelineSchedule | None, micro_batch: int) -> int:
+    """The passes a step runs: the pipeline's M (its microbatches) per grad_accum round when there
+    is one; dp: the ways the rows split."""
     if schedule is not None:
         return t.grad_accum * schedule.microbatches
-    return num_microbatches(t, dp, micro_batch)
+    return passes_within(t, dp, micro_batch)
 
 
 def schedule_of(p: PipelineConfig, run: Run, mesh) -> PipelineSchedule | None:

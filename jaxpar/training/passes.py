@@ -46,7 +46,7 @@ def make_pass(model: Transformer):
 
         def one_round(params, inputs, targets, step_key, i):
             return round_fn(params, inputs, targets, None if step_key is None else (step_key, i))
-        return one_round, model.plan.microbatches // schedule.microbatches  # train.grad_accum
+        return one_round, model.plan.passes // schedule.microbatches  # train.grad_accum
 
     loss_and_grad = jax.value_and_grad(make_loss_fn(model), has_aux=True)
 

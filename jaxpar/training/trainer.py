@@ -86,7 +86,7 @@ def compile_run(p: Setup, peak: tuple[float, str]) -> Compiled:
     vocab = model.vocab_size
     n_params, flops_per_token = flops.matmul_params(model.cfg, vocab), flops.flops_per_token(model.cfg, vocab)
     loader = lambda data, split: BatchLoader(data, split, t.seed, t.batch_size,
-                                             model.plan.microbatches, cfg.model.block_size, mesh)
+                                             model.plan.passes, cfg.model.block_size, mesh)
     train_batches, val_loader = loader(p.dataset, "train"), loader(p.dataset, "val")
     fixed = lambda val: [val(i) for i in range(t.eval_batches)] if t.eval_every else []
     val_batches = fixed(val_loader)

@@ -34,7 +34,7 @@ def measure(stage: int, overrides: dict, n_steps: int) -> dict:
     built = build(cfg, build_mesh(cfg), data.tokenizer)  # as jaxpar.train builds it
     with jax.set_mesh(built.mesh):
         state = built.init_state()
-        loader = BatchLoader(data, "train", 0, cfg.train.batch_size, built.plan.microbatches,
+        loader = BatchLoader(data, "train", 0, cfg.train.batch_size, built.plan.passes,
                              cfg.model.block_size, built.mesh)
         compiled = built.train_step(loader.sharding).lower(state, loader(0)).compile()
         memory = compiled.memory_analysis()

@@ -122,7 +122,7 @@ def main():
     built = build(cfg, mesh, dataset.tokenizer)  # jaxpar.train's step, its execution plan included
     with jax.set_mesh(mesh):
         state = built.init_state()
-        microbatches = built.plan.microbatches
+        microbatches = built.plan.passes
         train = BatchLoader(dataset, "train", t.seed, t.batch_size, microbatches, m.block_size, mesh)
         val = BatchLoader(dataset, "val", t.seed, t.batch_size, microbatches, m.block_size, mesh)
         train_step, eval_step = built.train_step(train.sharding), built.eval_step(val.sharding)

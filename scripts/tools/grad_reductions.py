@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
         if c.status == "skipped":
             continue
         built = build(c.cfg, build_mesh(c.cfg, devices), tokenizer)
-        passes = built.plan.microbatches
+        passes = built.plan.passes
         try:
             ops = hlo.collective_ops(built.compile_abstract().as_text())
         except Exception as error:  # the compiler refuses a step that cannot fit

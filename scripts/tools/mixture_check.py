@@ -42,7 +42,7 @@ def loader_for(cfg):
     from jaxpar.training.build import build
     mesh = build_mesh(cfg, jax.devices()[:requested_devices(cfg.mesh)])
     dataset = load_dataset(cfg.data, cfg.model.block_size)
-    passes = build(cfg, mesh, dataset.tokenizer).plan.microbatches  # the trainer's passes a step
+    passes = build(cfg, mesh, dataset.tokenizer).plan.passes  # the trainer's passes a step
     return BatchLoader(dataset, "train", cfg.train.seed, cfg.train.batch_size, passes,
                        cfg.model.block_size, mesh), dataset
 
