@@ -446,3 +446,19 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path
     with pytest.raises(UserError, match="is a symbolic link, where jaxpar keeps its lock file"), RunLock(tmp_path / "out"):
         pass
     assert target.read_text() == "a user's file" and (tmp_path / "out" / LOCK_NAME).is_symlink()
+
+
+def test_a_disk_too_full_for_the_lock_files_name_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """The lock file is made on a full disk, but its holder's name cannot be written in it: one
+    line, and the file and the folders the lock made are gone (a full tmpfs does exactly this)."""
+    import errno
+
+    from jaxpar.core import out_lock
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(out_lock.os, "write", full)
+    refused = pytest.raises(UserError, match=r"--out '.*/new/run' cannot be written \(No space left on device\)")
+    with refused, RunLock(tmp_path / "new" / "run"):
+        pass
+    assert not (tmp_path / "new").exists()

@@ -49,15 +49,15 @@ class RunLock:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             while self.fd is None:
                 self.fd = self._take()
+            started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                          "started": started}).encode())  # a full disk fails here
         except OSError as e:
-            self._remove_dirs()
+            self.release()  # the lock file we made, and the folders, go
             reason = os.strerror(e.errno) if e.errno else str(e)
-            raise UserError(f"{self.flag} '{self.out_dir}' cannot be written ({reason}); pass a directory "
-                            "this user may write") from None
-        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                      "started": started}).encode())
+            raise UserError(f"{self.flag} '{self.out_dir}' cannot be written ({reason}); free space on that "
+                            "disk, or pass a directory this user may write") from None
         return self
 
     def _take(self) -> int | None:

@@ -86,7 +86,7 @@ def check_room(model, decoders, rows: int, length: int, max_new_tokens: int, use
     tokens after a prompt of `length` tokens cannot fit in the devices' or the host's free memory."""
     host = host_bytes(rows, model.cfg.model.block_size, max_new_tokens)
     host_free = hlo.host_available_bytes()
-    what = (f"{rows:,} {'sample' if rows == 1 else 'samples'} of {max_new_tokens:,} tokens "
+    what = (f"{rows:,} {'sample' if rows == 1 else 'samples'} of {max_new_tokens:,} {'token' if max_new_tokens == 1 else 'tokens'} "
             f"{'needs' if rows == 1 else 'need'}")
     fix = "lower --num-samples or --max-new-tokens"
     if host_free and host > host_free:  # before the compile: the sizes may be past anything XLA takes
