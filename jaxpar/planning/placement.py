@@ -127,7 +127,7 @@ def dry_run(cfg: Config, devices=None) -> str:
                      expected_bytes_per_device(shardings.opt_state, abstract_opt)}
         estimate = {**estimate, **({} if built.offload else optimizer), **activation_estimate(built, rows_per_pass)}
         passes = (f"rows a pass on each device: {rows_per_pass}, {micro} passes a step "
-                  f"(train.micro_batch={execution.micro_batch})")
+                  f"(train.micro_batch={execution.rows_per_pass})")
         heads, k_width, v_width = model.family.cache_widths()
         cache = (f"decoding cache: {cache_bytes_per_token(model):,} bytes a token ({cfg.model.n_layer} layers x "
                  f"{heads} x ({k_width} + {v_width}) in {cfg.model.dtype})")

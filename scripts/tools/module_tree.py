@@ -17,18 +17,26 @@ def lines(path: Path) -> int:
     return len(path.read_text().splitlines())
 
 
+def folder_rows(folder: Path, depth: int) -> None:
+    """A folder (its files and its subfolders' lines together), its files, then its subfolders."""
+    pad = "  " * depth
+    files = sorted(folder.glob("*.py"))
+    subfolders = sorted(p for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    total = sum(lines(p) for p in folder.rglob("*.py"))
+    print(f"{pad}{folder.name + '/':<{24 - len(pad)}}{total:>5}  {summary(folder / '__init__.py')}")
+    for path in files:
+        if path.name != "__init__.py":
+            print(f"{pad}  {path.name:<{22 - len(pad)}}{lines(path):>5}  {summary(path)}")
+    for sub in subfolders:
+        folder_rows(sub, depth + 1)
+
+
 def main() -> None:
     print(f"jaxpar/  ({sum(lines(p) for p in ROOT.rglob('*.py'))} lines)")
-    top = sorted(p for p in ROOT.glob("*.py"))
-    folders = sorted(p for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
-    for path in top:
+    for path in sorted(ROOT.glob("*.py")):
         print(f"  {path.name:<22}{lines(path):>5}  {summary(path)}")
-    for folder in folders:
-        files = sorted(folder.glob("*.py"))
-        print(f"  {folder.name + '/':<22}{sum(lines(p) for p in files):>5}  {summary(folder / '__init__.py')}")
-        for path in files:
-            if path.name != "__init__.py":
-                print(f"    {path.name:<20}{lines(path):>5}  {summary(path)}")
+    for folder in sorted(p for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").is_file()):
+        folder_rows(folder, 1)
 
 
 if __name__ == "__main__":
