@@ -1,6 +1,7 @@
 """Force 8 host CPU devices before JAX initialises, so every mesh layout can run on one machine."""
 
 import atexit
+import math
 import os
 import shutil
 import tempfile
@@ -59,3 +60,36 @@ def fresh_process_env() -> dict:
 def eight_host_devices():
     """Each test process (pytest-xdist starts one per worker) has its own 8 forced host devices."""
     assert jax.device_count() == 8 and jax.devices()[0].platform == "cpu", jax.devices()
+
+
+# The runs that tests read back (export, sample, decoding), by name: (config, mesh, overrides). A
+# module names its run with TRAINED; each is trained once per test process, where first asked for.
+TRAINED_RUNS = {
+    "tiny": ("tiny", "dp=1", {"train.steps": 3, "model.gelu": "tanh"}),  # test_hf's, test_export_faults'
+    "tiny_30_steps": ("tiny", "dp=2", {"train.steps": 30}),  # far enough from uniform to sample text from
+    "tiny_llama": ("tiny_llama", "dp=1", {"train.steps": 2}),
+    "tiny_moe": ("tiny_moe", "dp=1", {"train.steps": 2}),
+    "tiny_moe_expert_parallel": ("tiny_moe", "dp=2,ep=2", {}),  # the config's 10 steps
+}
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory):
+    """name -> the run directory, alone in its parent, with TRAINED_RUNS[name]'s checkpoint."""
+    from jaxpar.train import run
+    done = {}
+
+    def trained_run(name: str):
+        if name not in done:
+            config, spec, overrides = TRAINED_RUNS[name]
+            cfg = tiny_config(config, **mesh_overrides(spec), **{"train.eval_every": 0, **overrides})
+            done[name] = tmp_path_factory.mktemp("runs") / "run"
+            run(cfg, done[name], jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False)
+        return done[name]
+    return trained_run
+
+
+@pytest.fixture(scope="module")
+def trained(request, trained_runs):
+    """The run directory of the module's TRAINED run (a name in TRAINED_RUNS)."""
+    return trained_runs(request.module.TRAINED)

@@ -37,6 +37,8 @@ def train(spec: str = "dp=1", evaluate: bool = False, config: str = "tiny", **ov
     One-device runs are shared."""
     overrides = {"train.steps": STEPS, "train.eval_every": 5 if evaluate else 0, **overrides}
     if spec == "dp=1":
+        if str(overrides.get("train.zero", 0)) in ("0", "1", "2"):  # the same program on one device
+            overrides["train.zero"] = 0
         return one_device_run(config, tuple(sorted((k, str(v)) for k, v in overrides.items())))
     cfg = tiny_config(config, **mesh_overrides(spec), **overrides)
     return run(cfg, devices=jax.devices()[:math.prod(cfg.mesh.__dict__.values())], progress=False)
@@ -44,11 +46,8 @@ def train(spec: str = "dp=1", evaluate: bool = False, config: str = "tiny", **ov
 
 @functools.cache
 def one_device_run(config: str, overrides: tuple):
-    """A reference run, once per test process: ZeRO 0-2 are the same program on one device."""
-    overrides = dict(overrides)
-    if overrides.get("train.zero") in ("0", "1", "2", None):
-        overrides["train.zero"] = "0"
-    return run(tiny_config(config, **overrides), devices=jax.devices()[:1], progress=False)
+    """A reference run, once per test process (train() keys ZeRO 0-2 as 0: one program on one device)."""
+    return run(tiny_config(config, **dict(overrides)), devices=jax.devices()[:1], progress=False)
 
 
 def losses(result) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""Context parallelism (`--mesh cp=N`) trains as one device does: the sequence split over a ring of
-devices in the zigzag layout, attention as a ring (jaxpar.nn.ring_attention), or by every other
-strategy of jaxpar.nn.context's registry (Ulysses' all-to-alls, on GPT-2, Llama and DeepSeek), for GPT-2
-(configs/tiny.toml) and the Llama family (configs/tiny_llama.toml: GQA, llama3 RoPE), alone and
-with data, tensor, sequence and pipeline parallelism, ZeRO-3, and two processes. The combinations not supported yet,
-and what the ring needs, are one-line errors.
+"""Context parallelism (`--mesh cp=N`) trains as one device does, under every strategy of
+jaxpar.nn.context's registry (tests/layouts.py's suite: the zigzag ring, Ulysses' all-to-alls) for
+GPT-2, Llama (GQA, llama3 RoPE) and DeepSeek (MLA), alone and with data, tensor, sequence and
+pipeline parallelism, ZeRO-3 and accumulation; and in two processes. The step's collectives are
+each strategy's own; evaluation on a cp mesh says it gathers the sequence; the combinations not
+supported yet, and what the ring needs, are one-line errors; a checkpoint from before the axis
+resumes on it.
 
 Tolerances, as tests/test_equivalence.py's: losses (and val losses) within rtol 1e-5; each final
 param within 1e-5 of that tensor's largest magnitude.
@@ -14,64 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
-from helpers import STEPS, assert_same_training, fails_with, launch, logged_losses, losses, train
+from helpers import STEPS, fails_with, launch, logged_losses, losses, train
+from layouts import check, strategy_cases
 
-from jaxpar.nn.context import DEFAULT, STRATEGIES
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.build import build
 
-CONFIGS = ("tiny", "tiny_llama")
+
+@pytest.mark.parametrize("case", strategy_cases())
+def test_context_strategy_matches_one_device(case):
+    """Each registered strategy on the cp layouts it takes, as one device (tests/layouts.py)."""
+    check(case)
 
 
-LAYOUTS = [
-    ("cp=2", {}), ("cp=4", {}), ("dp=2,cp=2", {}), ("cp=2,tp=2", {}), ("dp=2,cp=2", {"train.zero": 3}),
-    ("dp=2,cp=2", {"train.grad_accum": 2}), ("cp=2,tp=2", {"model.sequence_parallel": "true"}),
-    ("cp=2,pp=2", {}),
-]
-# What the families do differently under a ring (learned positions or RoPE, LayerNorm or RMSNorm in
-# the split stream) shows on cp=2,tp=2 with sequence parallelism; the rest compose the ring with
-# other axes the same way for both, and run for GPT-2 with -m slow only.
-FAMILY_LAYOUTS = ("cp=2,tp=2-sequence_parallel",)
-# Llama's plain cp=2 is cp=4's ring with fewer hops; plain dp=2,cp=2 and its accumulation run are
-# under its ZeRO-3 run (accumulation is the same on every mesh: tests/test_equivalence.py), and
-# cp=2,tp=2 under the same layout with sequence parallelism: all marked slow.
-SUBSUMED = ("cp=2", "dp=2,cp=2", "dp=2,cp=2-grad_accum", "cp=2,tp=2")
-
-
-def layout_cases():
-    for config in CONFIGS:
-        for spec, overrides in LAYOUTS:
-            name = "-".join([spec, *(key.split(".")[1] for key in overrides)])
-            slow = name not in FAMILY_LAYOUTS if config == "tiny" else name in SUBSUMED
-            yield pytest.param(config, spec, overrides, id=f"{config}-{name}", marks=[pytest.mark.slow] if slow else [])
-
-
-@pytest.mark.parametrize("config, spec, overrides", list(layout_cases()))
-def test_context_parallel_matches_one_device(config, spec, overrides):
-    assert_same_training(train(spec, evaluate=True, config=config, **overrides), train(config=config, evaluate=True))
-
-
-# Every other strategy of the registry, on the layouts that show what it changes: Llama's 2 KV heads
-# repeated to cp=4, DeepSeek's latent attention, and the head split beside dp and tp; the others slow.
-STRATEGY_LAYOUTS = [("tiny_llama", "cp=4", False), ("tiny_deepseek", "cp=2", False), ("tiny", "dp=2,tp=2,cp=2", False),
-                    ("tiny", "cp=2", True), ("tiny", "cp=4", True), ("tiny_llama", "cp=2,pp=2", True)]
-
-
-def strategy_cases():
-    for name in STRATEGIES:
-        if name == DEFAULT.name:
-            continue  # the default runs every layout above
-        for config, spec, slow in STRATEGY_LAYOUTS:
-            yield pytest.param(config, spec, name, id=f"{name}-{config}-{spec}", marks=[pytest.mark.slow] if slow else [])
-
-
-@pytest.mark.parametrize("config, spec, strategy", list(strategy_cases()))
-def test_each_context_strategy_matches_one_device(config, spec, strategy):
-    assert_same_training(train(spec, evaluate=True, config=config, **{"model.context_strategy": strategy}),
-                         train(config=config, evaluate=True))
-
-
-@pytest.mark.parametrize("config", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_llama"])  # as above
+# GPT-2's ring composes with 'data' as Llama's does: slow, as its plain dp=2,cp=2 above.
+@pytest.mark.parametrize("config", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_llama"])
 def test_two_processes_with_a_context_ring_match_one(config, tmp_path):
     out = tmp_path / "run"
     launch(out, "--config", config, "--mesh", "dp=2,cp=2", "--steps", str(STEPS))

@@ -18,7 +18,6 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import tiny_config
 from helpers import exits_with_one_line
 from helpers import placed as helpers_placed
 
@@ -26,17 +25,8 @@ from jaxpar.formats import hf_files
 from jaxpar.formats.hf_files import MANIFEST_FILE
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
-from jaxpar.train import run
 
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A run directory, alone in its parent, with a checkpoint of the tiny model after 3 steps
-    (the config of tests/test_hf.py's run, whose compiled steps the cache may hold)."""
-    out = tmp_path_factory.mktemp("runs") / "run"
-    run(tiny_config(**{"train.steps": 3, "train.eval_every": 0, "model.gelu": "tanh"}), out,
-        jax.devices()[:1], progress=False)
-    return out
+TRAINED = "tiny"  # a run directory, alone in its parent (conftest.TRAINED_RUNS)
 
 
 @pytest.fixture(scope="module")

@@ -32,11 +32,11 @@ from jaxpar.models.decode import empty_cache, forward
 from jaxpar.models.transformer import abstract_model, build_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.train import run
 from jaxpar.training.build import build
 from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
+TRAINED = "tiny"  # the tiny model (tanh GELU) after 3 steps (conftest.TRAINED_RUNS)
 RTOL = ATOL = 1e-5
 
 
@@ -228,15 +228,6 @@ def test_weights_that_disagree_with_the_config_are_named(tmp_path):
 
 
 # ---- python -m jaxpar.export ----
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A run directory with a checkpoint of the tiny model (tanh GELU) after 3 steps."""
-    out = tmp_path_factory.mktemp("run")
-    cfg = tiny_config(**{"train.steps": 3, "train.eval_every": 0, "model.gelu": "tanh"})
-    run(cfg, out, jax.devices()[:1], progress=False)
-    return out
-
 
 def test_export_writes_what_transformers_loads(trained, tmp_path, capsys):
     out = tmp_path / "hf"

@@ -28,9 +28,9 @@ from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache
 from jaxpar.models.transformer import build_model
 from jaxpar.train import main as train_main
-from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
+TRAINED = "tiny_llama"  # configs/tiny_llama.toml after 2 steps (conftest.TRAINED_RUNS)
 TIED, LLAMA3, BF16 = (FIXTURES / f"hf_llama_{name}" for name in ("tied", "untied_llama3", "bf16"))
 RTOL = ATOL = 1e-5
 
@@ -145,15 +145,6 @@ def test_tp_that_does_not_divide_the_kv_heads_is_refused():
 
 
 # ---- the commands: export, sample --hf, eval --hf; resuming with the other family ----
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A run directory with a checkpoint of configs/tiny_llama.toml after 2 steps."""
-    out = tmp_path_factory.mktemp("run")
-    cfg = tiny_config("tiny_llama", **{"train.steps": 2, "train.eval_every": 0})
-    run(cfg, out, jax.devices()[:1], progress=False)
-    return out
-
 
 def test_export_in_bfloat16_and_in_shards_loads_back(trained, tmp_path):
     model = sample.load(trained)

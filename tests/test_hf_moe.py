@@ -10,7 +10,6 @@ within rtol 1e-5 plus atol 1e-5 of transformers' float32 ones (of order 1 to 5).
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
@@ -22,9 +21,9 @@ from jaxpar.formats.hf_files import open_weights
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
 from jaxpar.models.llama import hf_moe
-from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
+TRAINED = "tiny_moe"  # configs/tiny_moe.toml after 2 steps (conftest.TRAINED_RUNS)
 MIXTRAL, QWEN3, QWEN3_MIXED, QWEN3_DENSE = (FIXTURES / name for name in (
     "hf_moe_mixtral", "hf_moe_qwen3", "hf_moe_qwen3_mixed", "hf_qwen3_dense"))
 RTOL = ATOL = 1e-5
@@ -120,13 +119,6 @@ def test_export_refuses_what_no_hf_architecture_computes(config, overrides, expe
     cfg = tiny_config(config, **overrides)
     with pytest.raises(UserError, match=expected):
         hf.hf_config(cfg.model, 65, eot_id=0)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_run")
-    run(tiny_config("tiny_moe", **{"train.steps": 2, "train.eval_every": 0}), out, jax.devices()[:1], progress=False)
-    return out
 
 
 def test_the_export_of_a_trained_mixture_samples_its_text(trained, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Mixture of experts: the grouped-GEMM layer against a per-expert loop, dense layers between the
 sparse ones against a loop over layers, the capacity rule, cached decoding on every mesh, resuming
 on another layout, and the MoE config's one-line errors (the layouts against one device:
-tests/test_moe_layouts.py)."""
+tests/test_layouts.py, tests/test_moe_layouts.py)."""
 
 import functools
 import shutil
@@ -22,6 +22,7 @@ from jaxpar.nn import grouped_gemm, moe, routing
 from jaxpar.train import run
 
 MOE = "tiny_moe"
+TRAINED = "tiny_moe_expert_parallel"  # the tiny MoE after 10 steps on dp=2,ep=2 (conftest.TRAINED_RUNS)
 
 
 def per_expert_loop(h, p, k, renormalize):
@@ -147,15 +148,6 @@ def test_capacity_keeps_each_sequences_first_assignments_to_an_expert():
     keep = routing.within_capacity(experts, 2, capacity=1)
     np.testing.assert_array_equal(keep, [[True, True], [False, True], [True, True], [True, False]])
     assert bool(routing.within_capacity(experts, 2, capacity=4).all())  # room for every assignment: none dropped
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A run directory with a checkpoint of the tiny MoE after 10 steps on dp=2,ep=2."""
-    out = tmp_path_factory.mktemp("run")
-    run(tiny_config(MOE, **{"train.eval_every": 0, "mesh.dp": 2, "mesh.ep": 2}), out, jax.devices()[:4],
-        progress=False)
-    return out
 
 
 def test_cached_decoding_gives_one_text_on_every_mesh(trained):

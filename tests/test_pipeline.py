@@ -1,4 +1,7 @@
-"""Pipelined training equal to one device, with every schedule (their tables: test_schedule_tables.py).
+"""Pipelined training equal to one device under every registered schedule (tests/layouts.py's
+suite; their tables: test_schedule_tables.py), and what a schedule changes besides: checkpoints
+that resume under another placement, dropout masks with gradient accumulation, the dry run's
+stage buffers.
 
 Equivalence tolerances, as in test_equivalence: losses within rtol 1e-5; each final param within
 1e-5 of that tensor's largest magnitude.
@@ -9,61 +12,29 @@ import numpy as np
 import pytest
 from conftest import mesh_overrides, tiny_config
 from helpers import LOSS_RTOL, STEPS, assert_same_training, train
+from layouts import check, schedule_cases
 
 from jaxpar.parallel.schedules import make_schedule
 from jaxpar.train import run
 
 
-# Equivalence with one device, on the tiny config (2 layers: one per stage at pp=2).
-@pytest.fixture(scope="module")
-def one_device():
-    return train(**{"train.zero": 0})
+@pytest.mark.parametrize("case", schedule_cases())
+def test_schedule_matches_one_device(case):
+    """Each registered schedule on its fewest layers, training and (where evaluated) evaluation
+    through the forward-only table as on one device."""
+    check(case)
 
 
-# dp=2,tp=2,pp=2 runs the pipe with data and tensor beside it (its rows split over 'data' by hand,
-# as dp=2,pp=2's are); the layouts it contains, pp=2 alone among them, are marked slow. GPipe's
-# table runs on four stages below (and on dp=2,tp=2,pp=2 with -m slow).
-@pytest.mark.parametrize("spec, schedule", [
-    *(pytest.param("pp=2", schedule, marks=pytest.mark.slow) for schedule in ("1f1b", "gpipe")),
-    *(pytest.param(spec, "1f1b", marks=pytest.mark.slow) for spec in ("dp=2,pp=2", "tp=2,pp=2")),
-    ("dp=2,tp=2,pp=2", "1f1b"), pytest.param("dp=2,tp=2,pp=2", "gpipe", marks=pytest.mark.slow)])
-def test_pipeline_matches_one_device(spec, schedule):
-    """Training, and evaluation through the forward-only table, as on one device."""
-    assert_same_training(train(spec, evaluate=True, **{"train.zero": 0, "pipeline.schedule": schedule}),
-                         train(evaluate=True))
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_pipeline_with_zero_matches_one_device(one_device, stage):
-    assert_same_training(train("dp=2,pp=2", **{"train.zero": stage}), one_device)
-
-
-# pp=4 needs 4 layers (one per stage); interleaved at pp=2 two chunks of one layer per stage.
+# Four layers: at pp=2, two chunks of one layer a stage (interleaved, DualPipeV's V) or one of two.
 FOUR_LAYERS = {"model.n_layer": 4, "train.zero": 0}
 INTERLEAVED = {"pipeline.schedule": "interleaved", "pipeline.virtual": 2}
 ZB_H1 = {"pipeline.schedule": "zb-h1"}
+DUALPIPEV = {"pipeline.schedule": "dualpipev"}
 
 
 @pytest.fixture(scope="module")
 def four_layers():
     return train(**FOUR_LAYERS)
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_four_stages_match_one_device(four_layers, schedule):
-    assert_same_training(train("pp=4", **FOUR_LAYERS, **{"pipeline.schedule": schedule}), four_layers)
-
-
-@pytest.mark.parametrize("spec, schedule, zero", [("dp=2,tp=2,pp=2", INTERLEAVED, 0), ("dp=2,pp=2", ZB_H1, 1)],
-                         ids=["interleaved-dp2-tp2-pp2", "zb-h1-dp2-pp2-zero1"])
-def test_interleaved_and_zb_h1_match_one_device(four_layers, spec, schedule, zero):
-    assert_same_training(train(spec, **{**FOUR_LAYERS, "train.zero": zero}, **schedule), four_layers)
-
-
-def test_interleaved_on_four_stages_matches_one_device():
-    """pp=4, V=2: 8 layers in 8 chunks; stage s holds layers s and s+4."""
-    eight = {"model.n_layer": 8, "train.zero": 0}
-    assert_same_training(train("pp=4", **eight, **INTERLEAVED), train(**eight))
 
 
 def test_an_interleaved_checkpoint_resumes_on_one_device(four_layers, tmp_path):
@@ -106,36 +77,6 @@ def test_dry_run_shows_the_stage_buffers_of_the_schedule(capsys):
     out = capsys.readouterr().out
     assert f"stage buffers ({schedule.input_slots}+{schedule.grad_slots} held)" in out
     assert "activations (1-layer chunk)" in out and "temporaries" in out
-
-
-# DualPipeV: two chunks a stage, so 2*pp layers; its M at least 2*pp. The batch of 10 makes M=5 on
-# pp=2, a count that is not a multiple of pp. Each reference is one device on the same model and batch.
-DUALPIPEV = {"pipeline.schedule": "dualpipev"}
-ODD_M = {"model.n_layer": 4, "train.batch_size": 10, "pipeline.microbatches": 5}
-# DeepSeek's first layer is dense and runs ahead of the stages: one more layer.
-ODD_M_LEAD = {**ODD_M, "model.n_layer": 5}
-
-
-def same_model(overrides: dict) -> dict:
-    return {k: v for k, v in overrides.items() if k.startswith("model.") or k == "train.batch_size"}
-
-
-@pytest.mark.parametrize("config, spec, overrides", [
-    ("tiny", "pp=2", ODD_M),
-    ("tiny", "pp=4", {"model.n_layer": 8, "pipeline.microbatches": 8}),
-    pytest.param("tiny", "pp=4", {"model.n_layer": 8, "train.batch_size": 9, "pipeline.microbatches": 9},
-                 marks=pytest.mark.slow),
-    ("tiny", "dp=2,pp=2", {"model.n_layer": 4, "pipeline.microbatches": 4, "train.zero": 1}),
-    ("tiny", "dp=2,pp=2", {"model.n_layer": 4, "pipeline.microbatches": 4, "train.zero": 3}),
-    ("tiny_llama", "pp=2", ODD_M),
-    ("tiny_moe", "pp=2", ODD_M),
-    ("tiny_deepseek", "pp=2", ODD_M_LEAD),
-    *(pytest.param(config, "pp=4", {"model.n_layer": 8 + lead, "pipeline.microbatches": 8}, marks=pytest.mark.slow)
-      for config, lead in (("tiny_llama", 0), ("tiny_moe", 0), ("tiny_deepseek", 1))),
-])
-def test_dualpipev_matches_one_device(config, spec, overrides):
-    reference = train(config=config, **{"train.zero": 0, **same_model(overrides)})
-    assert_same_training(train(spec, config=config, **overrides, **DUALPIPEV), reference)
 
 
 def test_dualpipev_resumes_a_1f1b_checkpoint(four_layers, tmp_path):

@@ -9,7 +9,6 @@ are of order 1). Greedy tokens must be equal.
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
 from helpers import exits_with_one_line
 
 from jaxpar.data.tokenizer import ByteTokenizer
@@ -17,18 +16,9 @@ from jaxpar.inference import sample
 from jaxpar.models.decode import cache_bytes_per_token, empty_cache, forward
 from jaxpar.models.transformer import abstract_model
 from jaxpar.parallel import hlo
-from jaxpar.train import run
 
 LOGITS_ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A run directory with a checkpoint of the tiny model after 30 steps on dp=2."""
-    out = tmp_path_factory.mktemp("run")
-    cfg = tiny_config(**{"train.steps": 30, "train.eval_every": 0, "mesh.dp": 2})
-    run(cfg, out, jax.devices()[:2], progress=False)
-    return out
+TRAINED = "tiny_30_steps"  # the tiny model after 30 steps on dp=2 (conftest.TRAINED_RUNS)
 
 
 @pytest.mark.parametrize("spec, n_devices", [("dp=1", 1), ("tp=2", 2)])
