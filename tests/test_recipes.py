@@ -24,11 +24,14 @@ from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.execution import plan_execution
 
 # Of each result's largest magnitude: float32 sums the same products in another order; bfloat16
-# rounds each gradient to 8 bits (a wrong transpose or a missing scale is off by order 1).
-TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2}
+# rounds each gradient to 8 bits (a wrong transpose or a missing scale is off by order 1); FP8
+# rounds each operand to 4 bits (e4m3, 2^-4) and a gradient to 3 (e5m2, 2^-3), so a product of
+# two is off by at most their sum. tests/test_fp8.py holds the FP8 recipes to their exact reference.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float8_e4m3fn": 2 ** -4 + 2 ** -3}
+MODEL_DTYPES = ("float32", "bfloat16")
 SPECS = [("nc,cshd->nshd", (64, 12), (12, 3, 2, 4)), ("nhd,hdc->nc", (64, 2, 4), (2, 4, 12)),
          ("btc,vc->btv", (2, 32, 12), (16, 12)), ("nc,cf->nf", (64, 12), (12, 20))]
-ON_CPU = [(cls, dtype) for cls in RECIPES.values() if "cpu" in cls.platforms for dtype in TOLERANCE]
+ON_CPU = [(cls, dtype) for cls in RECIPES.values() if "cpu" in cls.platforms for dtype in MODEL_DTYPES]
 
 
 def drawn(shape, dtype, seed):
@@ -77,7 +80,7 @@ class Scaled(ModelDtype):
 def test_the_projection_check_fails_a_wrong_recipe_and_tells_the_dtypes_apart():
     """The control: a recipe 1/16 off fails in either dtype, and bfloat16's rounding does not
     pass float32's tolerance."""
-    for dtype in TOLERANCE:
+    for dtype in MODEL_DTYPES:
         assert max(projection_errors(Scaled(dtype), *SPECS[0])) > TOLERANCE["bfloat16"]
     assert max(projection_errors(ModelDtype("bfloat16"), *SPECS[0])) > TOLERANCE["float32"]
 
@@ -91,7 +94,7 @@ def grouped_errors(recipe, kernel) -> list[float]:
     group = jnp.repeat(jnp.arange(G), sizes, total_repeat_length=rows)
     grouped = jnp.arange(rows) < jnp.sum(sizes)
     reference = lambda x, w: jnp.where(grouped[:, None], jnp.einsum("rk,rkn->rn", x, w[group]), 0)
-    gemm = recipe.grouped(lambda x, w: kernel(x, w, sizes))
+    gemm = recipe.grouped(kernel, sizes)
     got = with_gradients(jax.jit(gemm), x, w, g.astype(jnp.float32), jit=True)
     want = with_gradients(reference, x.astype(jnp.float32), w.astype(jnp.float32), g.astype(jnp.float32))
     return [error_at_scale(np.asarray(a, np.float32), np.asarray(b)) for a, b in zip(got, want, strict=True)]
@@ -145,9 +148,9 @@ class Seen(ModelDtype):
         self.kinds.append(matmul)
         return super().project(spec, x, w, matmul)
 
-    def grouped(self, gemm):
+    def grouped(self, gemm, arrays):
         self.kinds.append(EXPERTS)
-        return super().grouped(gemm)
+        return super().grouped(gemm, arrays)
 
 
 @pytest.mark.parametrize("config, kinds", [("tiny", {PROJECTIONS, HEAD}), ("tiny_moe", {PROJECTIONS, HEAD, EXPERTS}),
@@ -173,9 +176,10 @@ class OnGpusOnly(ModelDtype):
 
 def test_a_recipe_refuses_a_platform_it_does_not_run_on_in_one_line(monkeypatch):
     monkeypatch.setitem(RECIPES, OnGpusOnly.name, OnGpusOnly)
-    m = tiny_config().model
+    monkeypatch.setitem(recipes.FP8, OnGpusOnly.name, OnGpusOnly.name)
+    m = tiny_config(**{"model.fp8": OnGpusOnly.name}).model
     with pytest.raises(UserError) as refused:
-        recipes.recipe_for(m, "cpu", OnGpusOnly.name)
+        recipes.recipe_for(m, "cpu")
     message = str(refused.value)
     assert "\n" not in message and "runs on gpu, not on cpu" in message and "use the default recipe" in message
-    assert recipes.recipe_for(m, "gpu", OnGpusOnly.name) == OnGpusOnly("float32")  # the control
+    assert recipes.recipe_for(m, "gpu") == OnGpusOnly("float32")  # the control

@@ -84,7 +84,8 @@ class ExecutionPlan:
     @property
     def notes(self) -> tuple[str, ...]:
         """One line each where `auto` chose a slower path than the platform has, and why."""
-        return tuple(note for note in (self.attention_note, self.moe_gemm_note, self.tuning_note) if note)
+        recipe = self.recipe.note(self.platform) if self.recipe is not None else ""
+        return tuple(note for note in (self.attention_note, self.moe_gemm_note, self.tuning_note, recipe) if note)
 
     @property
     def compiler_options(self) -> dict | None:

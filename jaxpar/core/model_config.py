@@ -58,6 +58,11 @@ class ModelConfig:
     # How attention runs with the sequence split over 'context' (cp > 1), a strategy of
     # jaxpar.nn.context: ring (the zigzag ring, K/V passed round) or ulysses (all-to-alls to a head split).
     context_strategy: str = "ring"
+    # FP8 matmuls (jaxpar.nn.recipes.fp8): none, tensorwise (a scale a tensor) or rowwise (a scale
+    # a row), current scaling; every projection and the experts' grouped GEMM, the lm_head only
+    # with fp8_head. Master weights and the optimizer stay float32, the rest computes in dtype.
+    fp8: str = "none"
+    fp8_head: bool = False
     # Tests only: the coefficient of an auxiliary loss, the mean square of each block's output
     # (jaxpar.models.family), which proves the auxiliary-loss path on every layout. 0: off.
     test_activation_l2: float = 0.0

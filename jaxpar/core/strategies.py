@@ -42,6 +42,9 @@ class MatmulRecipe(Protocol):
     def describe(self) -> dict:
         """What run.json and --dry-run print of it."""
 
+    def note(self, platform: str) -> str:
+        """One line where it runs slower than asked on `platform`; empty otherwise."""
+
 
 class Accumulation(enum.Enum):
     """How a step sums its passes' gradients (jaxpar.training.passes); the value is what run.json says."""

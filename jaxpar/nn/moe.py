@@ -31,7 +31,6 @@ context ring sums its parts first. Where the router has a balance bias (DeepSeek
 logs its mean size and carries the routed counts to it as its gradient (jaxpar.nn.routing).
 """
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -70,15 +69,16 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.
     laid out once for both (a padding row stays zero through the SwiGLU)."""
     E_l, C, _, F = local.gate_up.shape
     dtype, put, take = local.dtype, (lambda a: a), (lambda a: a)
-    legs = tuple(local.legs) or (local.gemm,) * len(LEGS)
+    legs, arrays = tuple(local.legs) or (local.gemm,) * len(LEGS), group_sizes
     if len(set(legs)) > 1 or local.tuning:  # else the one kernel's program, as it always was
-        gemm = lambda x, w: legged_gemm(x, w, group_sizes, legs, local.interpret, local.tuning)
+        gemm = lambda x, w, sizes: legged_gemm(x, w, sizes, legs, local.interpret, local.tuning)
     elif legs[0] == registry.BLOCKS:
         tiles = Tiles.of(group_sizes, x.shape[0])
-        gemm, put, take = tiles.gemm, tiles.put, tiles.take
+        put, take, arrays = tiles.put, tiles.take, (tiles.to, tiles.group)
+        gemm = lambda x, w, to_group: Tiles(*to_group, tiles.block).gemm(x, w)
     else:
-        gemm = functools.partial(grouped_gemm, group_sizes=group_sizes, gemm=legs[0], interpret=local.interpret)
-    gemm = (local.recipe if local.recipe is not None else recipes.default(dtype)).grouped(gemm)
+        gemm = lambda x, w, sizes: grouped_gemm(x, w, sizes, legs[0], local.interpret)
+    gemm = (local.recipe if local.recipe is not None else recipes.default(dtype)).grouped(gemm, arrays)
     x = checkpoint_name(put(x.astype(dtype)), remat.EXPERTS_IN)  # names a recompute policy may keep
     h = checkpoint_name(gemm(x, local.gate_up.reshape(E_l, C, 2 * F).astype(dtype)), remat.HIDDEN)
     h = (jax.nn.silu(h[..., :F].astype(dtype)) * h[..., F:].astype(dtype)).astype(dtype)
@@ -217,6 +217,9 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
     routing = router_of(cfg)
     balance = p["router"].get("balance")  # DeepSeek's selection bias (jaxpar.nn.routing)
 
+    # Manual over every axis that splits anything here (jaxpar.core.execution.ExecutionPlan.per_device).
+    recipe = recipes.of(plan, dtype, every_axis=True)
+
     def on_device(h, router, gate_up, out, *balance):
         B, T, C = h.shape
         x = h.reshape(B * T, C)
@@ -229,7 +232,7 @@ def moe_mlp(plan, h: jax.Array, p: dict, cfg, dtype, capped: bool = True) -> tup
             sent = jnp.where(keep, experts, cfg.n_experts)
             room = min(room, B * gate_up.shape[0] * capacity(cfg, seq_len))  # a destination's most
         local = Experts(gate_up, out, dtype, plan.moe_gemm, plan.interpret, plan.gemm_legs, plan.gemm_tuning,
-                        recipes.of(plan, dtype))
+                        recipe)
         y = experts_of_device(jnp.repeat(x, k, axis=0), sent.reshape(-1), local, ep, mode, room)
         y = checkpoint_name(y, remat.EXPERTS_OUT)  # back from the experts: no exchange reruns for it
         y = jnp.sum(y.reshape(B * T, k, C) * weights[..., None], axis=1)

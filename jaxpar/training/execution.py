@@ -21,7 +21,7 @@ from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
 from jaxpar.core.strategies import Accumulation, StageGrads
 from jaxpar.models.registry import family_of
-from jaxpar.nn import context, kernel_tuning, kernels, moe
+from jaxpar.nn import context, kernel_tuning, kernels, moe, recipes
 from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.schedules import make_schedule, schedule_class
 from jaxpar.parallel.schedules.base import PipelineSchedule
@@ -72,16 +72,19 @@ def computing(m: ModelConfig, documents: bool, zero: int, mesh, platform: str) -
                    "moe_dispatch": registry.chosen(registry.MOE_DISPATCH, m.moe_dispatch, platform)}
     return dict(mesh=mesh, platform=platform, sequence_parallel=m.sequence_parallel, context=strategy,
                 attention=attention, attention_note=note, remat=m.remat, regather_weights=zero == 3,
-                recipe=recipe_for(m, platform), **experts)  # the recipe is refused here where it cannot run
+                # the recipe is refused here where it cannot run
+                recipe=recipe_for(m, platform, getattr(device, "device_kind", "")), **experts)
 
 
 def check_names(o: OptimizerConfig, p: PipelineConfig, m: ModelConfig) -> None:
     """Every name a config's sections give a registry, each refused in one line naming the
     choices: the optimizer and its learning-rate schedule, the pipeline schedule and its layer
-    chunks, the context strategy. plan_execution checks them; a command may ask first."""
+    chunks, the context strategy, the matmul recipe. plan_execution checks them; a command may
+    ask first."""
     optimizers.check(o)
     schedule_class(p.schedule).chunks_per_stage(p.virtual)
     context.strategy_named(m.context_strategy)
+    recipes.named(m)
 
 
 def tuned_gemm(m: ModelConfig, t: TrainConfig, mesh, platform: str, device, gemm: str, passes: int) -> dict:

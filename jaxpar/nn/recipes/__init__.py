@@ -1,30 +1,56 @@
 """Matmul recipes, one file each, and their registry: how the model's projections and the experts'
-grouped GEMM compute (jaxpar.nn.recipes.base). The execution plan holds one, chosen and checked
-once (`recipe_for`, from jaxpar.training.execution.plan_execution); the model asks the plan's (`of`).
+grouped GEMM compute (jaxpar.nn.recipes.base). `model.fp8` names one (none: model.dtype's). The
+execution plan holds one, chosen and checked once (`recipe_for`, from
+jaxpar.training.execution.plan_execution); the model asks the plan's (`of`).
 """
+
+import dataclasses
 
 import jax.numpy as jnp
 
+from jaxpar.core.axes import PIPE
+from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
 from jaxpar.nn.recipes.base import EXPERTS, HEAD, MATMULS, PROJECTIONS, MatmulRecipe  # noqa: F401
+from jaxpar.nn.recipes.fp8 import Rowwise, Tensorwise
 from jaxpar.nn.recipes.model_dtype import ModelDtype
 
-RECIPES: dict[str, type[MatmulRecipe]] = {r.name: r for r in (ModelDtype,)}
+RECIPES: dict[str, type[MatmulRecipe]] = {r.name: r for r in (ModelDtype, Tensorwise, Rowwise)}
 DEFAULT = ModelDtype.name
+FP8 = {"none": DEFAULT, Tensorwise.name: Tensorwise.name, Rowwise.name: Rowwise.name}  # model.fp8 -> recipe
 
 
-def recipe_for(m, platform: str, name: str = DEFAULT) -> MatmulRecipe:
-    """The recipe `name` for the [model] section `m` on `platform`, refused there in one UserError
-    line where it cannot run; shaped for XLA:CPU where the plan's cpu_matmuls says so."""
-    recipe = RECIPES[name](jnp.dtype(m.dtype).name, ExecutionPlan(platform=platform).cpu_matmuls)
-    recipe.check(platform)
+def named(m) -> str:
+    """The recipe the [model] section `m` asks for (model.fp8, model.fp8_head), each key refused
+    in one UserError line naming the choices."""
+    if m.fp8 not in FP8:
+        raise UserError(f"model.fp8 must be one of {', '.join(FP8)}, got '{m.fp8}'")
+    if m.fp8_head and FP8[m.fp8] == DEFAULT:
+        raise UserError("model.fp8_head=true runs the lm_head in FP8 under an FP8 recipe; "
+                        f"add --model.fp8={Tensorwise.name} (or {Rowwise.name}), or drop model.fp8_head")
+    return FP8[m.fp8]
+
+
+def recipe_for(m, platform: str, chip: str = "") -> MatmulRecipe:
+    """The recipe the [model] section `m` names on `platform` (its `chip`, where known), refused
+    there in one UserError line where it cannot run; shaped for XLA:CPU where the plan's
+    cpu_matmuls says so."""
+    cls = RECIPES[named(m)]
+    extra = {"head": bool(m.fp8_head)} if "head" in {f.name for f in dataclasses.fields(cls)} else {}
+    recipe = cls(jnp.dtype(m.dtype).name, ExecutionPlan(platform=platform).cpu_matmuls, **extra)
+    recipe.check(platform, chip)
     return recipe
 
 
-def of(plan, dtype) -> MatmulRecipe:
-    """The plan's recipe; where a plan made by hand holds none (one device, a test's), the default
-    in `dtype` (the model's), shaped as the plan's cpu_matmuls says."""
-    return plan.recipe if plan.recipe is not None else default(dtype, plan.cpu_matmuls)
+def of(plan, dtype, every_axis: bool = False) -> MatmulRecipe:
+    """The plan's recipe, inside the plan's shard_map where it is in one (`every_axis`: in one
+    manual over every axis that splits anything here, as ExecutionPlan.per_device's); where a plan
+    made by hand holds none (one device, a test's), the default in `dtype` (the model's), shaped as
+    the plan's cpu_matmuls says. A pipeline's stages hold other layers and other microbatches, so
+    'pipe' is no axis of a tensor there."""
+    recipe = plan.recipe if plan.recipe is not None else default(dtype, plan.cpu_matmuls)
+    manual = (a for a in plan.sizes if a not in plan.unsplit_axes) if every_axis else plan.manual
+    return recipe.within(a for a in manual if a != PIPE)
 
 
 def default(dtype, cpu_matmuls: bool = False) -> MatmulRecipe:

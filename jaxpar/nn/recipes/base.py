@@ -15,6 +15,7 @@ custom_vjp quantizes the product's operands and each backward leg's (jax.vjp of 
 them, by the kernel's own backward).
 """
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,8 +32,10 @@ EXPERTS = "experts"  # the experts' grouped GEMM (jaxpar.nn.moe)
 MATMULS = (PROJECTIONS, HEAD, EXPERTS)
 EVERY_PLATFORM = ("cpu", "gpu", "tpu")
 
-# A grouped GEMM: x (..., K) rows sorted by group, w (G, K, N) -> (..., N) float32, with its own backward.
-GroupedGemm = Callable[[jax.Array, jax.Array], jax.Array]
+# A grouped GEMM: x (..., K) rows sorted by group, w (G, K, N), and the index arrays it reads (the
+# group sizes, say) -> (..., N) float32, with its own backward; a recipe's `grouped` binds the arrays.
+GroupedGemm = Callable[[jax.Array, jax.Array, object], jax.Array]
+Bound = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class MatmulRecipe(ABC):
     instead: ClassVar[str] = ""  # the fix `check` names where it cannot run
     dtype: str
     cpu_matmuls: bool = False
+    whole_over: tuple[str, ...] = ()  # the mesh axes manual where it computes (inside a shard_map)
 
     @property
     @abstractmethod
@@ -62,15 +66,29 @@ class MatmulRecipe(ABC):
         returned as float32, differentiable in both; `matmul`: PROJECTIONS or HEAD."""
 
     @abstractmethod
-    def grouped(self, gemm: GroupedGemm) -> GroupedGemm:
-        """The experts' grouped GEMM through the recipe: `gemm` is the plan's kernel call (its
-        forward and backward legs, jaxpar.nn.grouped_gemm), its operands in `dtype`."""
+    def grouped(self, gemm: GroupedGemm, arrays) -> Bound:
+        """The experts' grouped GEMM through the recipe, (x, w) -> float32: `gemm` is the plan's
+        kernel call (its forward and backward legs, jaxpar.nn.grouped_gemm), its operands in
+        `dtype`, `arrays` the integer arrays it reads (passed, not closed over: a custom_vjp
+        may hold no traced value as a static argument)."""
 
-    def check(self, platform: str) -> None:
-        """Refuse, in one UserError line naming the fix, a platform the recipe does not run on."""
+    def check(self, platform: str, chip: str = "") -> None:
+        """Refuse, in one UserError line naming the fix, a platform (and its chip, where known)
+        the recipe does not run on."""
         if platform not in self.platforms:
+            where = f"{platform} ({chip})" if chip else platform
             raise UserError(f"the {self.name} matmul recipe ({self.about}) runs on {', '.join(self.platforms)}, "
-                            f"not on {platform}; {self.instead}")
+                            f"not on {where}; {self.instead}")
+
+    def note(self, platform: str) -> str:
+        """One line a run prints at its start where the recipe runs slower than asked on `platform`."""
+        return ""
+
+    def within(self, axes) -> "MatmulRecipe":
+        """The recipe inside a shard_map manual over `axes` (a recipe that takes amaxes over whole
+        tensors takes them over these too)."""
+        axes = tuple(sorted(axes))
+        return self if axes == self.whole_over else dataclasses.replace(self, whole_over=axes)
 
     def describe(self) -> dict:
         """What run.json and --dry-run print: the recipe, each kind of matmul's dtype, MFU's."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar.nn.recipes.base import PROJECTIONS, GroupedGemm, MatmulRecipe, gradient_specs
+from jaxpar.nn.recipes.base import PROJECTIONS, Bound, GroupedGemm, MatmulRecipe, gradient_specs
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class ModelDtype(MatmulRecipe):
             return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
         return low_precision_project(spec, x, w, self.cpu_matmuls)
 
-    def grouped(self, gemm: GroupedGemm) -> GroupedGemm:
-        return gemm  # the kernel's own program, float32-accumulated in either dtype
+    def grouped(self, gemm: GroupedGemm, arrays) -> Bound:
+        return lambda x, w: gemm(x, w, arrays)  # the kernel's own program, float32-accumulated in either dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
