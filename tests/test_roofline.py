@@ -193,3 +193,55 @@ def test_the_dispatch_buffer_is_ep_times_the_routed_rows_or_what_a_capacity_leav
     # room: 1 expert a device x capacity ceil(2 x 32 x 2 / 4) = 32 rows a sequence, of its 64 assignments
     assert dispatch_rows_factor(capped, "ragged", 4) == 4 * 32 / 64
     assert dispatch_rows_factor(tiny_config().model, "local", 1) == 1  # no experts
+
+
+# A dispatch over ep=4 chips, each with 256 routed rows (its tokens x k) of 64: the dispatch's
+# receive buffer has room for 4 x 256 (every source's, dropless), the combine sends its rows back.
+RAGGED = """%ragged_comp (p0: bf16[256,64], p1: bf16[1024,64], p2: s32[4]) -> bf16[1024,64] {
+  %p0 = bf16[256,64]{1,0} parameter(0)
+  %p1 = bf16[1024,64]{1,0} parameter(1)
+  %p2 = s32[4]{0} parameter(2)
+  ROOT %r = bf16[1024,64]{1,0} ragged-all-to-all(%p0, %p1, %p2, %p2, %p2, /*index=5*/%p2), replica_groups={{0,1,2,3}}
+}
+
+ENTRY %main (x: bf16[256,64], buffer: bf16[1024,64], y: bf16[1024,64], back: bf16[256,64], o: s32[4]) -> bf16[256,64] {
+  %x = bf16[256,64]{1,0} parameter(0)
+  %buffer = bf16[1024,64]{1,0} parameter(1)
+  %y = bf16[1024,64]{1,0} parameter(2)
+  %back = bf16[256,64]{1,0} parameter(3)
+  %o = s32[4]{0} parameter(4)
+  %dispatch = bf16[1024,64]{1,0} ragged-all-to-all(%x, %buffer, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3}}
+  %start = ((bf16[256,64]{1,0}, bf16[1024,64]{1,0}, s32[4]{0}), bf16[1024,64]{1,0}) async-start(%x, %buffer, %o), calls=%ragged_comp
+  %done = bf16[1024,64]{1,0} async-done(%start)
+  ROOT %combine = bf16[256,64]{1,0} ragged-all-to-all(%y, %back, %o, %o, %o, /*index=5*/%o), channel_id=1, replica_groups={{0,1,2,3}}
+}
+"""
+
+
+def test_ragged_all_to_alls_are_timed_at_the_routed_rows():
+    """The dispatch (as XLA:TPU writes it, and as an async computation, as XLA:GPU does) and the
+    combine each move a chip's 256 routed rows, not the 1024-row receive buffer: 3/4 of them leave
+    the chip, over a ring of two links. The collectives' listing keeps the buffers' bytes."""
+    from jaxpar.parallel import hlo
+    routed = 256 * 64 * 2 * (3 / 4) / (2 * 50e9)
+    r = roofline.estimate(RAGGED, CHIP, devices=4)
+    assert r["comm_s"] == pytest.approx(3 * routed)
+    assert r["exposed_comm_s"] == pytest.approx(3 * routed)  # nothing scheduled inside the async pair
+    assert r["comm_s"] != pytest.approx((2 * 1024 + 256) / 256 * routed)  # the buffers' time, before
+    listed = hlo.totals(hlo.collective_ops(RAGGED))["ragged-all-to-all"]
+    assert listed["bytes"] == (2 * 1024 + 256) * 64 * 2
+
+
+def test_a_capacity_below_the_fair_share_fills_its_buffer():
+    """capacity_factor 0.5 on tiny_moe at ep=4: room for ceil(0.5 x 32 x 2 / 4) = 8 rows a sequence
+    from each source, 4 x 8 = 32 of a sequence's 64 assignments; balanced routing fills all of it,
+    so the grouped GEMMs are charged the whole buffer (a factor of 1, not 0.5: never more rows
+    than the buffer holds)."""
+    from conftest import tiny_config
+
+    from jaxpar.planning.estimate import dispatch_rows_factor
+    half = tiny_config("tiny_moe", **{"model.moe_capacity_factor": 0.5}).model
+    assert dispatch_rows_factor(half, "ragged", 4) == 1
+    assert dispatch_rows_factor(half, "all_to_all", 2) == 1
+    quarter_more = tiny_config("tiny_moe", **{"model.moe_capacity_factor": 1.25}).model  # 20 rows, fair share 16
+    assert dispatch_rows_factor(quarter_more, "ragged", 4) == 4 * 20 / 64

@@ -3,10 +3,11 @@ time guesses that order its compiles.
 
 A compiled layout's step time is `jaxpar.planning.roofline`'s: every op at the longer of its FLOPs
 at peak and its bytes at HBM bandwidth, plus the collectives' time that XLA's schedule does not
-overlap, its experts' grouped GEMMs at their routed rows (`dispatch_rows_factor`). It is an upper
-bound on speed, but for one term added to both estimates: the host transfers of offloaded state
-(`host_transfer_bytes`: the optimizer's under train.offload=optimizer, the layer inputs under
-model.remat=full_offloaded) at the chip's host link, as if nothing overlapped them.
+overlap, its experts' grouped GEMMs (`dispatch_rows_factor`) and the ragged all-to-alls that feed
+them at their routed rows. It is an upper bound on speed, but for one term added to both estimates:
+the host transfers of offloaded state (`host_transfer_bytes`: the optimizer's under
+train.offload=optimizer, the layer inputs under model.remat=full_offloaded) at the chip's host
+link, as if nothing overlapped them.
 
 The guess that orders compiles is simpler and has no HLO:
     compute  = FLOPs per chip / the chip's peak
@@ -38,8 +39,8 @@ SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a gr
     "all-reduce": lambda n: 2 * (n - 1) / n,
     "all-gather": lambda n: (n - 1) / n,
     "all-to-all": lambda n: (n - 1) / n,
-    # Its result is the whole receive buffer, sized for every row routed here (dropless): the bytes
-    # sent are at most the all-to-all's of that buffer, and the same under balanced routing.
+    # Given the rows that cross under balanced routing (the roofline's `ragged_routed_bytes`), not
+    # its receive buffer: the sources' rows for a device's own experts stay on it.
     "ragged-all-to-all": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: n - 1,
 }
@@ -50,13 +51,14 @@ def dispatch_rows_factor(m, mode: str, ep: int) -> float:
     grouped GEMMs are given (jaxpar.nn.moe): the dispatch's receive buffer has `room` rows from
     each of ep sources, room being every assignment a source has (dropless) or, under a capacity
     factor, at most its sequences x E_l x capacity; with the tokens whole on every device of
-    'expert' (replicated), each runs all of them for its E/ep experts. 1 without a dispatch."""
+    'expert' (replicated), each runs all of them for its E/ep experts. 1 without a dispatch, and
+    at least 1: a capacity below the fair share fills a buffer smaller than the assignments."""
     if not m.n_experts or mode == "local":
         return 1.0
     if mode == "replicated" or not getattr(m, "moe_capacity_factor", 0):
         return float(ep)
     S, k = m.block_size, m.experts_per_token  # a capacity factor is refused on a context ring
-    return ep * min(1.0, m.n_experts // ep * capacity(m, S) / (S * k))
+    return max(1.0, ep * min(1.0, m.n_experts // ep * capacity(m, S) / (S * k)))
 
 
 def collective_seconds(ops: list[dict], chip: Chip, devices: int) -> float:

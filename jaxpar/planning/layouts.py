@@ -1,11 +1,12 @@
 """The layouts jaxpar.plan searches: every split of a target's devices over the mesh's planned axes
-(jaxpar.core.axes), or the meshes a user lists, each as {axis key: size}; and the recompute
-policies and offloads it tries with each."""
+(jaxpar.core.axes), left by each size of the other axes (--cp, --ep; for a mixture of experts,
+every ep dividing its expert count by default), or the meshes a user lists, each as {axis key:
+size}; and the recompute policies and offloads it tries with each."""
 
 import itertools
 import math
 
-from jaxpar.core.axes import AXES
+from jaxpar.core.axes import AXES, EXPERT_AXIS
 from jaxpar.core.errors import UserError
 from jaxpar.core.remat import HOST, POLICIES, has_host_memory
 from jaxpar.parallel.mesh import infer_axis, parse_mesh_spec
@@ -43,6 +44,32 @@ def parse_layouts(spec: str, devices: int, fixed: dict[str, list[int]] | None = 
             pass  # left at -1: the trainer's own check lists the layout as skipped, saying why
         layouts.append(sizes)
     return layouts
+
+
+def expert_sizes(model, devices: int) -> list[int]:
+    """The ep sizes `--ep auto` tries: every divisor of a mixture's expert count that divides the
+    devices (each device holds the same number of experts), as auto tries dp, tp and pp; 1 alone
+    for a dense model."""
+    experts = getattr(model, "n_experts", 0) or 1
+    return [size for size in range(1, experts + 1) if experts % size == 0 and devices % size == 0]
+
+
+# The axes outside the split whose sizes `auto` chooses from the model (the rest default to 1).
+AUTO_SIZES = {EXPERT_AXIS.key: expert_sizes}
+
+
+def fixed_sizes(asked: dict[str, str], model, devices: int) -> dict[str, list[int]]:
+    """The sizes `--layouts auto` tries of each axis it does not split the devices over, by key,
+    from the flags' text ({'cp': '1,2', 'ep': 'auto'}): the sizes listed, or `auto`'s."""
+    fixed = {}
+    for key, text in asked.items():
+        if key in AUTO_SIZES and text.strip() == "auto":
+            fixed[key] = AUTO_SIZES[key](model, devices)
+            continue
+        fixed[key] = int_list(text, f"--{key}")
+        if not fixed[key] or min(fixed[key]) < 1:
+            raise UserError(f"--{key} takes positive sizes, got {text!r}")
+    return fixed
 
 
 def int_list(text: str, flag: str) -> list[int]:

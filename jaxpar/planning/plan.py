@@ -25,7 +25,7 @@ from jaxpar.core.remat import HOST, REMAT_KINDS
 from jaxpar.models.flops import NO_PIPELINE
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import parse_target, target_devices
-from jaxpar.planning.layouts import choices, host_memory_choices, int_list, parse_layouts
+from jaxpar.planning.layouts import AUTO_SIZES, choices, fixed_sizes, host_memory_choices, int_list, parse_layouts
 from jaxpar.planning.plan_report import plan_outputs
 from jaxpar.training.execution import check_names
 
@@ -222,8 +222,11 @@ def build_parser() -> ArgumentParser:
                         '"dp=8,tp=4;dp=16,tp=2;dp=4,cp=4"')
     for axis in AXES:
         if not axis.planned:
-            parser.add_argument(f"--{axis.key}", default="1", help=f"{axis.about}: the {axis.key} sizes "
-                                "to try with --layouts auto (default 1), e.g. 1,2,4,8")
+            default = "auto" if axis.key in AUTO_SIZES else "1"
+            parser.add_argument(f"--{axis.key}", default=default, help=f"{axis.about}: the {axis.key} sizes "
+                                f"to try with --layouts auto (default {default}), e.g. 1,2,4,8"
+                                + ("; auto: for a mixture of experts every size dividing its expert count "
+                                   "and the devices, else 1" if default == "auto" else ""))
     parser.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
     parser.add_argument("--micro-batch", default="auto", help="train.micro_batch values to try; "
                         "auto: powers of two up to the rows each device holds")
@@ -259,12 +262,7 @@ def parse_args(argv: list[str]):
         raise UserError("--max-compiles must be at least 1")
     if args.micro_batch != "auto" and min(int_list(args.micro_batch, "--micro-batch")) < 1:
         raise UserError("--micro-batch values must be positive")
-    fixed = {}
-    for axis in AXES:
-        if not axis.planned:
-            fixed[axis.key] = int_list(getattr(args, axis.key), f"--{axis.key}")
-            if not fixed[axis.key] or min(fixed[axis.key]) < 1:
-                raise UserError(f"--{axis.key} takes positive sizes, got {getattr(args, axis.key)!r}")
+    fixed = fixed_sizes({a.key: getattr(args, a.key) for a in AXES if not a.planned}, cfg.model, target.chips)
     if not parse_layouts(args.layouts, target.chips, fixed):  # a bad --layouts fails before any work
         if args.layouts != "auto":
             raise UserError(f"--layouts {args.layouts!r} names no layout; pass meshes separated by "

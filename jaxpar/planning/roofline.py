@@ -10,11 +10,12 @@ kernels' (from their shapes); bytes are a fused op's operands and results, count
 slice a dynamic-slice reads and the update an in-place dynamic-update-slice writes. The experts'
 grouped GEMMs (Megablox's, tokamax's, a ragged dot) are charged at the routed rows, each token's k,
 assuming balanced routing: a dispatch's receive buffer has room for up to ep times them (dropless),
-which memory holds but the kernels skip. Every term is a lower bound on its op's time, so the step
-is an upper bound on speed: it leaves out kernel launch and loop overheads, caches, layouts that
-pad a tile, uneven routing, and collectives slower than the model. The planner adds the host
-transfers of offloaded state (jaxpar.planning.estimate) whole, as if nothing overlapped them:
-there the bound may be slower than a step that hides them.
+which memory holds but the kernels skip; the ragged all-to-alls that fill and empty it are timed
+at those rows too (`ragged_routed_bytes`), not at the buffer. Every term is a lower bound on its
+op's time, so the step is an upper bound on speed: it leaves out kernel launch and loop overheads,
+caches, layouts that pad a tile, uneven routing, and collectives slower than the model. The
+planner adds the host transfers of offloaded state (jaxpar.planning.estimate) whole, as if nothing
+overlapped them: there the bound may be slower than a step that hides them.
 """
 
 import dataclasses
@@ -111,6 +112,17 @@ def routed_bytes(op: Op, shapes: dict, share: float) -> float:
                for a in arrays)
 
 
+def ragged_routed_bytes(op: Op, result_bytes: float, shapes: dict) -> float:
+    """A ragged all-to-all's bytes under balanced routing: the smaller of the rows it sends (its
+    first operand) and its result. The dispatch sends a device's routed rows (its tokens x k, or
+    what a capacity leaves) into a receive buffer with room for up to ep times them; the combine
+    sends that buffer's filled rows back into the routed rows' places; either way the routed rows
+    cross. XLA's memory figure still holds the whole buffer. Its result's bytes where the operand's
+    shape is not in the HLO."""
+    sent = hlo.shape_bytes(shapes.get(op.operands[0], "")) if op.operands else 0
+    return min(result_bytes, sent) if sent else result_bytes
+
+
 class Roofline:
     """The step's cost on one chip of `devices`; computations are costed once and memoised.
     `routed_share`: the share of a grouped GEMM's rows that are routed (jaxpar.planning.estimate's
@@ -141,7 +153,7 @@ class Roofline:
                     exposed = max(0.0, seconds - overlap)
                     cost.add(Cost(seconds=exposed, exposed_comm_s=exposed))
                 continue
-            comm = self.collective_seconds(op, name)
+            comm = self.collective_seconds(op, name, shapes)
             if comm is None:
                 part = self.op_cost(op, shapes)
             elif op.opcode.endswith("-start"):
@@ -157,15 +169,19 @@ class Roofline:
         self.memo[name] = cost
         return cost
 
-    def collective_seconds(self, op: Op, computation: str) -> float | None:
-        """The ring model's seconds for a collective op (an async computation's too); None for others."""
-        line = op.line
+    def collective_seconds(self, op: Op, computation: str, shapes: dict) -> float | None:
+        """The ring model's seconds for a collective op (an async computation's too), a ragged
+        all-to-all at its routed rows (`ragged_routed_bytes`); None for others."""
         if op.opcode == "async-start" and (callee := called(op, "calls")):
-            line = next((text for text in self.lines.get(callee, []) if hlo.collective_of(text)), "")
-        found = hlo.collective_of(line, computation)
+            inner = self.comps.get(callee, [])
+            shapes = {o.name: o.shape for o in inner}
+            op = next((o for o in inner if hlo.collective_of(o.line)), Op("", "", "", [], "", ""))
+        found = hlo.collective_of(op.line, computation)
         if found is None:
             return None
         kind, size, group = found
+        if kind == "ragged-all-to-all":
+            size = ragged_routed_bytes(op, size, shapes)
         return collective_seconds([{"kind": kind, "bytes": size, "group": group, "count": 1}], self.chip,
                                   self.devices)
 
