@@ -9,7 +9,7 @@ from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.parallel.schedules import DEFAULT, SCHEDULES, make_schedule, schedule_class
 from jaxpar.parallel.schedules.base import PipelineSchedule
 from jaxpar.parallel.schedules.ops import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT
-from jaxpar.training.loss_plots import picture_path, pyplot, save
+from jaxpar.training.run.loss_plots import picture_path, pyplot, save
 
 
 def draw(schedule: PipelineSchedule, path: str) -> None:

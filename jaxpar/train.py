@@ -1,4 +1,4 @@
-"""`python -m jaxpar.train`: the command line of a training run (jaxpar.training.trainer runs it).
+"""`python -m jaxpar.train`: the command line of a training run (jaxpar.training.run.trainer runs it).
 
 Usable as a library too: `run(cfg, out_dir, devices)` returns the losses and the final params.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, load_config, parse_overrides, valid_keys
 from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
 from jaxpar.parallel.mesh import mesh_help, parse_mesh_spec
-from jaxpar.training.loss_plots import plot_after_training
-from jaxpar.training.trainer import run
+from jaxpar.training.run.loss_plots import plot_after_training
+from jaxpar.training.run.trainer import run
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -58,7 +58,7 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
             raise UserError(f"model.vocab_size={asked} conflicts with vocab_size={vocab} of the "
                             f"model in {cfg.train.init_from}; drop the override")
         cfg.model.vocab_size = vocab
-    from jaxpar.training.execution import check_names
+    from jaxpar.training.step.execution import check_names
     check_names(cfg.optimizer, cfg.pipeline, cfg.model)  # a registry name before any other work
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name
@@ -68,7 +68,7 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from jaxpar.training.stopping import StopRequest
+    from jaxpar.training.run.stopping import StopRequest
     with StopRequest("jaxpar.train") as stop:  # from the start: a signal at any moment is a request
         train_command(sys.argv[1:] if argv is None else argv, stop)
 
@@ -95,7 +95,7 @@ def train_command(argv: list[str], stop) -> None:
 def exit_at_once_if_stuck(prog: str):
     """A save that failed in orbax's background threads leaves others waiting minutes for it: its
     one line, then exit 2 without waiting for them (the run's lock is released by then)."""
-    from jaxpar.training.save_faults import SaveFailed
+    from jaxpar.training.checkpoints.save_faults import SaveFailed
     try:
         yield
     except SaveFailed as e:

@@ -24,7 +24,7 @@ from jaxpar.models.transformer import build_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
-from jaxpar.training.build import build
+from jaxpar.training.step.build import build
 
 STEPS = 10
 LOSS_RTOL = 1e-5
@@ -203,7 +203,7 @@ def save_random_gpt2(run_dir: Path, cfg, tokenizer, step: int, scale: float):
     """A checkpoint in run_dir of a GPT-2 with params drawn N(0, scale^2) (seed 0), its norms'
     scales moved to 1 + N(0, scale^2): a model whose logits are far from uniform."""
     from jaxpar.models.transformer import abstract_model
-    from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+    from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS, Checkpoints, make_meta
     _, shapes, _ = abstract_model(cfg, tokenizer.vocab_size)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: scale * rng.standard_normal(s.shape, np.float32), shapes)

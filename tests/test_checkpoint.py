@@ -24,9 +24,9 @@ from jaxpar.data.loader import load_dataset
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.zero import check_state
 from jaxpar.train import run
-from jaxpar.training.build import build
-from jaxpar.training.checkpoint import Checkpoints
-from jaxpar.training.resume import restore_train_state
+from jaxpar.training.checkpoints.checkpoint import Checkpoints
+from jaxpar.training.checkpoints.resume import restore_train_state
+from jaxpar.training.step.build import build
 
 LOSS_RTOL = 1e-5
 

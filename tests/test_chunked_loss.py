@@ -74,7 +74,7 @@ def test_the_chunked_loss_trains_as_one_device(spec):
 def temp_bytes(chunks: int) -> int:
     from jaxpar.parallel import hlo
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     cfg = tiny_config(**{"model.loss_chunks": chunks, "model.vocab_size": 16384})
     return hlo.memory_summary(build(cfg, build_mesh(cfg, jax.devices()[:1]), vocab=16384).compile_abstract())["temp_bytes"]
 

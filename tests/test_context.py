@@ -19,7 +19,7 @@ from helpers import STEPS, fails_with, launch, logged_losses, losses, train
 from layouts import check, strategy_cases
 
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.build import build
+from jaxpar.training.step.build import build
 
 
 @pytest.mark.parametrize("case", strategy_cases())

@@ -23,7 +23,7 @@ from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, r
 from jaxpar.data.prepare import main as prepare_main
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import run
-from jaxpar.training import loss_plots, metrics
+from jaxpar.training.run import loss_plots, metrics
 
 FAR_ID = 60_123  # beyond any test vocabulary, within uint16
 BLOCK = 32

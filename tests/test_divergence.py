@@ -15,8 +15,9 @@ from conftest import tiny_config
 from jaxpar.core.errors import UserError
 from jaxpar.inference.sample import load
 from jaxpar.train import run
-from jaxpar.training import checkpoint, metrics
-from jaxpar.training.checkpoint import Checkpoints
+from jaxpar.training.checkpoints import checkpoint
+from jaxpar.training.checkpoints.checkpoint import Checkpoints
+from jaxpar.training.run import metrics
 
 DIVERGING = ["--train.lr=50", "--train.grad_clip=0", "--train.warmup_steps=0", "--ckpt.every=2",
              "--train.eval_every=0", "--train.log_every=3"]

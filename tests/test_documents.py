@@ -20,9 +20,9 @@ from helpers import LOSS_RTOL, PARAM_TOL, fails_with
 from jaxpar.models.transformer import build_model
 from jaxpar.nn import context
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.build import build
-from jaxpar.training.execution import plan_execution
-from jaxpar.training.passes import laid_out, make_grad_fn
+from jaxpar.training.step.build import build
+from jaxpar.training.step.execution import plan_execution
+from jaxpar.training.step.passes import laid_out, make_grad_fn
 
 EOT, VOCAB, T = 256, 257, 32
 # Where each row's documents open (an end-of-text token); the first starts mid-document.

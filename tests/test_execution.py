@@ -19,7 +19,7 @@ from jaxpar.data.loader import load_dataset
 from jaxpar.inference import evaluate
 from jaxpar.inference.loading import load
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.execution import plan_execution
+from jaxpar.training.step.execution import plan_execution
 
 JAXPAR = pathlib.Path(__file__).resolve().parent.parent / "jaxpar"
 
@@ -70,8 +70,8 @@ def test_a_step_refuses_a_batch_of_more_passes_than_its_plan_says():
     alone and leave the others' rows out: its gradient function refuses the batch while tracing.
     The control: the model that build() makes for the same config takes it."""
     from jaxpar.models.transformer import build_model
-    from jaxpar.training.build import build
-    from jaxpar.training.passes import make_grad_fn
+    from jaxpar.training.step.build import build
+    from jaxpar.training.step.passes import make_grad_fn
     cfg = tiny_config(**{"train.grad_accum": 2})
     built = build(cfg, build_mesh(cfg, jax.devices()[:1]), vocab=65)
     assert built.plan.passes == 2
@@ -130,7 +130,7 @@ def test_the_planner_compiles_a_tpu_targets_mixture_with_the_tpus_dispatch():
     buffers ep times their size; on 2755087 the planner compiled the CPU's."""
     pytest.importorskip("libtpu")
     from jaxpar.planning import hardware
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     # The MoE quick start's layers (Megablox's tiles need its widths), two of them.
     cfg = tiny_config("shakespeare_moe_cpu", **mesh_overrides("ep=8"), **{
         "model.n_layer": 2, "train.batch_size": 8, "train.micro_batch": 1})
@@ -193,7 +193,7 @@ def test_the_h100_step_of_a_mixture_runs_tokamax_at_the_routed_flops():
     """A compile-only H100's MoE train step: its experts' GEMMs are tokamax's Triton kernels, at
     the routed FLOPs; the control, XLA's ragged_dot, multiplies every row by all 4 experts: 4x."""
     from jaxpar.planning import hardware, hlo_ops
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     cfg = tiny_config("tiny_moe", **mesh_overrides("dp=2"))
     mesh = build_mesh(cfg, hardware.target_devices(hardware.parse_target("gpu:h100-2")))
     flops = {}

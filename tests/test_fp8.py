@@ -31,7 +31,7 @@ from jaxpar.nn.recipes import EXPERTS, HEAD, PROJECTIONS
 from jaxpar.nn.recipes.fp8 import E4M3, Fp8, Tensorwise
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
-from jaxpar.training.execution import plan_execution
+from jaxpar.training.step.execution import plan_execution
 
 FP8_RECIPES = [name for name, cls in recipes.RECIPES.items() if issubclass(cls, Fp8)]
 EXACT = 1e-6  # of the largest magnitude: the same products of FP8 values, summed in another order

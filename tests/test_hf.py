@@ -32,8 +32,8 @@ from jaxpar.models.decode import empty_cache, forward
 from jaxpar.models.transformer import abstract_model, build_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.build import build
-from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+from jaxpar.training.step.build import build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 TRAINED = "tiny"  # the tiny model (tanh GELU) after 3 steps (conftest.TRAINED_RUNS)

@@ -26,8 +26,8 @@ from jaxpar.models import hf
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import parse_args, run
-from jaxpar.training import trainer
-from jaxpar.training.build import build
+from jaxpar.training.run import trainer
+from jaxpar.training.step.build import build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 LOSS_RTOL = 1e-5

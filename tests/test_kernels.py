@@ -182,7 +182,7 @@ def compiled_text(target: str, devices: int = 1, eot_id: int | None = None, **ov
     from jaxpar.data.loader import load_dataset, model_vocab
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning.hardware import parse_target, target_devices
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     cfg = tiny_config("tiny", **overrides)
     devices = target_devices(parse_target(target))[:devices]
     vocab = model_vocab(cfg, load_dataset(cfg.data, cfg.model.block_size).tokenizer)

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from helpers import LOSS_RTOL, STEPS, assert_same_training, launch, logged_losses, losses, train
 
 from jaxpar.models.transformer import build_model
-from jaxpar.training.passes import make_loss_fn
+from jaxpar.training.step.passes import make_loss_fn
 
 MOE = "tiny_moe"
 

@@ -18,8 +18,8 @@ from jaxpar.nn.params import BIAS, EMBEDDING, MATRIX, NORM, in_order
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
-from jaxpar.training import optimizers
-from jaxpar.training.build import build, optimizer_for
+from jaxpar.training.optimizers import registry as optimizers
+from jaxpar.training.step.build import build, optimizer_for
 
 
 def test_older_names_set_the_optimizer_section(tmp_path):
@@ -200,7 +200,7 @@ def test_one_muon_step_is_optax_muon_on_each_matrix(spec):
     first, the router, each expert's gate, up and down: a Llama whose layer 0 is dense and layer 1
     sparse, so each has its own q, k, v and out, jaxpar.models.lead) equals optax.contrib.muon's on that 2-D matrix alone (rtol 1e-5, float32
     Newton-Schulz); the embeddings and norms take AdamW. On a mesh the work is split (the matrices
-    of a shape in one batch over its 8 devices, jaxpar.training.muon). The control: k and v as one
+    of a shape in one batch over its 8 devices, jaxpar.training.optimizers.muon). The control: k and v as one
     matrix differ."""
     import optax
     cfg = tiny_config("tiny_moe", **{"optimizer.name": "muon", "optimizer.lr": 0.02, "optimizer.warmup_steps": 0,

@@ -10,7 +10,7 @@ import pytest
 
 from jaxpar.plan import main as plan_main
 from jaxpar.train import main as train_main
-from jaxpar.training import loss_plots
+from jaxpar.training.run import loss_plots
 
 TRAIN = ["--config", "tiny", "--steps", "2", "--train.eval_every=0"]
 

@@ -222,7 +222,7 @@ def test_tpu_target_compiles_for_a_v5e_slice(tmp_path):
 def test_full_remat_lowers_the_compiled_steps_temporaries():
     """The equivalence tests prove remat changes no number; this proves it changes the program."""
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     temps = {}
     for remat in ("none", "full"):
         cfg = tiny_config(**{"model.n_layer": 4, "model.block_size": 128, "model.remat": remat})
@@ -276,8 +276,8 @@ def test_micro_batch_auto_takes_the_most_rows_whose_step_fits():
     from jaxpar.core.errors import UserError
     from jaxpar.parallel.hlo import memory_summary
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training import micro_batch
-    from jaxpar.training.build import assemble, build
+    from jaxpar.training.step import micro_batch
+    from jaxpar.training.step.build import assemble, build
     cfg = tiny_config(**{"train.micro_batch": "auto"})  # 8 rows on one device: 8, 4, 2 or 1 a pass
     mesh = build_mesh(cfg, jax.devices()[:1])
     need = {rows: memory_summary(assemble(cfg, mesh, 65, None, "cpu", rows).compile_abstract())["peak_memory_bytes"]

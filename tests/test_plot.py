@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from jaxpar.training import loss_plots as plot
+from jaxpar.training.run import loss_plots as plot
 
 
 def make_run(run_dir, losses, val_losses, mesh=None):

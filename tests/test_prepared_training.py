@@ -43,8 +43,8 @@ from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
-from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
-from jaxpar.training.execution import plan_execution
+from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+from jaxpar.training.step.execution import plan_execution
 
 TEXT_CHARS = 200_000  # of the built-in Tiny Shakespeare
 BPE_VOCAB = 512

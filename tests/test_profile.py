@@ -6,7 +6,7 @@ from conftest import tiny_config
 
 from jaxpar.core.errors import UserError
 from jaxpar.train import main, run
-from jaxpar.training import profiling
+from jaxpar.training.run import profiling
 
 
 @pytest.mark.parametrize("spec, expected", [

@@ -21,7 +21,7 @@ from jaxpar.nn.grouped_gemm import blocked_gemm, grouped_gemm
 from jaxpar.nn.recipes import EXPERTS, HEAD, PROJECTIONS, RECIPES
 from jaxpar.nn.recipes.model_dtype import ModelDtype
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.execution import plan_execution
+from jaxpar.training.step.execution import plan_execution
 
 # Of each result's largest magnitude: float32 sums the same products in another order; bfloat16
 # rounds each gradient to 8 bits (a wrong transpose or a missing scale is off by order 1); FP8
@@ -118,7 +118,7 @@ def test_the_grouped_check_fails_a_gemm_off_by_a_scale():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_plan_holds_the_recipe_whose_dtype_mfu_divides_by(dtype):
     """plan_execution puts model.dtype's recipe on the training and the inference plans; MFU's
-    peak is in its mfu_dtype (jaxpar.training.trainer), and run.json names each matmul's dtype."""
+    peak is in its mfu_dtype (jaxpar.training.run.trainer), and run.json names each matmul's dtype."""
     cfg = tiny_config(**{"model.dtype": dtype})
     mesh = build_mesh(cfg, jax.devices()[:1])
     for plan in (plan_execution(cfg, mesh), plan_execution(cfg, mesh, for_training=False)):

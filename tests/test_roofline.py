@@ -245,3 +245,82 @@ def test_a_capacity_below_the_fair_share_fills_its_buffer():
     assert dispatch_rows_factor(half, "all_to_all", 2) == 1
     quarter_more = tiny_config("tiny_moe", **{"model.moe_capacity_factor": 1.25}).model  # 20 rows, fair share 16
     assert dispatch_rows_factor(quarter_more, "ragged", 4) == 4 * 20 / 64
+
+
+# An FP8 step's pieces (issue 73): a quantize pass (bf16 -> f8e4m3fn, by its scale), a cuBLASLt f8
+# call (XLA:GPU with Triton GEMMs off) and a Triton GEMM fusion of f8 operands (e5m2 x e4m3, a
+# backward's), beside a bf16 dot. Each GEMM is 64 x 256 x 128.
+FP8_MODULE = """HloModule fp8, is_scheduled=true
+
+%quantize (x: bf16[64,128], s: f32[]) -> f8e4m3fn[64,128] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %c = f32[64,128]{1,0} convert(%x)
+  %b = f32[64,128]{1,0} broadcast(%s), dimensions={}
+  %m = f32[64,128]{1,0} multiply(%c, %b)
+  ROOT %q = f8e4m3fn[64,128]{1,0} convert(%m)
+}
+
+%gemm_fusion_f8 (p0: f8e5m2[64,128], p1: f8e4m3fn[256,128]) -> f32[64,256] {
+  %p0 = f8e5m2[64,128]{1,0} parameter(0)
+  %p1 = f8e4m3fn[256,128]{1,0} parameter(1)
+  %t = f8e4m3fn[128,256]{0,1} transpose(%p1), dimensions={1,0}
+  ROOT %d = f32[64,256]{1,0} dot(%p0, %t), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_bf16_dot (p0: bf16[64,128], p1: bf16[128,256]) -> f32[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,256]{1,0} parameter(1)
+  ROOT %d = f32[64,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[64,128], w: bf16[128,256], s: f32[], g: f8e5m2[64,128], wq: f8e4m3fn[256,128], a: f8e4m3fn[128,256]) -> f32[64,256] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %s = f32[] parameter(2)
+  %g = f8e5m2[64,128]{1,0} parameter(3)
+  %wq = f8e4m3fn[256,128]{1,0} parameter(4)
+  %a = f8e4m3fn[128,256]{1,0} parameter(5)
+  %xq = f8e4m3fn[64,128]{1,0} fusion(%x, %s), kind=kLoop, calls=%quantize
+  %cublas = (f32[64,256]{1,0}, s8[1024]{0}) custom-call(%xq, %a, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %triton = f32[64,256]{1,0} fusion(%g, %wq), kind=kCustom, calls=%gemm_fusion_f8, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %bf = f32[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_bf16_dot
+}
+"""
+
+
+def test_fp8_gemms_run_at_the_chips_fp8_peak_and_the_others_at_bf16s():
+    """With memory out of the way, the cuBLASLt f8 call and the Triton GEMM of f8 operands take
+    their FLOPs at the FP8 peak (here 4x bf16's), the bf16 dot at bf16's. Control: on a chip with
+    no FP8 peak (a TPU, say) all three run at the compute dtype's."""
+    gemm = 2 * 64 * 256 * 128
+    fast = Chip(**{**CHIP.__dict__, "hbm_bytes_per_s": 1e18, "fp8_peak_flops": 400e12})
+    r = roofline.estimate(FP8_MODULE, fast, devices=1)
+    assert r["hlo_flops_per_chip"] == 3 * gemm
+    assert r["compute_bound_s"] == pytest.approx(2 * gemm / 400e12 + gemm / 100e12)
+    no_fp8 = roofline.estimate(FP8_MODULE, Chip(**{**fast.__dict__, "fp8_peak_flops": None}), devices=1)
+    assert no_fp8["compute_bound_s"] == pytest.approx(3 * gemm / 100e12)
+    assert r["compute_bound_s"] < no_fp8["compute_bound_s"]
+
+
+def test_a_quantize_pass_is_charged_by_its_bytes():
+    """The quantize fusion has no dot: it reads the bf16 operand and its scale, writes one byte an
+    element, and takes those bytes' time at HBM bandwidth."""
+    roof = roofline.Roofline(FP8_MODULE, Chip(**{**CHIP.__dict__, "fp8_peak_flops": 400e12}), 1)
+    ops = roof.comps[roof.entry]
+    shapes = {o.name: o.shape for o in ops}
+    cost = roof.op_cost(next(o for o in ops if o.name == "xq"), shapes)
+    assert cost.flops == 0 and cost.bytes == 64 * 128 * 2 + 4 + 64 * 128
+    assert cost.seconds == pytest.approx(cost.bytes / 1e12)
+
+
+def test_the_fp8_peak_is_the_data_sheets_where_the_chip_has_fp8_units():
+    """H100 and H200 SXM: 1,979 TFLOP/s dense FP8, twice bf16's; no TPU target has FP8 units, nor
+    has a chip whose data sheet is not in the table. MFU's peak stays model.dtype's."""
+    from jaxpar.models.flops import FP8, datasheet_peak
+    from jaxpar.planning.hardware import CHIPS, chip_for, parse_target
+    assert CHIPS["h100"].fp8_peak_flops == CHIPS["h200"].fp8_peak_flops == 1979e12
+    assert {CHIPS[k].fp8_peak_flops for k in ("v4", "v5e", "v5p", "v6e")} == {None}
+    assert datasheet_peak("TPU v5 lite", FP8) is None and datasheet_peak("made up", FP8) is None
+    h100 = chip_for(parse_target("gpu:h100-8"), [], "bfloat16")
+    assert (h100.peak_flops, h100.fp8_peak_flops) == (989e12, 1979e12)

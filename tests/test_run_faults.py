@@ -24,9 +24,9 @@ from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.inference.loading import load
 from jaxpar.train import main as train_main
 from jaxpar.train import run
-from jaxpar.training import trainer
-from jaxpar.training.checkpoint import Checkpoints
-from jaxpar.training.stopping import StopRequest
+from jaxpar.training.checkpoints.checkpoint import Checkpoints
+from jaxpar.training.run import trainer
+from jaxpar.training.run.stopping import StopRequest
 
 ONE = jax.devices()[:1]
 TINY = {"train.eval_every": 0, "ckpt.every": 2, "train.decay_steps": 100}
@@ -348,7 +348,7 @@ def test_a_full_disk_is_one_line_before_the_compile_and_when_it_fills_during_a_s
         with pytest.raises(UserError, match=r"^cannot save checkpoints in .* \(No space left on device: "
                                             r"0\.\d MiB free of the 0\.\d MiB a checkpoint needs\)"):
             train(6, out)
-        skip_room_check = ("import sys; from jaxpar.training import checkpoint; "
+        skip_room_check = ("import sys; from jaxpar.training.checkpoints import checkpoint; "
                            "checkpoint.check_room = lambda *a: None; from jaxpar.train import main; main(sys.argv[1:])")
         argv = ["--config", "tiny", "--train.eval_every=0", "--train.decay_steps=100", "--ckpt.every=2"]
         start = time.monotonic()
@@ -374,7 +374,7 @@ def test_a_metrics_write_on_a_full_disk_is_one_line_and_keeps_the_checkpoints(sa
 
     import tensorboardX.event_file_writer
 
-    from jaxpar.training.metrics import MetricsWriters
+    from jaxpar.training.run.metrics import MetricsWriters
     out = tmp_path / "run"
     shutil.copytree(saved[0], out)
     before = files(out / "checkpoints")

@@ -19,7 +19,7 @@ from jaxpar.core.sharding import check_divisible, logical_to_spec
 from jaxpar.models.transformer import abstract_model, split_layers
 from jaxpar.parallel.mesh import build_mesh, resolve_mesh_shape
 from jaxpar.train import run
-from jaxpar.training.build import build
+from jaxpar.training.step.build import build
 
 
 def test_rule_table_maps_megatron_layout():

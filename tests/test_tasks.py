@@ -25,7 +25,7 @@ from jaxpar.data.tasks import TASKS, to_items
 from jaxpar.inference import sample
 from jaxpar.inference.evaluate import main as eval_main
 from jaxpar.models.transformer import abstract_model
-from jaxpar.training.task_scoring import encode_pair, encode_requests
+from jaxpar.training.run.task_scoring import encode_pair, encode_requests
 
 TASKS_DIR = Path(__file__).parent / "fixtures" / "tasks"
 RTOL = 1e-5
@@ -173,7 +173,7 @@ def test_tasks_are_scored_during_training(tmp_path):
     assert all(0 <= v <= 1 for r in scored.values() for k, v in r.items() if k != "step")
     events = EventAccumulator(str(out / "tensorboard")).Reload()
     assert [e.step for e in events.Scalars("eval/hellaswag/acc")] == [0, 4, 8, 10]
-    from jaxpar.training.loss_plots import plot_after_training
+    from jaxpar.training.run.loss_plots import plot_after_training
     plot_after_training(out)
     width = int.from_bytes((out / "loss.png").read_bytes()[16:20], "big")
     assert width == 1400, "the accuracies get a second panel beside the losses"

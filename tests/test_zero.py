@@ -14,8 +14,8 @@ from jaxpar.models.transformer import abstract_model
 from jaxpar.parallel import zero
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main
-from jaxpar.training import step as steps
-from jaxpar.training.build import build
+from jaxpar.training.step import step as steps
+from jaxpar.training.step.build import build
 
 LAYOUTS = ["dp=2", "dp=4", "dp=2,tp=2", "dp=4,tp=2"]
 

@@ -33,7 +33,7 @@ from jaxpar.core.optimizer_config import (
 from jaxpar.core.xla_options import parse as parse_xla_options
 
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
-MICRO_BATCH_AUTO = "auto"  # train.micro_batch: the device decides (jaxpar.training.micro_batch)
+MICRO_BATCH_AUTO = "auto"  # train.micro_batch: the device decides (jaxpar.training.step.micro_batch)
 # numpy's generators (the data order) refuse a negative seed, and JAX's keys without x64 keep the
 # low 32 bits (seed 2**32 would init as seed 0, and past 2**63 they overflow).
 SEED_MAX = 2**32 - 1
@@ -51,7 +51,7 @@ class TrainConfig:
     # a device with more rows splits them into further microbatches. 0: no limit. On a 2-core CPU,
     # 6 rows of 64 tokens keep activations in cache: 1.3x the speed of 12 rows at once. "auto":
     # on a GPU or TPU the most rows whose compiled step fits the device (XLA's memory analysis),
-    # on a CPU 6 (jaxpar.training.micro_batch).
+    # on a CPU 6 (jaxpar.training.step.micro_batch).
     micro_batch: int = 6
     # The learning rate, its schedule, clipping and AdamW's settings are the [optimizer] section's
     # (jaxpar.core.optimizer_config); their older names here (train.lr, ...) still work.

@@ -1,7 +1,7 @@
 """The execution plan: every decision a traced step needs, made once before tracing, and handed to
 the code that needs it.
 
-`jaxpar.training.execution.plan_execution(cfg, mesh)` makes one from the config, the mesh and the
+`jaxpar.training.step.execution.plan_execution(cfg, mesh)` makes one from the config, the mesh and the
 mesh's platform: the rule table, the attention kernel (and why another was not chosen), the MoE
 dispatch and grouped GEMM, how the passes' gradients are summed, what is recomputed, and the
 pipeline's schedule. The model, the step, evaluation, sampling and the planner receive it; nothing

@@ -1,4 +1,4 @@
-"""The [optimizer] section: which optimizer runs (jaxpar.training.optimizers), its learning-rate
+"""The [optimizer] section: which optimizer runs (jaxpar.training.optimizers.registry), its learning-rate
 schedule and clipping, and its own hyper-parameters; and the keys' older names under [train].
 
 A key that only one optimizer reads is declared `only_for_optimizer(name, default)`.
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from jaxpar.core.errors import UserError
 
-# optimizer.name and optimizer.schedule name entries of jaxpar.training.optimizers' registries,
+# optimizer.name and optimizer.schedule name entries of jaxpar.training.optimizers.registry' registries,
 # which check them (plan_execution, before anything is written); this section holds their keys.
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # wsd's decay
 # Older names of the section's keys, kept working in config files and on the command line.
@@ -52,10 +52,10 @@ class OptimizerConfig:
     beta1: float = only_for_optimizer(("adamw", "lion", "muon"), 0.9)
     beta2: float = only_for_optimizer(("adamw", "lion", "muon"), 0.99)
     eps: float = only_for_optimizer(("adamw", "muon"), 1e-8)  # torch's and nanoGPT's
-    # Muon on the matrices (jaxpar.training.optimizers.muon): its momentum, its Newton-Schulz
+    # Muon on the matrices (jaxpar.training.optimizers.registry.muon): its momentum, its Newton-Schulz
     # iterations, and the lr of the params it leaves to AdamW (embeddings, lm_head, norms, biases;
     # 0: lr). ns_split: each device orthogonalises its share of the matrices and the results are
-    # gathered (jaxpar.training.muon); false: every device orthogonalises every matrix.
+    # gathered (jaxpar.training.optimizers.muon); false: every device orthogonalises every matrix.
     momentum: float = only_for_optimizer("muon", 0.95)
     ns_steps: int = only_for_optimizer("muon", 5)
     adam_lr: float = only_for_optimizer("muon", 0.0)

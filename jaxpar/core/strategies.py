@@ -47,7 +47,7 @@ class MatmulRecipe(Protocol):
 
 
 class Accumulation(enum.Enum):
-    """How a step sums its passes' gradients (jaxpar.training.passes); the value is what run.json says."""
+    """How a step sums its passes' gradients (jaxpar.training.step.passes); the value is what run.json says."""
     ONE_PASS = "one pass"
     EACH_PASS_REDUCED = "summed over passes, reduced over data after each"
     REDUCED_ONCE = "summed on each data-parallel device, reduced over data once"

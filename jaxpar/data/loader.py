@@ -124,7 +124,7 @@ def checked(dataset: Dataset, name: str, unit: str, block_size: int) -> Dataset:
 
 def model_ids(cfg, tokenizer) -> tuple[int, int | None]:
     """(the model's vocabulary, the end-of-text id that opens documents or None), each checked
-    against the data's tokenizer: the one place a run derives them (jaxpar.training.build)."""
+    against the data's tokenizer: the one place a run derives them (jaxpar.training.step.build)."""
     return model_vocab(cfg, tokenizer), document_eot(cfg, tokenizer)
 
 

@@ -2,7 +2,7 @@
 whole val split, every non-overlapping block of it (not a sample of random batches), as one JSON line;
 for a run on a mixture, a line per source and one for the mixture (the losses weighted as data.mix).
 With `--tasks hellaswag,arc_easy --tasks-dir DIR` instead: multiple-choice accuracy, one JSON line
-per task (jaxpar.training.task_scoring).
+per task (jaxpar.training.run.task_scoring).
 
 The loss is the mean next-token cross-entropy over all scored tokens; the perplexity is its exp.
 """
@@ -25,8 +25,8 @@ from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.inference.loading import Model, add_model_source, load_source
 from jaxpar.nn.loss import cross_entropy
-from jaxpar.training import task_scoring
-from jaxpar.training.row_batches import over_rows, passes_rows
+from jaxpar.training.run import task_scoring
+from jaxpar.training.step.row_batches import over_rows, passes_rows
 
 
 def blocks_of(tokens: np.ndarray, block_size: int) -> int:

@@ -60,7 +60,7 @@ def check_out_dir(out: Path, ckpt, force: bool) -> None:
 
 def check_apart(out: Path, ckpt) -> None:
     """--out is neither the run that --ckpt reads, nor inside it, nor a folder holding it."""
-    from jaxpar.training.checkpoint import find_checkpoints
+    from jaxpar.training.checkpoints.checkpoint import find_checkpoints
     find_checkpoints(ckpt)  # a run without checkpoints is the first problem to name
     where, source = out.resolve(), Path(ckpt).resolve()
     if where == source:
@@ -73,8 +73,8 @@ def check_apart(out: Path, ckpt) -> None:
 
 def run_files() -> set[str]:
     """The names that mark a folder as a jaxpar run's --out."""
-    from jaxpar.training.checkpoint import CHECKPOINTS
-    from jaxpar.training.run_ends import OUTPUTS
+    from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS
+    from jaxpar.training.run.ends import OUTPUTS
     return {CHECKPOINTS, LOCK_NAME, *OUTPUTS}
 
 

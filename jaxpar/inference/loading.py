@@ -18,16 +18,16 @@ from jaxpar.core.sharding import shardings_for
 from jaxpar.models.hf import apply_hf_config, check_finite, hf_tokenizer, load_hf_params
 from jaxpar.models.transformer import Transformer
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, requested_devices
-from jaxpar.training.build import build_inference
-from jaxpar.training.checkpoint import Checkpoints, abstract_tree, find_checkpoints
-from jaxpar.training.resume import saved_vocab
+from jaxpar.training.checkpoints.checkpoint import Checkpoints, abstract_tree, find_checkpoints
+from jaxpar.training.checkpoints.resume import saved_vocab
+from jaxpar.training.step.build import build_inference
 
 
 @dataclass
 class Model:
     cfg: Config  # the checkpoint's resolved config, with this mesh
     tokenizer: object  # any kind of jaxpar.data.tokenizer, as the checkpoint names it
-    net: Transformer  # its vocabulary, end-of-text id and plan on this mesh (jaxpar.training.build)
+    net: Transformer  # its vocabulary, end-of-text id and plan on this mesh (jaxpar.training.step.build)
     params: dict  # on `mesh`, split as the rule table says; no ZeRO, no optimizer state
     mesh: Mesh
     step: int  # the training step the checkpoint holds

@@ -19,11 +19,15 @@ from jaxpar.core.remat import RERUN_LAYER, RERUN_MLP, RERUN_WIDEST, policy_of
 from jaxpar.models.registry import family_of
 
 # Dense peak FLOP/s per device from vendor data sheets, by compute dtype. On GPUs, float32 matmuls
-# run as TF32 by default in XLA, so their peak is the TF32 tensor-core figure.
+# run as TF32 by default in XLA, so their peak is the TF32 tensor-core figure. FP8 (e4m3 and e5m2
+# alike) only where the chip has FP8 units: the roofline times FP8 GEMMs at it (MFU never divides
+# by it: an FP8 recipe's mfu_dtype is model.dtype).
+FP8 = "float8"
 PEAK_FLOPS = {
     # device_kind substring: {dtype: flop/s}
-    "H200": {"bfloat16": 989e12, "float32": 494e12},
-    "H100": {"bfloat16": 989e12, "float32": 494e12},  # SXM; the PCIe part is lower
+    # H100 and H200 SXM data sheets: FP8 Tensor Core 3,958 TFLOPS with sparsity, 1,979 dense.
+    "H200": {"bfloat16": 989e12, "float32": 494e12, FP8: 1979e12},
+    "H100": {"bfloat16": 989e12, "float32": 494e12, FP8: 1979e12},  # SXM; the PCIe part is lower
     "A100": {"bfloat16": 312e12, "float32": 156e12},
     "TPU v6": {"bfloat16": 918e12, "float32": 918e12},
     "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
@@ -107,8 +111,9 @@ def hardware_flops_per_token(cfg: ModelConfig, vocab_size: int, reruns: tuple[fl
 
 
 def datasheet_peak(kind: str, dtype: str) -> float | None:
-    """PEAK_FLOPS for a device kind ('TPU v5e', 'NVIDIA H100 SXM', ...), or None if unknown."""
-    return next((by_dtype[dtype] for name, by_dtype in PEAK_FLOPS.items()
+    """PEAK_FLOPS for a device kind ('TPU v5e', 'NVIDIA H100 SXM', ...) in `dtype` (or FP8), or None
+    if unknown (FP8 on a chip without FP8 units)."""
+    return next((by_dtype.get(dtype) for name, by_dtype in PEAK_FLOPS.items()
                  if name.lower() in kind.lower()), None)
 
 

@@ -265,7 +265,7 @@ def repeat_of(kind: list) -> tuple[int, int]:
 
 def build_model(cfg: Config, vocab_size: int, eot_id: int | None = None,
                 plan: ExecutionPlan | None = None) -> Transformer:
-    """The model of cfg, under `plan` (jaxpar.training.execution.plan_execution; None: one device,
+    """The model of cfg, under `plan` (jaxpar.training.step.execution.plan_execution; None: one device,
     no mesh); `eot_id`: the tokenizer's end-of-text token, which opens documents when
     data.document_mask is on."""
     return Transformer(cfg.model, vocab_size, eot_id=eot_id if cfg.data.document_mask else None,

@@ -2,7 +2,7 @@
 grouped-GEMM configs, and the grouped GEMM's legs chosen by measurement. A cached leg choice is used
 only where it times registered candidates that passed the check against ragged_dot.
 
-Tuning runs at plan time (jaxpar.training.execution.plan_execution), before anything is traced:
+Tuning runs at plan time (jaxpar.training.step.execution.plan_execution), before anything is traced:
 on a GPU whose grouped GEMM is tokamax's, where tokamax ships no configs for that device kind
 (`tokamax_tuner`, tokamax's own autotuner on the step's shapes), and, where train.choose_gemm_legs
 asks, to measure each leg's candidate kernels (`choose_legs`). On a CPU nothing is tuned and

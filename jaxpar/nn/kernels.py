@@ -114,7 +114,7 @@ def check_mesh(model_cfg, platform: str, context: int = 1, cudnn_heads: int = CU
 
 def platform_of(mesh) -> str:
     """The platform of a mesh's devices (a compile-only TPU's too); the default backend's for a
-    mesh that names none. Asked once, before tracing (jaxpar.training.execution)."""
+    mesh that names none. Asked once, before tracing (jaxpar.training.step.execution)."""
     device = device_of(mesh)
     return jax.default_backend() if device is None else device.platform
 

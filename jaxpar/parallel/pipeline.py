@@ -42,7 +42,7 @@ def make_executor(model: Transformer, layer_axes: dict, schedule: PipelineSchedu
 
     # Each stage sums its microbatches' weight gradients over its own rows and reduces them over
     # 'data' once per round, the rows split over 'data' by hand, where the plan says so
-    # (jaxpar.training.execution); else the shardings reduce each microbatch's.
+    # (jaxpar.training.step.execution); else the shardings reduce each microbatch's.
     plan = model.plan
     local = train and plan.stage_grads == StageGrads.STAGES_REDUCE
     manual, rows = (frozenset({PIPE, DATA}), P(None, DATA)) if local else (frozenset({PIPE}), P())

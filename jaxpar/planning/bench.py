@@ -32,7 +32,7 @@ from jaxpar.core.out_lock import RunLock
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
 from jaxpar.planning.bench_record import RECORD, add_scaling, bench_outputs, earlier_row, settings, write_outputs
-from jaxpar.training.loss_plots import mesh_label
+from jaxpar.training.run.loss_plots import mesh_label
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
 DEFAULT_STEPS = 50

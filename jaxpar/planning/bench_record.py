@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from jaxpar.core.written import FILE, FOLDER, Outputs
-from jaxpar.training.loss_plots import plot_bench
+from jaxpar.training.run.loss_plots import plot_bench
 
 RECORD = "bench_layout.json"  # {"settings": ..., "row": ...}
 SHOWN = 3  # changed settings named in the one line

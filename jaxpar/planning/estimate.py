@@ -33,7 +33,7 @@ from jaxpar.nn import context
 from jaxpar.nn.routing import capacity
 from jaxpar.planning.hardware import Chip
 from jaxpar.planning.placement import activation_bytes
-from jaxpar.training.optimizers import OPTIMIZERS
+from jaxpar.training.optimizers.registry import OPTIMIZERS
 
 SENT_PER_BYTE = {  # bytes each chip sends per byte of the op's result, for a group of n
     "all-reduce": lambda n: 2 * (n - 1) / n,

@@ -17,7 +17,7 @@ import jax
 
 from jaxpar.core.config import MeshConfig
 from jaxpar.core.errors import UserError
-from jaxpar.models.flops import datasheet_peak
+from jaxpar.models.flops import FP8, datasheet_peak
 from jaxpar.parallel.mesh import force_host_devices
 
 GiB = 2**30
@@ -36,10 +36,14 @@ class Chip:
     # The link between the chip and its host's memory (pinned_host), one direction: what an
     # offloaded optimizer state or layer input crosses. None: not known (nothing offloads).
     host_bytes_per_s: float | None = None
+    # Dense FP8 matmul FLOP/s, where the chip has FP8 units (jaxpar.flops.PEAK_FLOPS): the roofline
+    # times FP8 GEMMs at it. None: no FP8 units (those GEMMs at the compute dtype's peak).
+    fp8_peak_flops: float | None = None
 
 
 # One table, every figure from the source given beside it; the peaks are jaxpar.models.flops' data-sheet
-# table's (bf16 here; chip_for picks the compute dtype's). Google publishes no TPU's host link: the
+# table's (bf16 here; chip_for picks the compute dtype's), FP8's where the chip has FP8 units (the
+# H100's and H200's; no TPU here has them). Google publishes no TPU's host link: the
 # TPUs' is a conservative 15 GB/s a direction, the PCIe figure of "How to Scale Your Model" (part 2,
 # whose worked example gives a v6e 1.5e10 bytes/s; it puts the TPUs' PCIe at 16-32 GB/s).
 TPU_HOST_LINK = 15e9
@@ -69,13 +73,13 @@ CHIPS = {
     # link is PCIe Gen5 x16 (the data sheet's "PCIe Gen5: 128 GB/s", both directions): 64 GB/s each way.
     "h100": Chip("NVIDIA H100 SXM", 84929347584,
                  datasheet_peak("NVIDIA H100 SXM", "bfloat16"), 3.35e12, 225e9, 1, 0, "nvidia.com H100 data sheet",
-                 64e9),
+                 64e9, datasheet_peak("NVIDIA H100 SXM", FP8)),
     # NVIDIA H200 SXM data sheet: 141 GB HBM3e at 4.8 TB/s, the H100's 989 TFLOPS dense bf16, NVLink
     # and PCIe. Not a planning target (no compile-only H200 here): scripts/tools/gpu_check.py's bound
     # for a step measured on one.
     "h200": Chip("NVIDIA H200 SXM", 141e9,
                  datasheet_peak("NVIDIA H200", "bfloat16"), 4.8e12, 225e9, 1, 0, "nvidia.com H200 data sheet (SXM)",
-                 64e9),
+                 64e9, datasheet_peak("NVIDIA H200", FP8)),
 }
 GPU_KINDS = ("h100",)
 # What XLA:GPU compiles for (stream_executor.GpuTargetConfigProto): the H100 SXM5's figures from

@@ -4,7 +4,8 @@
 a convolution's (XLA:TPU writes small batched dots as dilated convolutions: only the positions
 that land on real input count, as in XLA's own cost analysis), a ragged dot's and the experts'
 grouped-GEMM kernels', a cuBLAS call's and a fused attention kernel's FLOPs, and a fusion's as the
-sum of the ops inside it.
+sum of the ops inside it, each by its operands' element type (an FP8 GEMM's are f8e4m3fn or
+f8e5m2, a cuBLASLt f8 call's its first two operands').
 """
 
 import dataclasses
@@ -100,7 +101,19 @@ def convolution_flops(op: Op, shapes: dict) -> float:
     return 2.0 * lhs[lhs_l.index("b")] * out[out_l.index("f")] * lhs[lhs_l.index("f")] / groups * positions
 
 
-FLOAT_ARRAY = re.compile(r"\(?(bf16|f16|f32)\[")
+FLOAT_ARRAY = re.compile(r"\(?(bf16|f16|f32|f8e\d+m\d+\w*)\[")  # the last: FP8's, f8e4m3fn and f8e5m2
+ELEMENT = re.compile(r"\(?([a-z][a-z\d]*)\[")
+
+
+def element_type(shape: str) -> str:
+    """An HLO shape's element type ('bf16', 'f8e4m3fn'; a tuple's first), '?' if it has none."""
+    found = ELEMENT.match(shape)
+    return found.group(1) if found else "?"
+
+
+def is_fp8(dtype: str) -> bool:
+    """Whether an element type is one of the FP8 formats (f8e4m3fn, f8e5m2, ...)."""
+    return dtype.startswith("f8")
 
 
 def float_operands(op: Op, shapes: dict) -> list[tuple[str, str]]:
@@ -178,8 +191,9 @@ def ragged_dot_flops(op: Op, shapes: dict) -> float:
 
 
 def op_flops(op: Op, comps: dict, shapes: dict) -> dict[str, float]:
-    """{the operands' dtype: FLOPs} of an op, a fusion's summed over the ops inside it."""
-    dtype = (hlo.ARRAY.search(shapes.get(op.operands[0], "")) or [None, "?"])[1] if op.operands else "?"
+    """{the operands' dtype (the first operand's element type): FLOPs} of an op, a fusion's summed
+    over the ops inside it."""
+    dtype = element_type(shapes.get(op.operands[0], "")) if op.operands else "?"
     if op.opcode == "dot":
         return {dtype: dot_flops(op, shapes)}
     if op.opcode == "convolution":

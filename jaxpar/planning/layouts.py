@@ -1,7 +1,7 @@
 """The layouts jaxpar.plan searches: every split of a target's devices over the mesh's planned axes
 (jaxpar.core.axes), left by each size of the other axes (--cp, --ep; for a mixture of experts,
 every ep dividing its expert count by default), or the meshes a user lists, each as {axis key:
-size}; and the recompute policies and offloads it tries with each."""
+size}; and the recompute policies, offloads and FP8 recipes it tries with each."""
 
 import itertools
 import math
@@ -87,6 +87,17 @@ def choices(asked: str, known: tuple[str, ...], flag: str) -> list[str]:
     if not values or set(values) - set(known):
         raise UserError(f"{flag} takes values from {', '.join(known)} (or auto), got {asked!r}")
     return values
+
+
+def fp8_choices(asked: str | None, configured: str, platform: str) -> list[str]:
+    """The model.fp8 values to try (`--fp8`): the config's alone where none is asked for, those
+    listed, or auto's: every registered one whose recipe runs on the target's platform."""
+    from jaxpar.nn.recipes import FP8, RECIPES
+    if asked is None:
+        return [configured]
+    if asked.strip() == "auto":
+        return [name for name, recipe in FP8.items() if platform in RECIPES[recipe].platforms]
+    return choices(asked, tuple(FP8), "--fp8")
 
 
 def host_memory_choices(target, devices: list, remats: list, offloads: list, auto: set) -> tuple[list, list]:

@@ -19,8 +19,8 @@ from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
 from jaxpar.parallel.zero import expected_bytes_per_device
-from jaxpar.training import optimizers
-from jaxpar.training.build import Built, build
+from jaxpar.training.optimizers import registry as optimizers
+from jaxpar.training.step.build import Built, build
 
 
 def mib(n: float) -> str:

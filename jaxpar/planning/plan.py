@@ -15,24 +15,19 @@ import math
 import os
 import re
 import sys
-from pathlib import Path
 
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
-from jaxpar.core.config import MICRO_BATCH_AUTO, OFFLOADS, Config, TrainConfig, load_config, valid_keys, validate
-from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig, load_config, validate
+from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
-from jaxpar.core.remat import HOST, REMAT_KINDS
 from jaxpar.models.flops import NO_PIPELINE
+from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.mesh import resolve_mesh_shape
-from jaxpar.planning.hardware import parse_target, target_devices
-from jaxpar.planning.layouts import AUTO_SIZES, choices, fixed_sizes, host_memory_choices, int_list, parse_layouts
+from jaxpar.planning.hardware import target_devices
+from jaxpar.planning.layouts import host_memory_choices, int_list, parse_layouts
+from jaxpar.planning.plan_args import DEFAULT_MAX_COMPILES, DEFAULT_REMATS, build_parser, parse_args  # noqa: F401
 from jaxpar.planning.plan_report import plan_outputs
-from jaxpar.training.execution import check_names
 
-DEFAULT_MAX_COMPILES = 32
-# Today's two: every policy doubles the compiles, and `none` and `full` bracket the memory; `auto`
-# tries them all.
-DEFAULT_REMATS = ("none", "full")
 # XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
 OUT_OF_HBM = re.compile(r"\(([\d.]+)G\) exceeds available HBM")
 
@@ -74,6 +69,7 @@ def layout_config(cfg: Config, layout: dict) -> Config:
         setattr(c.mesh, axis.key, layout.get(axis.key, 1))
     c.train.zero, c.train.micro_batch, c.model.remat = layout["zero"], layout["micro_batch"], layout["remat"]
     c.train.offload = layout.get("offload", "none")
+    c.model.fp8 = layout.get("fp8", c.model.fp8)
     c.model.context_strategy = layout.get("context", c.model.context_strategy)
     return c
 
@@ -87,33 +83,44 @@ def context_choices(sizes: dict) -> list[str | None]:
 
 def enumerate_candidates(cfg: Config, devices: int, layouts: str = "auto", zeros=(0, 1, 2, 3),
                          micro: str = "auto", remats=DEFAULT_REMATS, fixed: dict | None = None,
-                         offloads=("none",)) -> list[Candidate]:
-    """Every layout asked for, with each recompute policy and offload; those the trainer would
-    refuse are 'skipped' with its reason."""
+                         offloads=("none",), fp8s=(), platform: str = "cpu", chip: str = "") -> list[Candidate]:
+    """Every layout asked for, with each recompute policy, offload and model.fp8 (`fp8s`; none
+    given: the config's); those the trainer would refuse on `platform`'s `chip` (a device kind)
+    are 'skipped' with its reason."""
     found = []
     for sizes in parse_layouts(layouts, devices, fixed):
-        for zero, offload in itertools.product(zeros, offloads):
+        for zero, offload, fp8 in itertools.product(zeros, offloads, fp8s or [cfg.model.fp8]):
             for micro_batch in micro_batch_options(cfg.train, batch_ways(sizes), sizes[PIPE_AXIS.key], micro):
                 for remat, strategy in itertools.product(remats, context_choices(sizes)):
-                    layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat, "offload": offload}
+                    layout = {**sizes, "zero": zero, "micro_batch": micro_batch, "remat": remat, "offload": offload,
+                              "fp8": fp8}
                     layout |= {"context": strategy} if strategy else {}
                     c = Candidate(layout, layout_config(cfg, layout))
-                    try:
-                        validate(c.cfg)
-                        resolve_mesh_shape(c.cfg, devices)
-                        if sizes[DATA_AXIS.key] == 1 and zero > 0:
-                            raise UserError("with dp=1 every ZeRO stage is the same program as zero 0")
-                    except UserError as why:
-                        c.status, c.reason = "skipped", str(why)
+                    c.reason = trainer_refusal(c, devices, platform, chip)
+                    c.status = "skipped" if c.reason else c.status
                     found.append(c)
     return found
+
+
+def trainer_refusal(c: Candidate, devices: int, platform: str, chip: str) -> str:
+    """Why the trainer would refuse c ('' where it runs): its config, its mesh on `devices`, its
+    matmul recipe on `platform`'s `chip` (jaxpar.nn.recipes.recipe_for, as plan_execution asks)."""
+    try:
+        validate(c.cfg)
+        resolve_mesh_shape(c.cfg, devices)
+        if c.layout[DATA_AXIS.key] == 1 and c.layout["zero"] > 0:
+            raise UserError("with dp=1 every ZeRO stage is the same program as zero 0")
+        recipe_for(c.cfg.model, platform, chip)
+    except UserError as why:
+        return str(why)
+    return ""
 
 
 def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0) -> dict:
     from jaxpar.core.axes import pipeline_microbatches
     from jaxpar.parallel.schedules import make_schedule
     from jaxpar.planning import estimate
-    from jaxpar.training.execution import passes_within
+    from jaxpar.training.step.execution import passes_within
     cfg, lay = c.cfg, c.layout
     dp, pp = batch_ways(lay), lay[PIPE_AXIS.key]  # dp: the ways the rows split
     if pp > 1:
@@ -136,11 +143,12 @@ def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0)
 
 def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int | None = None) -> None:
     """Compile c's train step for `devices` and fill in c.compiled and c.fits; an error is kept.
-    `eot_id`: the documents' token under data.document_mask (jaxpar.training.build)."""
+    `eot_id`: the documents' token under data.document_mask (jaxpar.training.step.build)."""
     from jaxpar.parallel import hlo, pipeline
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning import estimate, roofline
-    from jaxpar.training.build import build
+    from jaxpar.planning.gemms import gemm_dtypes
+    from jaxpar.training.step.build import build
     try:
         built = build(c.cfg, build_mesh(c.cfg, devices), vocab=vocab, eot_id=eot_id)
         compiled = built.compile_abstract()
@@ -161,7 +169,8 @@ def compile_candidate(c: Candidate, vocab: int, devices: list, chip, eot_id: int
     schedule = built.plan.schedule
     step = estimate.compiled_step_time(c.cfg.model, c.cfg.train.batch_size, vocab, c.layout, chip, roof, bubble, c.guess.get("host_bytes", 0.0),
                                        schedule.rerun_factors if schedule is not None else NO_PIPELINE)
-    c.compiled = {**summary, "attention": attention, "collective_ops": ops, "dispatch_rows_factor": factor, **step,
+    c.compiled = {**summary, "attention": attention, "collective_ops": ops, "dispatch_rows_factor": factor,
+                  "gemms": gemm_dtypes(text), **step,
                   "hlo_over_model": step["hlo_flops_per_chip"] / step["model_flops_per_chip"]}
     c.fits = summary["peak_memory_bytes"] <= chip.hbm_bytes
     c.status = "compiled"
@@ -191,7 +200,7 @@ def take_turns(ordered: list[Candidate]) -> list[Candidate]:
 def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
     """The `jaxpar.train` command line that runs layout c."""
     set_here = {f"mesh.{key}" for key in KEYS} | {"train.zero", "train.micro_batch", "model.remat", "train.offload",
-                                                  "model.context_strategy"}
+                                                  "model.context_strategy", "model.fp8"}
     parts = ["python -m jaxpar.train"] + ([f"--config {config}"] if config else [])
     parts += [f"--{k}={v}" for k, v in overrides.items() if k not in set_here]
     lay = c.layout
@@ -204,77 +213,10 @@ def train_command(config: str | None, overrides: dict, c: Candidate) -> str:
         parts.append(f"--train.offload={lay['offload']}")
     if "context" in lay:
         parts.append(f"--model.context_strategy={lay['context']}")
+    fp8 = lay.get("fp8", "none")
+    if fp8 != "none" or "model.fp8" in overrides or (config and load_config(config, {}).model.fp8 != "none"):
+        parts.append(f"--model.fp8={fp8}")  # none too, where the config or an override would say otherwise
     return " ".join(parts)
-
-
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="jaxpar.plan", description=__doc__.splitlines()[0],
-                            epilog="Any config field can be set as --section.field=value, with keys: "
-                            f"{', '.join(valid_keys())}.")
-    parser.add_argument("--config", help="TOML file, or a name in configs/ (e.g. gpt2-xl)")
-    parser.add_argument("--target", required=True, help="tpu:v5e-256, tpu:v5p-128, tpu:v4-64, "
-                        "tpu:v6e-64 (Cloud TPU accelerator types), gpu:h100-8 (one node of 1, 2, 4 "
-                        "or 8 H100s), or cpu:N (N host devices)")
-    searched = " x ".join(a.key for a in AXES if a.planned)
-    others = ", ".join(f"--{a.key}" for a in AXES if not a.planned)
-    parser.add_argument("--layouts", default="auto", help=f'"auto" (every {searched} of the target, '
-                        f'for each size of {others}), or meshes separated by ";", e.g. '
-                        '"dp=8,tp=4;dp=16,tp=2;dp=4,cp=4"')
-    for axis in AXES:
-        if not axis.planned:
-            default = "auto" if axis.key in AUTO_SIZES else "1"
-            parser.add_argument(f"--{axis.key}", default=default, help=f"{axis.about}: the {axis.key} sizes "
-                                f"to try with --layouts auto (default {default}), e.g. 1,2,4,8"
-                                + ("; auto: for a mixture of experts every size dividing its expert count "
-                                   "and the devices, else 1" if default == "auto" else ""))
-    parser.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to try (default 0,1,2,3)")
-    parser.add_argument("--micro-batch", default="auto", help="train.micro_batch values to try; "
-                        "auto: powers of two up to the rows each device holds")
-    parser.add_argument("--remat", default=",".join(DEFAULT_REMATS), help="model.remat policies to try, "
-                        f"from {', '.join(REMAT_KINDS)}, or auto: all of them (default "
-                        f"{','.join(DEFAULT_REMATS)}: each policy is another compile of every layout)")
-    parser.add_argument("--offload", default="none", help=f"train.offload values to try, from {', '.join(OFFLOADS)}, "
-                        f"or auto: all of them (default none). Offloading (and full_offloaded) needs a {HOST} "
-                        "memory kind on the target's devices: auto leaves it out where they have none")
-    parser.add_argument("--max-compiles", type=int, default=DEFAULT_MAX_COMPILES,
-                        help=f"compile at most this many layouts, the most promising first "
-                        f"(default {DEFAULT_MAX_COMPILES})")
-    parser.add_argument("--top", type=int, default=10, help="rows of the ranked table to print")
-    parser.add_argument("--out", help="output directory (default: out/plan-<target>)")
-    return parser
-
-
-def parse_args(argv: list[str]):
-    """(Config, Target, the flags with --zero and --remat as lists and --out a Path, the
-    --section.field overrides); every check is made here, before any work."""
-    from jaxpar.core.config import parse_overrides
-    args, rest = build_parser().parse_known_args(argv)
-    overrides = parse_overrides(rest)
-    cfg = load_config(args.config, overrides)
-    check_names(cfg.optimizer, cfg.pipeline, cfg.model)  # a bad registry name fails before any layout is weighed
-    target = parse_target(args.target)
-    remats = choices(args.remat, REMAT_KINDS, "--remat")
-    offloads = choices(args.offload, OFFLOADS, "--offload")
-    zeros = int_list(args.zero, "--zero")
-    if not zeros or set(zeros) - {0, 1, 2, 3}:
-        raise UserError(f"--zero takes stages from 0,1,2,3, got {args.zero!r}")
-    if args.max_compiles < 1:
-        raise UserError("--max-compiles must be at least 1")
-    if args.micro_batch != "auto" and min(int_list(args.micro_batch, "--micro-batch")) < 1:
-        raise UserError("--micro-batch values must be positive")
-    fixed = fixed_sizes({a.key: getattr(args, a.key) for a in AXES if not a.planned}, cfg.model, target.chips)
-    if not parse_layouts(args.layouts, target.chips, fixed):  # a bad --layouts fails before any work
-        if args.layouts != "auto":
-            raise UserError(f"--layouts {args.layouts!r} names no layout; pass meshes separated by "
-                            '";", e.g. "dp=2,tp=2;dp=4", or auto')
-        flags = " ".join(f"--{key} {getattr(args, key)}" for key in fixed)
-        raise UserError(f"--layouts auto with {flags} leaves no layout of {target.chips} devices; pass "
-                        f"sizes whose product divides {target.chips}")
-    out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
-    check_output_dir(out)
-    args.auto = {flag for flag in ("remat", "offload") if getattr(args, flag) == "auto"}
-    args.zero, args.remat, args.offload, args.out, args.fixed = zeros, remats, offloads, out, fixed
-    return cfg, target, args, overrides
 
 
 def plan(cfg: Config, target, args, overrides: dict, devices: list) -> list[Candidate]:
@@ -294,7 +236,8 @@ def plan(cfg: Config, target, args, overrides: dict, devices: list) -> list[Cand
     n_params = sum(math.prod(param.shape) for param in declared)
     expert_params = sum(math.prod(param.shape) for param in declared if "experts" in param.axes)
     candidates = enumerate_candidates(cfg, target.chips, args.layouts, args.zero, args.micro_batch,
-                                      args.remat, args.fixed, args.offload)
+                                      args.remat, args.fixed, args.offload, args.fp8, target.platform,
+                                      getattr(devices[0], "device_kind", ""))
     for c in candidates:
         if c.status == "pending":
             c.guess = guess(c, vocab, n_params, chip, expert_params)

@@ -30,7 +30,8 @@ def layout_cell(c) -> str:
     remat = f" remat={lay['remat']}" if lay["remat"] != "none" else ""
     offload = f" offload={lay['offload']}" if lay.get("offload", "none") != "none" else ""
     context = f" {lay['context']}" if "context" in lay else ""
-    return f"{c.mesh_spec()}{context} z{lay['zero']}{micro}{remat}{offload}"
+    fp8 = f" fp8={lay['fp8']}" if lay.get("fp8", "none") != "none" else ""
+    return f"{c.mesh_spec()}{context} z{lay['zero']}{micro}{remat}{offload}{fp8}"
 
 
 def memory_cell(r: dict) -> str:
@@ -88,7 +89,8 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
            f"Model: {m.family}, {m.n_layer} layers, {m.n_embd} wide, {m.n_head} heads "
            f"({m.kv_heads} KV), {mlp_text(m)}, block {m.block_size}, "
            f"{m.dtype}, attention kernel {attention}; batch {cfg.train.batch_size} sequences. Chip: {chip.kind}, "
-           f"{chip.hbm_bytes / GiB:,.1f} GiB, {chip.peak_flops / 1e12:,.0f} TFLOP/s, "
+           f"{chip.hbm_bytes / GiB:,.1f} GiB, {chip.peak_flops / 1e12:,.0f} TFLOP/s"
+           + (f" ({chip.fp8_peak_flops / 1e12:,.0f} in FP8)" if chip.fp8_peak_flops else "") + ", "
            f"{chip.link_bytes_per_s / 1e9:,.0f} GB/s per link and direction"
            + (f", {chip.host_bytes_per_s / 1e9:,.0f} GB/s to its host" if chip.host_bytes_per_s else "")
            + f" ({chip.source}).", "",
@@ -121,7 +123,7 @@ def report_text(target, chip, cfg, candidates: list, command) -> str:
             "estimated step. Collectives and their replica groups come from the compiled HLO, each "
             "loop's body counted once per iteration. The step time is a roofline of the compiled "
             "step (jaxpar.planning.roofline), so tokens/s and MFU are upper bounds:", "", MODEL_TEXT]
-    out += routing_note(candidates) + host_note(candidates)
+    out += routing_note(candidates) + host_note(candidates) + fp8_note(chip, m.dtype, candidates)
     if best:
         out += ["", "## Run the best layout", "", "```", command(best[0]), "```"]
     return "\n".join(out) + "\n"
@@ -136,6 +138,17 @@ def routing_note(candidates: list) -> list[str]:
     return ["", ("The experts' grouped GEMMs are charged at the routed rows (tokens x k), assuming balanced "
                  f"routing: the dispatch buffers hold {' or '.join(f'{f:g}' for f in factors)} times as many "
                  "rows, which the memory figures count and the kernels skip.")]
+
+
+def fp8_note(chip, dtype: str, candidates: list) -> list[str]:
+    """One line where a layout runs model.fp8: its GEMMs' peak, and MFU's (model.dtype's)."""
+    if all(c.layout.get("fp8", "none") == "none" for c in candidates):
+        return []
+    where = (f"at the chip's FP8 peak, {chip.fp8_peak_flops / 1e12:,.0f} TFLOP/s" if chip.fp8_peak_flops else
+             f"at {dtype}'s peak: {chip.kind} has no FP8 peak on its data sheet")
+    return ["", (f"model.fp8: the FP8 GEMMs are timed {where}; MFU still divides by {dtype}'s peak, "
+                 f"{chip.peak_flops / 1e12:,.0f} TFLOP/s. plan.json lists each layout's GEMMs a step by "
+                 "operand dtype (compiled.gemms).")]
 
 
 def host_note(candidates: list) -> list[str]:

@@ -11,11 +11,17 @@ slice a dynamic-slice reads and the update an in-place dynamic-update-slice writ
 grouped GEMMs (Megablox's, tokamax's, a ragged dot) are charged at the routed rows, each token's k,
 assuming balanced routing: a dispatch's receive buffer has room for up to ep times them (dropless),
 which memory holds but the kernels skip; the ragged all-to-alls that fill and empty it are timed
-at those rows too (`ragged_routed_bytes`), not at the buffer. Every term is a lower bound on its
-op's time, so the step is an upper bound on speed: it leaves out kernel launch and loop overheads,
-caches, layouts that pad a tile, uneven routing, and collectives slower than the model. The
-planner adds the host transfers of offloaded state (jaxpar.planning.estimate) whole, as if nothing
-overlapped them: there the bound may be slower than a step that hides them.
+at those rows too (`ragged_routed_bytes`), not at the buffer. A GEMM runs at the peak of its
+operands' dtype: an FP8 one (model.fp8: a cuBLASLt `__cublas$lt$matmul$f8` call, or a Triton GEMM
+whose dot takes f8e4m3fn/f8e5m2 operands) at the chip's FP8 peak where it has FP8 units (H100:
+1,979 TFLOP/s dense), the others at bf16's or f32's. The FP8 recipes' quantize passes (each
+operand's amax, its scaling and cast to FP8; the product's rescaling where XLA does not fold it
+into the GEMM) are fusions without a dot: charged by the bytes they read and write, like any
+other. Every term is a lower bound on its op's time, so the step is an upper bound on speed: it
+leaves out kernel launch and loop overheads, caches, layouts that pad a tile, uneven routing, and
+collectives slower than the model. The planner adds the host transfers of offloaded state
+(jaxpar.planning.estimate) whole, as if nothing overlapped them: there the bound may be slower
+than a step that hides them.
 """
 
 import dataclasses
@@ -24,7 +30,7 @@ import re
 from jaxpar.models.flops import datasheet_peak
 from jaxpar.parallel import hlo
 from jaxpar.planning.estimate import collective_seconds
-from jaxpar.planning.hlo_ops import FLOAT_ARRAY, Op, called, dims, is_grouped_gemm, op_flops, parse
+from jaxpar.planning.hlo_ops import FLOAT_ARRAY, Op, called, dims, is_fp8, is_grouped_gemm, op_flops, parse
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
         "replica-id", "opt-barrier", "optimization-barrier", "add-dependency", "copy-start", "copy-done",
@@ -134,6 +140,10 @@ class Roofline:
         self.routed_share = routed_share
 
     def peak(self, dtype: str) -> float:
+        """FLOP/s of a matmul whose operands are `dtype` (an HLO element type): an FP8 one's at
+        the chip's FP8 peak where it has FP8 units, else at the compute dtype's."""
+        if is_fp8(dtype) and self.chip.fp8_peak_flops:
+            return self.chip.fp8_peak_flops
         sheet = datasheet_peak(self.chip.kind, "float32" if dtype in ("f32", "f64") else "bfloat16")
         return sheet or self.chip.peak_flops
 

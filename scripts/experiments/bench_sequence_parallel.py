@@ -19,7 +19,7 @@ from jaxpar.data.loader import load_dataset  # noqa: E402
 from jaxpar.parallel import hlo  # noqa: E402
 from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
 from jaxpar.planning.hardware import parse_target, tpu_devices  # noqa: E402
-from jaxpar.training.build import build  # noqa: E402
+from jaxpar.training.step.build import build  # noqa: E402
 
 # A model whose activations dominate its memory: block 512, 256 wide, batch 8.
 MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "256", "model.block_size": "512",

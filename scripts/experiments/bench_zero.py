@@ -21,7 +21,7 @@ from jaxpar.data.loader import BatchLoader, load_dataset  # noqa: E402
 from jaxpar.parallel.hlo import collectives  # noqa: E402
 from jaxpar.parallel.mesh import build_mesh, parse_mesh_spec  # noqa: E402
 from jaxpar.training import step as steps  # noqa: E402
-from jaxpar.training.build import build  # noqa: E402
+from jaxpar.training.step.build import build  # noqa: E402
 
 # Large enough that the weights, not the activations, dominate a device's memory.
 MODEL = {"model.n_layer": "4", "model.n_head": "8", "model.n_embd": "512", "model.block_size": "64",

@@ -39,10 +39,10 @@ def main() -> None:
     from jaxpar.core.config import load_config
     from jaxpar.data.loader import load_dataset
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
-    from jaxpar.training.checkpoint import Checkpoints, make_meta
-    from jaxpar.training.checksums import item_checksums, mismatches
-    from jaxpar.training.resume import restore_train_state
+    from jaxpar.training.checkpoints.checkpoint import Checkpoints, make_meta
+    from jaxpar.training.checkpoints.checksums import item_checksums, mismatches
+    from jaxpar.training.checkpoints.resume import restore_train_state
+    from jaxpar.training.step.build import build
 
     # The built-in corpus's tokenizer stands in for the preset's data: only its meta is saved, and
     # the model keeps the preset's vocabulary.

@@ -28,7 +28,7 @@ from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.data.loader import BatchLoader, load_dataset
 from jaxpar.models.flops import flops_per_token, measure_matmul_peak
 from jaxpar.parallel.mesh import build_mesh, force_host_devices, parse_mesh_spec, resolve_mesh_shape
-from jaxpar.training.build import build
+from jaxpar.training.step.build import build
 
 DEFAULT_REF = Path(__file__).resolve().parents[3] / "shared" / "bench" / "torch_ref.py"
 DTYPES = ("float32", "bfloat16")

@@ -16,7 +16,7 @@ import jax
 from jaxpar.core.config import load_config, parse_overrides
 from jaxpar.data.loader import load_dataset
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.build import build
+from jaxpar.training.step.build import build
 
 DOT = re.compile(r"= (\w+)\[[^=]* dot\(%([\w.\-]+), %([\w.\-]+)\)")
 SPEC = re.compile(r"[a-z]+,[a-z]+->[a-z]+")

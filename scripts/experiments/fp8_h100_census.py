@@ -8,7 +8,7 @@ each of a layer's projections; the lm_head stays in model.dtype (model.fp8_head=
         [--configs gpt2,llama3.2-1b] [--recipes none,tensorwise,rowwise] [--n-layer N]
         [--hlo-dir DIR] [--section.field=value ...]
 
-The step is jaxpar's (jaxpar.training.build, as jaxpar.plan compiles a candidate) at dp=8, one
+The step is jaxpar's (jaxpar.training.step.build, as jaxpar.plan compiles a candidate) at dp=8, one
 sequence a device, bfloat16. Counts are runs per step: an instruction inside the layers' scan
 counts once per iteration (jaxpar.parallel.hlo.multiplicities). cuDNN's attention calls are no
 GEMMs here. The full GPT-2 124M and Llama 3.2 1B compile in about 10 minutes on 2 CPU cores
@@ -128,7 +128,7 @@ def by_projection(family: str, fp8: collections.Counter) -> list[tuple[str, int,
 def compile_step(cfg, devices, vocab: int) -> tuple[str, float]:
     """(the optimized HLO of cfg's train step, seconds to build and compile it), as jaxpar.plan does."""
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     start = time.perf_counter()
     compiled = build(cfg, build_mesh(cfg, devices), vocab=vocab).compile_abstract()
     return compiled.as_text(), time.perf_counter() - start

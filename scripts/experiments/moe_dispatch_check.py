@@ -25,7 +25,7 @@ from jaxpar.data.loader import load_dataset
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.planning.hardware import parse_target, target_devices
-from jaxpar.training.build import build
+from jaxpar.training.step.build import build
 
 
 def minimum_bytes(cfg, ep: int) -> float:

@@ -43,7 +43,7 @@ def report(cfg, target_name: str) -> None:
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning import roofline
     from jaxpar.planning.hardware import chip_for, parse_target, target_devices
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     target = parse_target(target_name)
     devices = target_devices(target)
     mesh = build_mesh(cfg, devices)

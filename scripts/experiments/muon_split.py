@@ -1,6 +1,6 @@
 """Muon's optimizer update, compiled for a target: the FLOPs each chip runs (its dots, read from
 the HLO by jaxpar.planning.roofline) and the bytes its collectives move, with the Newton-Schulz work
-split over the devices (optimizer.ns_split, jaxpar.training.muon) and without (every device
+split over the devices (optimizer.ns_split, jaxpar.training.optimizers.muon) and without (every device
 orthogonalises every matrix). The update alone is compiled: the gradients arrive where ZeRO puts
 them, and the params and state leave where the train state keeps them.
 
@@ -18,12 +18,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices: nothing r
 
 def compile_update(cfg, tokenizer, devices: list):
     """jit(update)(grads, opt_state, params) -> (params, opt_state), compiled from shapes: the
-    optimizer, the model and the ZeRO plan that jaxpar.train builds (jaxpar.training.build)."""
+    optimizer, the model and the ZeRO plan that jaxpar.train builds (jaxpar.training.step.build)."""
     import jax
     import optax
 
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     built = build(cfg, build_mesh(cfg, devices), tokenizer)
     tx, zero_plan, state = built.tx, built.zero, built.abstract_state()
     shapes = built.model.shapes()

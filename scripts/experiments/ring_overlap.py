@@ -11,7 +11,7 @@ from jaxpar.core.config import load_config
 from jaxpar.data.loader import load_dataset
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.planning.hardware import parse_target, target_devices
-from jaxpar.training.build import build
+from jaxpar.training.step.build import build
 
 cfg = load_config("tiny", {"mesh.cp": "4", "mesh.dp": "2", "model.block_size": "256", "model.dtype": "bfloat16"})
 devices = target_devices(parse_target("tpu:v5e-8"))

@@ -20,7 +20,7 @@ from jaxpar.core.errors import UserError  # noqa: E402
 from jaxpar.parallel import hlo  # noqa: E402
 from jaxpar.parallel.mesh import build_mesh  # noqa: E402
 from jaxpar.parallel.schedules import SCHEDULES, make_schedule  # noqa: E402
-from jaxpar.training.build import build  # noqa: E402
+from jaxpar.training.step.build import build  # noqa: E402
 
 MODEL = {"model.n_layer": "8", "train.batch_size": "16", "train.micro_batch": "0", "train.eval_every": "0"}
 

@@ -46,7 +46,7 @@ def data_reductions(micro_batch: int, batch: int) -> str:
     from jaxpar.data.loader import load_dataset
     from jaxpar.parallel import hlo
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     cfg = load_config("gpt2", {"mesh.dp": str(jax.device_count()), "train.micro_batch": str(micro_batch),
                                "train.batch_size": str(batch), "train.zero": "1"})
     tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer

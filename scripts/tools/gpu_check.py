@@ -78,7 +78,7 @@ def compiled_step(config: str, batch: int, steps: int):
     from jaxpar.core.config import load_config
     from jaxpar.data.loader import load_dataset
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     keys = {"mesh.dp": "1", "train.steps": str(steps), "train.eval_every": "0", "ckpt.every": "0",
             "train.batch_size": str(batch), "train.micro_batch": str(batch)}
     cfg = load_config(config, keys)

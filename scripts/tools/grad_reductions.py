@@ -1,7 +1,7 @@
 """How much a train step reduces over 'data' as its microbatches grow: the compiled step's
 collectives (loop-aware counts, jaxpar.parallel.hlo) at each micro-batch size and ZeRO stage.
 
-Gradients are summed on each device and reduced once a step (jaxpar.training.step,
+Gradients are summed on each device and reduced once a step (jaxpar.training.step.step,
 accumulate_locally), so the all-reduce / reduce-scatter columns do not grow with the passes.
 ZeRO-3's all-gathers of the weights do: every pass needs every layer's weights.
 
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning.hardware import parse_target, target_devices
     from jaxpar.planning.plan import enumerate_candidates
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--config", None), ("--target", "cpu:2"), ("--layouts", "dp=2"),

@@ -39,7 +39,7 @@ def loader_for(cfg):
 
     from jaxpar.data.loader import BatchLoader, load_dataset
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     mesh = build_mesh(cfg, jax.devices()[:requested_devices(cfg.mesh)])
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     passes = build(cfg, mesh, dataset.tokenizer).plan.passes  # the trainer's passes a step

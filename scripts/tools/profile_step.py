@@ -23,8 +23,8 @@ import jax
 from jaxpar.core.config import load_config, parse_overrides
 from jaxpar.data.loader import load_dataset
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training import trainer
-from jaxpar.training.build import build
+from jaxpar.training.run import trainer
+from jaxpar.training.step.build import build
 
 # (category, source function names that put an op there), first match along the stack wins.
 BY_FUNCTION = [("attention softmax, mask", {"attention_scores", "attention_forward", "attention_backward", "sum_by_key_block",

@@ -33,7 +33,7 @@ def report(cfg, target_name: str, top: int) -> None:
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.planning import roofline
     from jaxpar.planning.hardware import chip_for, parse_target, target_devices
-    from jaxpar.training.build import build
+    from jaxpar.training.step.build import build
     target = parse_target(target_name)
     devices = target_devices(target)
     tokenizer = load_dataset(cfg.data, cfg.model.block_size).tokenizer

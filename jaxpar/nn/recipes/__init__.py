@@ -1,7 +1,7 @@
 """Matmul recipes, one file each, and their registry: how the model's projections and the experts'
 grouped GEMM compute (jaxpar.nn.recipes.base). `model.fp8` names one (none: model.dtype's). The
 execution plan holds one, chosen and checked once (`recipe_for`, from
-jaxpar.training.execution.plan_execution); the model asks the plan's (`of`).
+jaxpar.training.step.execution.plan_execution); the model asks the plan's (`of`).
 """
 
 import dataclasses

@@ -1,6 +1,6 @@
 """A matmul recipe: how the model's matmuls compute, in one object that owns its code.
 
-The execution plan holds one (jaxpar.training.execution.plan_execution picks it); every projection
+The execution plan holds one (jaxpar.training.step.execution.plan_execution picks it); every projection
 (`project`: attention's, the MLPs', the lm_head's) and the experts' grouped GEMM (`grouped`)
 computes through it, and nothing else in the model names a precision. A recipe also says what it
 costs and where it runs: `mfu_dtype`, the dtype whose peak FLOP/s MFU divides by; `platforms`, the

@@ -1,5 +1,5 @@
 """`train.micro_batch = "auto"`, chosen on the mesh before anything is traced, and held in the
-execution plan (jaxpar.training.build): the config keeps what the user asked.
+execution plan (jaxpar.training.step.build): the config keeps what the user asked.
 
 On a GPU or TPU it is the most rows a device takes in one pass (one pass if they fit) whose
 compiled train step fits the device's memory by XLA's own memory analysis: a binary search over

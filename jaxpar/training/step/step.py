@@ -1,8 +1,8 @@
-"""The train state, its shardings and the jitted train and eval steps (jaxpar.training.build
+"""The train state, its shardings and the jitted train and eval steps (jaxpar.training.step.build
 makes them, once, for every caller).
 
-A step reads top to bottom: the passes' loss and gradients (jaxpar.training.passes), their global
-norm, the clipped update of the optimizer from the registry (jaxpar.training.optimizers), and
+A step reads top to bottom: the passes' loss and gradients (jaxpar.training.step.passes), their global
+norm, the clipped update of the optimizer from the registry (jaxpar.training.optimizers.registry), and
 where the routers have balance biases, their move by the step's routed counts, which reach the step
 in the biases' gradient slots (jaxpar.nn.routing).
 Shardings come from the rule table and are pinned through jit in/out shardings, so a step can
@@ -25,8 +25,8 @@ from jaxpar.models.transformer import Transformer
 from jaxpar.nn.params import BALANCE
 from jaxpar.nn.routing import rebalanced
 from jaxpar.parallel import pipeline, zero
-from jaxpar.training import optimizers
-from jaxpar.training.passes import laid_out, make_grad_fn, make_loss_fn
+from jaxpar.training.optimizers import registry as optimizers
+from jaxpar.training.step.passes import laid_out, make_grad_fn, make_loss_fn
 
 
 class TrainState(NamedTuple):
@@ -73,7 +73,7 @@ def make_train_step(model: Transformer, tx, shardings: TrainState, zero_plan: ze
                     optimizer: OptimizerConfig, seed: int, offload: bool = False):
     """jit(step)(state, (inputs, targets)) -> (state, metrics); state is donated. Metrics: the
     cross-entropy `loss`, each auxiliary loss, and `grad_norm`. The model carries its execution
-    plan (jaxpar.training.execution); `optimizer`: the [optimizer] keys clipping reads; `seed`:
+    plan (jaxpar.training.step.execution); `optimizer`: the [optimizer] keys clipping reads; `seed`:
     the run's, dropout's keys drawn from it; `offload`: the optimizer's state lives in host memory.
 
     inputs/targets are (microbatches, rows, block_size); gradients are averaged over the

@@ -1,10 +1,10 @@
 """One training run, in four phases: `set_up` the data, mesh and state (new or restored);
-`compile_run` and describe it; `train_loop`; `summarise` (jaxpar.training.metrics). `run` strings them together.
+`compile_run` and describe it; `train_loop`; `summarise` (jaxpar.training.run.metrics). `run` strings them together.
 
-A run holds --out's lock throughout (jaxpar.training.run_lock). Nothing is written before the
+A run holds --out's lock throughout (jaxpar.training.run.lock). Nothing is written before the
 compiled step is known to fit in memory. A non-finite loss or gradient norm stops the run with a
 UserError naming the newest checkpoint that verifies. SIGTERM or SIGINT stops it at the next safe
-point (jaxpar.training.stopping): before the first step with nothing new written, after it with
+point (jaxpar.training.run.stopping): before the first step with nothing new written, after it with
 that step saved.
 """
 
@@ -27,19 +27,27 @@ from jaxpar.models import flops
 from jaxpar.parallel import hlo, pipeline, zero
 from jaxpar.parallel.distributed import is_main_process
 from jaxpar.parallel.mesh import axes_crossing_processes, build_mesh, mesh_shape
-from jaxpar.training import step as steps
-from jaxpar.training.build import Built, build, token_ids
-from jaxpar.training.checkpoint import CHECKPOINTS, Checkpoints, make_meta
-from jaxpar.training.metrics import FETCH_EVERY, Diverged, MetricsWriters, StepLogger, check_wandb, summarise, versions
-from jaxpar.training.optimizers import learning_rate
-from jaxpar.training.profiling import StepProfiler
-from jaxpar.training.resume import restore_train_state
-from jaxpar.training.run_ends import open_outputs, run_outputs, stop_diverged, stopped_early, write_failed
-from jaxpar.training.run_evals import make_evaluate
-from jaxpar.training.run_lock import locked
-from jaxpar.training.run_state import Compiled, RunResult, Setup
-from jaxpar.training.stopping import StopRequest
-from jaxpar.training.task_scoring import task_eval_for
+from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS, Checkpoints, make_meta
+from jaxpar.training.checkpoints.resume import restore_train_state
+from jaxpar.training.optimizers.registry import learning_rate
+from jaxpar.training.run.ends import open_outputs, run_outputs, stop_diverged, stopped_early, write_failed
+from jaxpar.training.run.evals import make_evaluate
+from jaxpar.training.run.lock import locked
+from jaxpar.training.run.metrics import (
+    FETCH_EVERY,
+    Diverged,
+    MetricsWriters,
+    StepLogger,
+    check_wandb,
+    summarise,
+    versions,
+)
+from jaxpar.training.run.profiling import StepProfiler
+from jaxpar.training.run.state import Compiled, RunResult, Setup
+from jaxpar.training.run.stopping import StopRequest
+from jaxpar.training.run.task_scoring import task_eval_for
+from jaxpar.training.step import step as steps
+from jaxpar.training.step.build import Built, build, token_ids
 
 
 def set_up(built: Built, dataset: Dataset, out_dir: Path | None, fresh: bool) -> Setup:

@@ -1,4 +1,4 @@
-"""What a run's phases hand each other (jaxpar.training.trainer): the set-up state, the compiled
+"""What a run's phases hand each other (jaxpar.training.run.trainer): the set-up state, the compiled
 step, and the result."""
 
 from dataclasses import dataclass, field
@@ -8,10 +8,10 @@ import jax
 from jaxpar.core.config import Config
 from jaxpar.data.loader import BatchLoader, Dataset
 from jaxpar.models.transformer import Transformer
-from jaxpar.training.build import Built
-from jaxpar.training.checkpoint import Checkpoints
-from jaxpar.training.step import TrainState
-from jaxpar.training.task_scoring import TaskEval
+from jaxpar.training.checkpoints.checkpoint import Checkpoints
+from jaxpar.training.run.task_scoring import TaskEval
+from jaxpar.training.step.build import Built
+from jaxpar.training.step.step import TrainState
 
 
 @dataclass
@@ -25,7 +25,7 @@ class RunResult:
 
 @dataclass
 class Setup:
-    """What phase 1 builds: the run's pieces (jaxpar.training.build), the data and the train state
+    """What phase 1 builds: the run's pieces (jaxpar.training.step.build), the data and the train state
     to start from."""
     built: Built
     dataset: Dataset

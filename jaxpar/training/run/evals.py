@@ -2,7 +2,7 @@
 tasks' accuracies (--eval.tasks), each at its own steps, recorded in metrics.jsonl, TensorBoard,
 W&B and the progress bar."""
 
-from jaxpar.training.metrics import MetricsWriters
+from jaxpar.training.run.metrics import MetricsWriters
 
 
 def make_evaluate(c, t, writers: MetricsWriters | None, result, bar):

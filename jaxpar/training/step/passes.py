@@ -9,7 +9,7 @@ The step's gradients are the passes' mean. Each data-parallel device sums its ow
 gradients and they are reduced over 'data' once (`accumulate_locally`), unless a pass reduces its
 own (a pipeline round) or dropout draws each pass's masks over the whole batch, as one device does
 (`accumulate`, which reduces after every pass): the model's execution plan says which
-(jaxpar.training.execution).
+(jaxpar.training.step.execution).
 """
 
 import functools
@@ -75,7 +75,7 @@ def make_grad_fn(model: Transformer, seed: int, grad_shardings: dict):
         if plan.accumulation == Accumulation.ONE_PASS:  # its loss and gradients as they are
             if passes != 1:  # a plan made for other passes would leave rows out, silently
                 raise ValueError(f"the plan says one pass and the batch holds {passes}: build the model "
-                                 "with its step's plan (jaxpar.training.build)")
+                                 "with its step's plan (jaxpar.training.step.build)")
             metrics, grads = one_pass(params, inputs[0], targets[0], step_key, 0)
             return metrics, jax.lax.with_sharding_constraint(grads, grad_shardings)
         if plan.accumulation == Accumulation.REDUCED_ONCE:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.errors import UserError, exit_on_user_error
-from jaxpar.training import metrics
+from jaxpar.training.run import metrics
 
 EMA_WEIGHT = 0.9  # the train curve's smoothing, as TensorBoard's slider sets it
 CHANCE = {"hellaswag": 0.25, "piqa": 0.5, "winogrande": 0.5}  # ARC's items have 3 to 5 choices

@@ -10,7 +10,7 @@ import jax
 from tqdm import tqdm
 
 from jaxpar.core.errors import UserError
-from jaxpar.training.metrics import TENSORBOARD
+from jaxpar.training.run.metrics import TENSORBOARD
 
 
 def parse_spec(spec: str, total_steps: int) -> tuple[int, int]:

@@ -18,11 +18,11 @@ from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.data.tokenizer import check_same_tokenizer, from_meta
 from jaxpar.models.registry import family_of
 from jaxpar.models.transformer import Transformer
-from jaxpar.training.build import Built
-from jaxpar.training.checkpoint import Checkpoints, Restored, abstract_tree, generic_mismatch
-from jaxpar.training.optimizers import make_optimizer
-from jaxpar.training.saved_trees import first_difference
-from jaxpar.training.step import TrainState
+from jaxpar.training.checkpoints.checkpoint import Checkpoints, Restored, abstract_tree, generic_mismatch
+from jaxpar.training.checkpoints.saved_trees import first_difference
+from jaxpar.training.optimizers.registry import make_optimizer
+from jaxpar.training.step.build import Built
+from jaxpar.training.step.step import TrainState
 
 # Never advise --fresh alone: it deletes the checkpoints that do not fit.
 ELSEWHERE = "or train in another --out (--fresh would delete these checkpoints)"

@@ -15,11 +15,11 @@ from pathlib import Path
 from jaxpar.core.errors import UserError
 from jaxpar.core.written import FILE, FOLDER, Outputs, kind_of
 from jaxpar.parallel.distributed import is_main_process
-from jaxpar.training.checkpoint import CHECKPOINTS
-from jaxpar.training.metrics import Diverged, MetricsWriters, strict_json
-from jaxpar.training.resume import restore_train_state
-from jaxpar.training.run_state import Compiled, RunResult, Setup
-from jaxpar.training.save_faults import newest_step, reason
+from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS
+from jaxpar.training.checkpoints.resume import restore_train_state
+from jaxpar.training.checkpoints.save_faults import newest_step, reason
+from jaxpar.training.run.metrics import Diverged, MetricsWriters, strict_json
+from jaxpar.training.run.state import Compiled, RunResult, Setup
 
 # What a run may write in --out, besides jaxpar.lock and checkpoints/ (metrics.jsonl.tmp: its rewrite)
 OUTPUTS = {"run.json": FILE, "metrics.jsonl": FILE, "metrics.jsonl.tmp": FILE, "loss.png": FILE,

@@ -8,7 +8,7 @@ optimizer state is the entry's alone, and a run may turn clipping on or off when
 Adding an optimizer: an entry here (its builder and the size of its state, which jaxpar.plan's
 memory guess reads) and its own keys in jaxpar.core.optimizer_config (declared `only_for_optimizer`).
 Adding a learning-rate schedule: its function and its entry in AFTER_WARMUP. `check` refuses a name
-neither registry holds, naming the choices (jaxpar.training.execution.plan_execution calls it).
+neither registry holds, naming the choices (jaxpar.training.step.execution.plan_execution calls it).
 """
 
 import math
@@ -22,7 +22,7 @@ import optax
 from jaxpar.core.errors import UserError
 from jaxpar.core.optimizer_config import OptimizerConfig, decay_start
 from jaxpar.nn.params import EMBEDDING, MATRIX
-from jaxpar.training import muon as muon_split
+from jaxpar.training.optimizers import muon as muon_split
 
 
 def learning_rate(step, o: OptimizerConfig, xp=jnp):
@@ -130,7 +130,7 @@ def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None
                    split=None) -> optax.GradientTransformation:
     """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles (and,
     for Muon, these matrix views, jaxpar.nn.params.Param.matrix, and the mesh its work is split
-    over, jaxpar.training.muon.Split)."""
+    over, jaxpar.training.optimizers.muon.Split)."""
     return OPTIMIZERS[o.name].build(o, lambda step: learning_rate(step, o), roles, matrices, split)
 
 

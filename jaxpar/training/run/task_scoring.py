@@ -26,7 +26,7 @@ from jaxpar.core.axes import splitting
 from jaxpar.core.errors import UserError
 from jaxpar.data.task_files import find_task_files, read_rows
 from jaxpar.data.tasks import Item, Task, parse_tasks, to_items
-from jaxpar.training.row_batches import over_rows, passes_rows
+from jaxpar.training.step.row_batches import over_rows, passes_rows
 
 ROW_MULTIPLE = 16  # a task's row length is rounded up to this
 
@@ -157,7 +157,7 @@ def score_task(task: Task, req: Requests, scorer, params, mesh, rows: int = 32,
 @dataclass
 class TaskEval:
     """The tasks --eval.tasks scores during training, every `every` updates and at the end
-    (jaxpar.training.run_evals decides when)."""
+    (jaxpar.training.run.evals decides when)."""
     loaded: list  # [(task, its Requests)]
     scorer: object
     mesh: object

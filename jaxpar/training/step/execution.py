@@ -2,7 +2,7 @@
 the mesh's platform, before anything is traced: its kernels, its passes a step and how their
 gradients are summed, and the pipeline's schedule, checked once and held as a `Schedule`.
 
-`jaxpar.training.build` makes it for training, evaluation, sampling, task scoring, `--dry-run` and
+`jaxpar.training.step.build` makes it for training, evaluation, sampling, task scoring, `--dry-run` and
 the planner, so that each runs what the same config runs in training on that mesh: the planner
 compiling for a TPU pod from a CPU host plans for the TPU, and `jaxpar.eval` runs the attention
 kernel that training ran.
@@ -25,7 +25,7 @@ from jaxpar.nn import context, kernel_tuning, kernels, moe, recipes
 from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.schedules import make_schedule, schedule_class
 from jaxpar.parallel.schedules.base import PipelineSchedule
-from jaxpar.training import optimizers
+from jaxpar.training.optimizers import registry as optimizers
 
 
 def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training: bool = True,
@@ -46,7 +46,7 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
     xla_options.check(options, device if isinstance(device, jax.Device) else None)
     rows = t.micro_batch if micro_batch is None else micro_batch
     if rows == MICRO_BATCH_AUTO:
-        raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.build)")
+        raise ValueError("train.micro_batch=auto is resolved first (jaxpar.training.step.build)")
     schedule = schedule_of(cfg.pipeline, cfg.run, mesh)
     passes = passes_a_step(t, split_ways(mesh, "batch"), schedule, rows)
     if m.n_experts:  # before the compile: on the host's own GPU, tuned for this step's shapes

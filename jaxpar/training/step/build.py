@@ -24,9 +24,11 @@ from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.models.transformer import Transformer, build_model
 from jaxpar.nn.kernels import platform_of
 from jaxpar.parallel import zero
-from jaxpar.training import micro_batch, muon, optimizers
-from jaxpar.training import step as steps
-from jaxpar.training.execution import plan_execution
+from jaxpar.training.optimizers import muon
+from jaxpar.training.optimizers import registry as optimizers
+from jaxpar.training.step import micro_batch
+from jaxpar.training.step import step as steps
+from jaxpar.training.step.execution import plan_execution
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,7 +52,7 @@ class Built:
         return self.cfg.train.offload == "optimizer"
 
     def train_step(self, rows=None):
-        """The jitted train step (jaxpar.training.step); `rows`: the batch's sharding."""
+        """The jitted train step (jaxpar.training.step.step); `rows`: the batch's sharding."""
         rows = rows or batch_sharding(self.mesh)
         return steps.make_train_step(self.model, self.tx, self.shardings, self.zero, rows,
                                      self.cfg.optimizer, self.cfg.train.seed, self.offload)

@@ -2,7 +2,7 @@
 
 Each checkpoint holds three items: `params`, `opt_state`, and `meta` (JSON: the step, the RNG
 state, the resolved config, the tokenizer, the optimizer's name and a checksum of every array,
-jaxpar.training.checksums), so sampling reads only `params` and `meta`. `opt_state` is the
+jaxpar.training.checkpoints.checksums), so sampling reads only `params` and `meta`. `opt_state` is the
 optimizer's own state: gradient clipping, which keeps none, is not in it.
 
 A restore tells two failures apart. A checkpoint that does not fit the run (another model,
@@ -25,8 +25,8 @@ import orbax.checkpoint as ocp
 from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.core.removal import remove_tree
-from jaxpar.training.checksums import item_checksums, mismatches
-from jaxpar.training.save_faults import (
+from jaxpar.training.checkpoints.checksums import item_checksums, mismatches
+from jaxpar.training.checkpoints.save_faults import (
     TEMPORARY,
     SaveFailed,
     check_room,
@@ -35,7 +35,7 @@ from jaxpar.training.save_faults import (
     room_message,
     save_failed,
 )
-from jaxpar.training.saved_trees import first_difference
+from jaxpar.training.checkpoints.saved_trees import first_difference
 
 CHECKPOINTS = "checkpoints"  # the folder inside a run's --out
 DAMAGED = "damaged"  # the suffix of a checkpoint set aside: <step>.damaged
@@ -151,7 +151,7 @@ class Checkpoints:
         arrays to host memory before returning, so the train step may donate them afterwards.
 
         The arrays' checksums go into meta, in the same atomic commit as the arrays. A save that
-        cannot be made (jaxpar.training.save_faults) raises SaveFailed, the newest complete
+        cannot be made (jaxpar.training.checkpoints.save_faults) raises SaveFailed, the newest complete
         checkpoint kept.
         """
         self.wait()

@@ -1,0 +1,1 @@
+"""Checkpoints: orbax saves and verified restores, checksums, faults of the disk, resuming."""
