@@ -64,6 +64,7 @@ def test_fit_decision_follows_the_compiled_memory_and_the_capacity():
     r = big.compiled  # the roofline: its ops at least their FLOPs at peak, so never an MFU of 100%
     assert 0 < r["mfu"] < 1 and r["step_s"] >= r["hlo_flops_per_chip"] / CHIP.peak_flops > 0
     assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"])
+    assert set(r["gemms"]) == {"f32 x f32"} and sum(r["gemms"].values()) > 0  # plan.json's GEMMs by dtype
 
 
 def test_step_time_arithmetic_on_a_hand_made_case():

@@ -10,9 +10,11 @@ from jaxpar.core.errors import UserError
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
 # `%name = <result shape> <op>(` where <op> may carry an async `-start` suffix.
 OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
-ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+ARRAY = re.compile(r"([a-z]+\d*(?:e\d+m\d+[a-z\d]*)?)\[([\d,]*)\]")  # the FP8 types too: f8e4m3fn, f8e5m2
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-            "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "token": 0}  # token[]: an ordering edge, no data
+            "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "token": 0,  # token[]: an ordering edge, no data
+            "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
+            "f8e3m4": 1, "f8e8m0fnu": 1}
 
 
 def shape_bytes(shape: str) -> int:
