@@ -148,3 +148,20 @@ def test_the_gpu_session_plans_each_measurement_and_keeps_its_budget(tmp_path):
     rows = module.run_steps(plan, module.SWEEP_FLOOR + 3, tmp_path)
     assert [r["status"] for r in rows] == ["not run: past the budget", "ok"]
     assert "| first | not run: past the budget | 0.0 |" in (tmp_path / "session.md").read_text()
+
+
+def test_the_fp8_gpu_measurements_rehearse_at_tiny_shapes(tmp_path, monkeypatch):
+    """scripts/tools/gpu_fp8.py, issue 73's GPU command: each recipe's run and grouped GEMM at tiny
+    shapes on this CPU (one config, three steps), its table written; FP8's losses within 1% of
+    none's here (emulated FP8, the same model); past --budget nothing starts."""
+    spec = importlib.util.spec_from_file_location("gpu_fp8", SCRIPT.parent / "gpu_fp8.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "TINY", module.SimpleNamespace(configs=(("tiny", {}),), steps=3, tail=2,
+                                                               gemm=(64, 16, 8, 4)))
+    text = module.main(["--tiny", "--out", str(tmp_path)])
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| tiny |")]
+    assert [r[1] for r in rows] == list(module.RECIPES)
+    assert all(abs(float(r[7].rstrip(" |%")) / 100) < 0.01 for r in rows)
+    assert text.count("| blocks |") == 3 and (tmp_path / "gpu_fp8.md").read_text() == text
+    assert "| tiny |" not in module.main(["--tiny", "--out", str(tmp_path / "none"), "--budget", "0"])

@@ -19,6 +19,8 @@ keeping the sweep's floor), its output appended to DIR/session.log, its end to D
    batch 16 and 64 under the default (jaxpar's side of step 1) and each XLA option and fused
    kernel of the sweep, in whatever time is left (gpu_check's own `--budget`; the sweep runs its
    deciding figures first).
+FP8's measurements (issue 73) are their own command, for the time a lent GPU has left after this
+one: `python scripts/tools/gpu_fp8.py --out DIR --budget SECONDS`.
 """
 
 import argparse
