@@ -125,7 +125,7 @@ def checked_apart(options: tuple, device) -> None:
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
     done = subprocess.run([sys.executable, "-c", CHILD % REFUSED,
                            json.dumps([dict(options), device.platform, compile_only])],
-                          capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL, check=False)
     if done.returncode == REFUSED:
         raise refused((done.stdout.strip() or "XLA refused them").splitlines()[-1])
     if -done.returncode in CRASHES:

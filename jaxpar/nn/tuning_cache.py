@@ -125,8 +125,8 @@ def read(path: Path) -> tuple[dict, list[str], bool]:
         why = f"kernel tuning: ignored {path}, which does not parse ({type(error).__name__}); it is rewritten"
         return {}, [why], True
     if body.get("jaxpar") != VERSION or body.get("format") != FORMAT:
-        return {}, [f"kernel tuning: ignored {path}, written by jaxpar {body.get('jaxpar')} (format "
-                    f"{body.get('format')}), not {VERSION} ({FORMAT}); it is rewritten"], True
+        return {}, [(f"kernel tuning: ignored {path}, written by jaxpar {body.get('jaxpar')} (format "
+                     f"{body.get('format')}), not {VERSION} ({FORMAT}); it is rewritten")], True
     return entries, [], True
 
 

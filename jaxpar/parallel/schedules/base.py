@@ -264,8 +264,8 @@ class PipelineSchedule:
         chunks = self.virtual > 1
         width = max(len(op.label(chunks)) for row in self.table for op in row if op is not None)
         virtual = f", V={self.virtual}" if chunks else ""
-        lines = [f"{self.name}: pp={self.pp}{virtual}, {self.microbatches} microbatches, {self.ticks} "
-                 f"ticks, bubble {self.bubble_fraction:.1%}, {self.bubble_formula}"]
+        lines = [(f"{self.name}: pp={self.pp}{virtual}, {self.microbatches} microbatches, {self.ticks} "
+                  f"ticks, bubble {self.bubble_fraction:.1%}, {self.bubble_formula}")]
         for s in range(self.pp):
             cells = [(row[s].label(chunks) if row[s] is not None else ".").rjust(width) for row in self.table]
             lines.append(f"stage {s}: " + " ".join(cells))

@@ -25,7 +25,7 @@ class ZBH1(PipelineSchedule):
         while any(next_b[s] < M or waiting_w[s] for s in range(pp)):
             tick, row = len(table), [None] * pp
             for s in range(pp):
-                ready = lambda o: all(done.get(n, tick) < tick for n in needs(o, s, place))  # noqa: E731
+                ready = lambda o, s=s, tick=tick: all(done.get(n, tick) < tick for n in needs(o, s, place))  # noqa: E731
                 if next_b[s] < next_f[s] and ready(Op(INPUT_GRAD, next_b[s])):
                     row[s] = Op(INPUT_GRAD, next_b[s])
                 elif next_f[s] < M and held[s] < pp and ready(Op(FORWARD, next_f[s])):
