@@ -51,18 +51,25 @@ def gemm_of(op: Op, comps: dict, types: dict, in_triton_gemm: bool) -> str | Non
     return None
 
 
-def gemm_dtypes(hlo_text: str) -> dict[str, int]:
-    """{"lhs x rhs" element types: runs per step} of every GEMM of a compiled step, most first."""
+def gemm_ops(hlo_text: str):
+    """(op, its operands' "lhs x rhs" element types, its runs per step) of every GEMM of a compiled
+    step: a cuBLAS call, a Triton GEMM fusion, or a dot outside those."""
     comps, lines, entry = parse(hlo_text)
     runs = hlo.multiplicities(lines, entry)
     fused = {name for ops in comps.values() for op in ops if op.opcode == "fusion" and TRITON_GEMM.search(op.attrs)
              for name in reached(comps, called(op, "calls") or "")}
-    counts: collections.Counter = collections.Counter()
     for name, ops in comps.items():
         types = {o.name: element_type(o.shape) for o in ops}
         for op in ops:
             if (dtypes := gemm_of(op, comps, types, name in fused)) is not None:
-                counts[dtypes] += runs.get(name, 0)
+                yield op, dtypes, runs.get(name, 0)
+
+
+def gemm_dtypes(hlo_text: str) -> dict[str, int]:
+    """{"lhs x rhs" element types: runs per step} of every GEMM of a compiled step, most first."""
+    counts: collections.Counter = collections.Counter()
+    for _, dtypes, runs in gemm_ops(hlo_text):
+        counts[dtypes] += runs
     return dict(sorted(((k, n) for k, n in counts.items() if n), key=lambda kv: (-kv[1], kv[0])))
 
 

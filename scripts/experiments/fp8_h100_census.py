@@ -26,6 +26,9 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices: nothing runs here
 
+from jaxpar.planning.gemms import gemm_ops
+from jaxpar.planning.hlo_ops import is_fp8
+
 RECIPES = ("none", "tensorwise", "rowwise")
 NO_TRITON = "xla_gpu_enable_triton_gemm=false"
 # Each family's projections (name, forward einsum), as its block calls `project`:
@@ -37,79 +40,37 @@ PROJECTIONS = {
               ("gate_up", "nc,czf->nzf"), ("mlp_out", "nf,cf->nc")),
 }
 KINDS = ("cublas_f8", "cublas_other", "triton_f8", "triton_other", "loose_dot")
-INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?(\w+)\[")
-OPERANDS = re.compile(r"\b(?:dot|custom-call|fusion)\(([^)]*)\)")
-TRITON_GEMM = re.compile(r'"kind":"__triton(?:_nested)?_gemm(?:_fusion)?"')
 OP_NAME = re.compile(r'op_name="([^"]*)"')
 SPEC = re.compile(r"[a-z]+,[a-z]+->[a-z]+")
-RESULT = re.compile(r"=\s*\(?(\w+\[[\d,]*\])")
+ARRAY = re.compile(r"\w+\[[\d,]*\]")  # a result's first array: the product, not a cuBLAS workspace
 
 
-def dtypes(lines: list[str]) -> dict[str, str]:
-    """{instruction: its result's element type} of one computation (a tuple: its first element's)."""
-    return {m.group(1): m.group(2) for line in lines if (m := INSTRUCTION.match(line))}
-
-
-def operand_types(line: str, types: dict) -> list[str]:
-    found = OPERANDS.search(line)
-    names = [o.strip().lstrip("%") for o in found.group(1).split(",")] if found else []
-    return [types.get(name, "?") for name in names]
-
-
-def called(comps: dict, name: str) -> list[str]:
-    """`name` and every computation its instructions call, recursively."""
-    from jaxpar.parallel import hlo
-    seen, todo = [], [name]
-    while todo:
-        if (c := todo.pop()) not in seen:
-            seen.append(c)
-            todo += [callee for line in comps.get(c, []) for _, callee in hlo.CALL.findall(line)]
-    return seen
-
-
-def gemm_kind(line: str, types: dict, comps: dict) -> tuple[str | None, str]:
-    """(one of KINDS for a GEMM instruction, None for anything else; its f8 operands' types)."""
-    if " custom-call(" in line:
-        target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
-        f8 = " x ".join(t for t in operand_types(line, types) if t.startswith("f8"))
-        if target == "__cublas$lt$matmul$f8":
-            return "cublas_f8", f8
-        return ("cublas_other" if "cublas" in target else None), f8
-    if " fusion(" in line and TRITON_GEMM.search(line):
-        inner = called(comps, re.search(r"calls=%?([\w.\-]+)", line).group(1))
-        dots = [(ln, dtypes(comps[c])) for c in inner for ln in comps[c] if " dot(" in ln]
-        f8 = " x ".join(t for ln, ts in dots for t in operand_types(ln, ts) if t.startswith("f8"))
-        return ("triton_f8" if f8 else "triton_other"), f8
-    return None, ""
+def kind_of(op, dtypes: str) -> str:
+    """One of KINDS for a GEMM that jaxpar.planning.gemms found, by its op and operand types."""
+    fp8 = all(is_fp8(t) for t in dtypes.split(" x "))
+    if op.opcode == "custom-call":
+        return "cublas_f8" if fp8 else "cublas_other"
+    if op.opcode == "fusion":
+        return "triton_f8" if fp8 else "triton_other"
+    return "loose_dot"
 
 
 def census(text: str) -> tuple[collections.Counter, collections.Counter]:
     """(runs per step of each GEMM kind, runs of the FP8 GEMMs by (einsum, pass), by ("formats",
     their f8 operands) and by (einsum, pass, result shape)): pass is 'backward' where jax's op
-    name says transpose."""
-    from jaxpar.parallel import hlo
-    comps, entry = hlo.computations(text)
-    runs = hlo.multiplicities(comps, entry)
-    fused = {c for name, lines in comps.items() for line in lines if TRITON_GEMM.search(line)
-             for c in called(comps, re.search(r"calls=%?([\w.\-]+)", line).group(1))}
+    name says transpose. The GEMMs are jaxpar.planning.gemms', as plan.json counts them."""
     kinds, fp8 = collections.Counter(), collections.Counter()
-    for name, lines in comps.items():
-        types = dtypes(lines)
-        for line in lines:
-            kind, formats = gemm_kind(line, types, comps)
-            if kind is None and " dot(" in line and name not in fused:
-                kind = "loose_dot"
-            if kind is None:
-                continue
-            kinds[kind] += runs.get(name, 0)
-            if kind.endswith("f8"):
-                op = OP_NAME.search(line)
-                op = op.group(1) if op else ""
-                spec = SPEC.findall(op)
-                where = "backward" if "transpose(" in op else "forward"
-                fp8[(spec[-1] if spec else "?", where)] += runs.get(name, 0)
-                fp8[(spec[-1] if spec else "?", where, RESULT.search(line).group(1))] += runs.get(name, 0)
-                fp8[("formats", formats)] += runs.get(name, 0)
+    for op, dtypes, runs in gemm_ops(text):
+        kind = kind_of(op, dtypes)
+        kinds[kind] += runs
+        if kind.endswith("f8"):
+            name = OP_NAME.search(op.line)
+            name = name.group(1) if name else ""
+            spec = SPEC.findall(name)
+            where = "backward" if "transpose(" in name else "forward"
+            fp8[(spec[-1] if spec else "?", where)] += runs
+            fp8[(spec[-1] if spec else "?", where, ARRAY.search(op.shape).group(0))] += runs
+            fp8[("formats", dtypes)] += runs
     return kinds, fp8
 
 
