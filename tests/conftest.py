@@ -23,10 +23,15 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 # XLA compiles take most of the suite's time, and many tests compile the same steps (the one-device
 # reference above all). A compilation cache that lives for this session only compiles each once;
-# it starts empty, so no result can come from an earlier session's code. The environment variables
-# carry it to the CLI and multi-process tests' subprocesses.
-COMPILE_CACHE = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
-atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
+# it starts empty, so no result can come from an earlier session's code. The session's first
+# process (pytest-xdist's controller) makes it, and its worker processes, the CLI and the
+# multi-process tests' subprocesses inherit it through the environment: a program one worker
+# compiled, the other finds.
+SESSION_CACHE = "JAXPAR_TEST_COMPILE_CACHE"
+COMPILE_CACHE = os.environ.get(SESSION_CACHE, "")
+if not COMPILE_CACHE:
+    COMPILE_CACHE = os.environ[SESSION_CACHE] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
+    atexit.register(shutil.rmtree, COMPILE_CACHE, ignore_errors=True)
 for name, value in [("jax_compilation_cache_dir", COMPILE_CACHE),
                     ("jax_persistent_cache_min_compile_time_secs", 0),
                     ("jax_persistent_cache_min_entry_size_bytes", -1)]:

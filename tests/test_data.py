@@ -69,7 +69,7 @@ def test_default_config_file_equals_builtin_defaults():
 
 
 def test_micro_batch_caps_rows_per_device():
-    from jaxpar.training.step.execution import passes_within
+    from jaxpar.core.strategies import passes_within
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 6}).train
     assert [passes_within(t, dp) for dp in (1, 2, 4)] == [2, 1, 1]
     t = tiny_config(**{"train.batch_size": 12, "train.micro_batch": 5}).train

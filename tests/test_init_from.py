@@ -26,7 +26,7 @@ from jaxpar.models import hf
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import parse_args, run
-from jaxpar.training.run import trainer
+from jaxpar.training.run import setup
 from jaxpar.training.step.build import build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
@@ -95,7 +95,7 @@ def test_the_state_before_any_update_holds_the_checkpoints_weights(spec, tmp_pat
     dataset = load_dataset(cfg.data, cfg.model.block_size)
     mesh = build_mesh(cfg, devices(cfg))
     with jax.set_mesh(mesh):
-        p = trainer.set_up(build(cfg, mesh, dataset.tokenizer), dataset, None, fresh=False)
+        p = setup.set_up(build(cfg, mesh, dataset.tokenizer), dataset, None, fresh=False)
         expected = hf.load_hf_params(FIXTURE, cfg.model, 101, p.built.shardings.params)
     assert p.start == 0 and int(p.state.step) == 0
     assert p.state.params["wte"].shape == (padded_vocab(101), 32)

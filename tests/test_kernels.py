@@ -13,9 +13,10 @@ from conftest import tiny_config
 from helpers import assert_same_training, fails_with, train
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.kernel_registry import ATTENTION, MOE_DISPATCH, MOE_GEMM, names
-from jaxpar.core.model_config import model_config, validate_model
+from jaxpar.core.model_config import model_config
 from jaxpar.nn.attention import causal_attention
+from jaxpar.nn.kernel_entry import ATTENTION, MOE_DISPATCH, MOE_GEMM
+from jaxpar.nn.kernel_registry import check_model, names
 from jaxpar.nn.kernels import resolve, splash
 from jaxpar.planning import roofline
 from jaxpar.planning.hardware import CHIPS
@@ -170,12 +171,13 @@ def test_kernel_refusals_are_one_line(capsys, tmp_path, args, expected):
 
 @pytest.mark.parametrize("key", [ATTENTION, MOE_GEMM, MOE_DISPATCH])
 def test_the_kernel_keys_take_the_registrys_names(key):
-    """Config validation reads each kernel key's values off jaxpar.core.kernel_registry: each of
-    its names passes, and another value is refused in one line that lists them all."""
+    """The config's kernel check (before any work, and where the plan is made) reads each kernel
+    key's values off jaxpar.nn.kernel_registry: each of its names passes, and another value is
+    refused in one line that lists them all."""
     for name in names(key):
-        validate_model(model_config("llama", n_experts=4, dtype="bfloat16", block_size=128, **{key: name}))
+        check_model(model_config("llama", n_experts=4, dtype="bfloat16", block_size=128, **{key: name}), False)
     with pytest.raises(UserError, match=f"model.{key} must be one of {', '.join(names(key))}, got 'flash'"):
-        validate_model(model_config("llama", n_experts=4, **{key: "flash"}))
+        check_model(model_config("llama", n_experts=4, **{key: "flash"}), False)
 
 
 def compiled_text(target: str, devices: int = 1, eot_id: int | None = None, **overrides) -> str:

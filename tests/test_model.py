@@ -77,7 +77,7 @@ def test_nanogpt_cpu_recipe_has_nanogpt_param_count():
 def test_weight_decay_covers_every_2d_weight_as_nanogpt():
     """nanoGPT decays its 2-D params (matmul weights, wte = the tied head, wpe), not its 1-D ones
     (biases, LayerNorm scales). Our q/k/v bias is factored to (3, heads, head_dim) but is 1-D there."""
-    from jaxpar.training.step.build import optimizer_for
+    from jaxpar.training.optimizers.registry import optimizer_for
 
     cfg, _, params = tiny_model()
     # Weight decay alone moves a decayed param (lr * wd * p) and leaves the others where they are.

@@ -19,7 +19,8 @@ from jaxpar.parallel.mesh import build_mesh
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 from jaxpar.training.optimizers import registry as optimizers
-from jaxpar.training.step.build import build, optimizer_for
+from jaxpar.training.optimizers.registry import optimizer_for
+from jaxpar.training.step.build import build
 
 
 def test_older_names_set_the_optimizer_section(tmp_path):
@@ -190,7 +191,7 @@ def as_matrices(array: np.ndarray, view: tuple) -> np.ndarray:
     reduction, output = view
     batch = [d for d in range(array.ndim) if d not in reduction + output]
     moved = np.transpose(array, batch + list(reduction) + list(output))
-    size = lambda dims: int(np.prod([array.shape[d] for d in dims]))  # noqa: E731
+    size = lambda dims: int(np.prod([array.shape[d] for d in dims]))
     return moved.reshape(size(batch), size(reduction), size(output))
 
 
@@ -219,7 +220,7 @@ def test_one_muon_step_is_optax_muon_on_each_matrix(spec):
     on_2d = jax.jit(jax.vmap(lambda g: one_matrix.update({"w": g}, one_matrix.init({"w": g}), {"w": g})[0]["w"]))
     checked, eps = 0, cfg.optimizer.eps
     for path, param in in_order(model.declared):
-        leaf = lambda tree: np.asarray(functools.reduce(lambda node, key: node[key], path, tree))  # noqa: E731
+        leaf = lambda tree: np.asarray(functools.reduce(lambda node, key: node[key], path, tree))
         got, g = leaf(updates), leaf(grads)
         if param.role == MATRIX:
             expected = on_2d(as_matrices(g, param.matrix))

@@ -25,7 +25,7 @@ from jaxpar.inference.loading import load
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 from jaxpar.training.checkpoints.checkpoint import Checkpoints
-from jaxpar.training.run import trainer
+from jaxpar.training.run import setup, trainer
 from jaxpar.training.run.stopping import StopRequest
 
 ONE = jax.devices()[:1]
@@ -226,8 +226,8 @@ def test_a_signal_before_the_first_step_ends_at_once_with_nothing_new_written(
     if moment == "first eval":
         evaluate_interrupted(monkeypatch, stop, signum)
     else:
-        signal_in(monkeypatch, trainer, {"restore": "restore_train_state", "compile": "compile_run"}[moment],
-                  stop, signum)
+        owner, name = {"restore": (setup, "restore_train_state"), "compile": (trainer, "compile_run")}[moment]
+        signal_in(monkeypatch, owner, name, stop, signum)
     cfg = tiny_config(**{**TINY, "train.steps": 6, "train.eval_every": 2 if moment == "first eval" else 0})
     result = run(cfg, out, ONE, progress=False, stop=stop)
     assert result.info["interrupted"]["signal"] == signal.Signals(signum).name

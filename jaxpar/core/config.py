@@ -14,7 +14,6 @@ from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import (  # noqa: F401
     REMAT_KINDS,
     ModelConfig,
-    check_documents,
     field_names,
     model_config,
     model_keys,
@@ -267,8 +266,6 @@ def validate(cfg: Config) -> None:
     if cfg.eval.tasks and not cfg.eval.tasks_dir:
         raise UserError("eval.tasks needs eval.tasks_dir: the folder holding the tasks (see the guide)")
     validate_data(cfg.data)
-    if cfg.data.document_mask:
-        check_documents(m)
     if not 0 <= t.seed <= SEED_MAX:
         raise UserError(f"train.seed (--seed) must be from 0 to {SEED_MAX}, got {t.seed}: numpy's generators take "
                         "no negative seed, and JAX's keys keep 32 bits; choose one in that range")

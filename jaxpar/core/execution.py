@@ -21,7 +21,6 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core import kernel_registry as registry
 from jaxpar.core.axes import CONTEXT, EXPERT, rule_table
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import drop_axes, logical_to_spec, names_of
@@ -36,15 +35,15 @@ class ExecutionPlan:
     platform: str = "cpu"
     sequence_parallel: bool = False
     context: ContextStrategy | None = None  # how attention runs where 'context' splits the sequence
-    attention: str = registry.XLA  # xla, splash, cudnn or tokamax
+    attention: str = "xla"  # xla, splash, cudnn or tokamax
     attention_note: str | None = None  # why `auto` kept xla where a fused kernel exists, or planned a stand-in
-    moe_gemm: str = registry.RAGGED_DOT  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
+    moe_gemm: str = "ragged_dot"  # ragged_dot, megablox, blocks or tokamax (jaxpar.nn.moe.gemm_of)
     moe_gemm_note: str | None = None  # why `auto` runs a dearer GEMM than the platform has
     # Each leg's kernel (forward, dlhs, drhs) where measured (jaxpar.nn.kernel_tuning); (): all three moe_gemm
     gemm_legs: tuple = ()
     gemm_tuning: tuple[str, ...] = ()  # tokamax's grouped-GEMM configs tuned for this GPU at plan time, each its JSON
     tuning_note: str | None = None  # the one line of what was tuned at plan time, and what it cost
-    moe_dispatch: str = registry.ALL_TO_ALL  # all_to_all or ragged, where experts are split over 'expert'
+    moe_dispatch: str = "all_to_all"  # all_to_all or ragged, where experts are split over 'expert'
     accumulation: Accumulation = Accumulation.ONE_PASS
     remat: str = "none"  # model.remat, a policy of jaxpar.core.remat
     offload: str = "none"  # train.offload: "optimizer" keeps the optimizer's state in host memory

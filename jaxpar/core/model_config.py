@@ -12,10 +12,13 @@ names them (`not_this_family`).
 from dataclasses import dataclass, fields
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.kernel_registry import ATTENTION, AUTO, DOCUMENTS, KERNELS, check_name, model_facts
 from jaxpar.core.remat import REMAT_KINDS, policy_of  # noqa: F401
 
 DEFAULT_FAMILY = "gpt2"  # the default config's, nanoGPT's
+# Every kernel key's default (model.attention, a mixture's moe_gemm and moe_dispatch): the platform
+# picks. The kernels each key names, and their needs, are nn's (jaxpar.nn.kernel_registry), checked
+# where the execution plan is made.
+AUTO = "auto"
 
 FAMILY_CONFIGS: dict[str, type["ModelConfig"]] = {}  # model.family -> its config class
 
@@ -164,21 +167,6 @@ def model_keys() -> list[str]:
     return names
 
 
-def check_attention(m: ModelConfig) -> None:
-    """The attention kernel's own needs (jaxpar.core.kernel_registry), in one line with the fix."""
-    check_name(ATTENTION, m.attention)
-    kernel = KERNELS[ATTENTION].get(m.attention)
-    if kernel and (reason := kernel.unmet(m)):
-        raise kernel.refused(reason, **model_facts(m))
-
-
-def check_documents(m: ModelConfig) -> None:
-    """Refuse an attention kernel that cannot keep data.document_mask's documents apart."""
-    kernel = KERNELS[ATTENTION].get(m.attention)
-    if kernel and DOCUMENTS not in kernel.masks:
-        raise kernel.refused("documents")
-
-
 def validate_model(m: ModelConfig) -> None:
     if m.family not in FAMILY_CONFIGS:
         raise UserError(f"model.family must be one of {', '.join(FAMILY_CONFIGS)}, got '{m.family}'")
@@ -194,5 +182,4 @@ def validate_model(m: ModelConfig) -> None:
         raise UserError(f"model.dropout must be in [0, 1), got {m.dropout}")
     if m.test_activation_l2 < 0:
         raise UserError(f"model.test_activation_l2 must be >= 0, got {m.test_activation_l2}")
-    check_attention(m)
     m.check()

@@ -72,26 +72,31 @@ def load_dataset(cfg: DataConfig, block_size: int) -> Dataset:
     train/val; both splits must hold a block."""
     if cfg.mix:
         return load_mixture(cfg, block_size)
-    if cfg.path and Path(cfg.path).is_dir():
-        return load_prepared(cfg.path, block_size)
-    text = read_text(cfg.path)
-    name = cfg.path or "the built-in corpus"
+    prepared = bool(cfg.path) and Path(cfg.path).is_dir()
+    name = f"prepared data '{cfg.path}'" if prepared else f"data file '{cfg.path or 'the built-in corpus'}'"
+    return checked(load_text(cfg.path, cfg.val_fraction) if not prepared else load_prepared(cfg.path),
+                   name, "tokens" if prepared else "characters", block_size)
+
+
+def load_text(path: str, val_fraction: float) -> Dataset:
+    """The text file at `path` (the built-in corpus where empty), tokenised by character and split
+    train/val."""
+    text = read_text(path)
     if not text:
-        raise UserError(f"data file '{name}' is empty; pass a file with text in it")
+        raise UserError(f"data file '{path or 'the built-in corpus'}' is empty; pass a file with text in it")
     tokenizer = CharTokenizer.from_text(text)
     ids = tokenizer.encode(text)
-    n_val = int(len(ids) * cfg.val_fraction)
-    return checked(Dataset(tokenizer, ids[: len(ids) - n_val], ids[len(ids) - n_val:]),
-                   f"data file '{name}'", "characters", block_size)
+    n_val = int(len(ids) * val_fraction)
+    return Dataset(tokenizer, ids[: len(ids) - n_val], ids[len(ids) - n_val:])
 
 
-def load_prepared(directory: str, block_size: int) -> Dataset:
+def load_prepared(directory: str) -> Dataset:
+    """A jaxpar.prepare directory, memory-mapped."""
     meta, train, val = read_prepared(directory)
     if "tokenizer_meta" not in meta:
         raise UserError(f"'{directory}/meta.json' does not describe its tokenizer; run "
                         "python -m jaxpar.prepare again")
-    return checked(Dataset(from_meta(meta["tokenizer_meta"]), train, val, prepared=directory),
-                   f"prepared data '{directory}'", "tokens", block_size)
+    return Dataset(from_meta(meta["tokenizer_meta"]), train, val, prepared=directory)
 
 
 def load_mixture(cfg: DataConfig, block_size: int) -> Dataset:

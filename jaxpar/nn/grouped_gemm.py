@@ -2,7 +2,8 @@
 model.moe_gemm's kernels: `jax.lax.ragged_dot`, the Megablox kernels (Pallas, TPU; interpreted
 elsewhere), tokamax's Triton kernel on GPUs (jaxpar.nn.tokamax_kernels) and the blocked GEMM (tiles
 of rows, each times its expert's matrix: on CPU, where ragged_dot is a dense product over every
-expert).
+expert). Their registry entries (jaxpar.nn.kernel_entry), where each runs and where `auto` picks it,
+are `GEMM_KERNELS`.
 
 Each leg (the product, its input's gradient, its weights' gradient) can be a different kernel:
 `legged_gemm` runs the plan's choice of each (jaxpar.nn.kernel_tuning measures them on a GPU); with
@@ -17,8 +18,21 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core import kernel_registry as registry
+from jaxpar.core.platform import GPUS
 from jaxpar.nn import tokamax_kernels
+from jaxpar.nn.kernel_entry import BLOCKS, GPU_EXTRA, MEGABLOX, MOE_GEMM, OTHERS, RAGGED_DOT, TOKAMAX, Kernel, by_name
+
+GEMM_KERNELS = by_name(  # model.moe_gemm's entries (jaxpar.nn.kernel_entry); jaxpar.nn.moe.gemm_of picks one
+    Kernel(RAGGED_DOT, MOE_GEMM),
+    Kernel(MEGABLOX, MOE_GEMM, auto_on=("tpu",)),  # interpreted off TPU
+    Kernel(BLOCKS, MOE_GEMM, auto_on=("cpu",)),
+    Kernel(TOKAMAX, MOE_GEMM, platforms=GPUS, auto_on=(OTHERS,), package="tokamax", stand_in=RAGGED_DOT,
+           refusals={"platform": "model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU (it runs on NVIDIA GPUs "
+                                 "only); or use --model.moe_gemm=auto",
+                     "package": "model.moe_gemm=tokamax needs tokamax on an NVIDIA GPU (install it: " + GPU_EXTRA
+                                + "); or use --model.moe_gemm=auto"},
+           notes={"package": "model.moe_gemm=auto runs XLA's ragged_dot, a masked product over every expert (E "
+                             "times the routed FLOPs): tokamax is not installed (" + GPU_EXTRA + ")"}))
 
 
 def megablox_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, interpret: bool) -> jax.Array:
@@ -86,9 +100,9 @@ def blocked_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int 
 def grouped_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
     """x (rows, K) sorted by group, w (G, K, N) -> (rows, N) float32: each group by its own matrix
     (ragged_dot, Megablox or tokamax's Triton kernel; the blocked GEMM's tiles are grouped_swiglu's)."""
-    if gemm == registry.MEGABLOX:
+    if gemm == MEGABLOX:
         return megablox_gemm(x, w, group_sizes, interpret=interpret)
-    if gemm == registry.TOKAMAX:
+    if gemm == TOKAMAX:
         return tokamax_kernels.ragged_dot(x, w, group_sizes)
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
 
@@ -98,7 +112,7 @@ LEGS = ("forward", "dlhs", "drhs")  # the grouped GEMM's product, its input's gr
 
 def kernel_gemm(x: jax.Array, w: jax.Array, group_sizes: jax.Array, gemm: str, interpret: bool = True) -> jax.Array:
     """grouped_gemm by any of model.moe_gemm's kernels, the blocked GEMM laying out its own tiles."""
-    if gemm == registry.BLOCKS:
+    if gemm == BLOCKS:
         return blocked_gemm(x, w, group_sizes)
     return grouped_gemm(x, w, group_sizes, gemm, interpret)
 
@@ -109,7 +123,7 @@ def gemm_leg(x, w, group_sizes, dy, gemm: str, leg: str, interpret: bool = True,
     takes it (jax.vjp of its forward in the one argument: the other leg is not computed). tokamax
     reads its tuned configs (`tuning`) as it traces, its backward's too: all inside them."""
     gemm_xw = functools.partial(kernel_gemm, group_sizes=group_sizes, gemm=gemm, interpret=interpret)
-    with tokamax_kernels.tuned(tuning if gemm == registry.TOKAMAX else ()):
+    with tokamax_kernels.tuned(tuning if gemm == TOKAMAX else ()):
         if leg == "forward":
             return gemm_xw(x, w)
         if leg == "dlhs":

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.core import kernel_registry as registry
 from jaxpar.core.platform import GPUS
 from jaxpar.nn import grouped_gemm
+from jaxpar.nn.grouped_gemm import GEMM_KERNELS
+from jaxpar.nn.kernel_entry import BLOCKS, MEGABLOX, RAGGED_DOT, TOKAMAX
 from jaxpar.nn.tuning_cache import Request, TuningCache, device_kind, seconds_number, tune
 
 SHIPPED = ("nvidia_h100_80gb_hbm3", "nvidia_b200")  # tokamax 0.0.12's data/autotuning (its GPU entries)
@@ -61,7 +62,7 @@ def correct(kernel: str, leg: str, interpret: bool = True, fn=None) -> bool:
                               CHECK_GROUPS)
     with jax.default_matmul_precision("highest"):  # float32 as float32 on GPUs too, not TF32
         got = (fn or leg_fn(kernel, leg, interpret))(x, w, gs, dy)
-        want = leg_fn(registry.RAGGED_DOT, leg)(x, w, gs, dy)
+        want = leg_fn(RAGGED_DOT, leg)(x, w, gs, dy)
     return bool(np.allclose(got, want, rtol=LEG_RTOL, atol=LEG_RTOL * float(jnp.max(jnp.abs(want)))))
 
 
@@ -81,10 +82,10 @@ def candidates(platform: str) -> tuple[str, ...]:
     everywhere, tokamax's Triton kernels on GPUs where installed, Megablox on TPU (and interpreted
     on CPU, for the tests; interpreted on a GPU it would only lose)."""
     from jaxpar.nn import tokamax_kernels
-    names = [registry.RAGGED_DOT, registry.BLOCKS]
-    names += [registry.MEGABLOX] * (platform in ("tpu", "cpu"))
-    tokamax = registry.KERNELS[registry.MOE_GEMM][registry.TOKAMAX]
-    names += [registry.TOKAMAX] * (platform in tokamax.platforms and tokamax_kernels.installed(tokamax))
+    names = [RAGGED_DOT, BLOCKS]
+    names += [MEGABLOX] * (platform in ("tpu", "cpu"))
+    tokamax = GEMM_KERNELS[TOKAMAX]
+    names += [TOKAMAX] * (platform in tokamax.platforms and tokamax_kernels.installed(tokamax))
     return tuple(names)
 
 
@@ -116,7 +117,7 @@ def leg_problem(config, kernels=None) -> str | None:
     timed = config.get("seconds") if isinstance(config, dict) else None
     if not timed or not isinstance(timed, dict) or not isinstance(config.get("dropped"), list):
         return "not a leg's timings (seconds, dropped)"
-    known = set(registry.KERNELS[registry.MOE_GEMM]).intersection(kernels or registry.KERNELS[registry.MOE_GEMM])
+    known = set(GEMM_KERNELS).intersection(kernels or GEMM_KERNELS)
     for kernel, seconds in timed.items():
         if kernel not in known:
             return f"it times {kernel}, which is not a grouped GEMM kernel here"
@@ -133,7 +134,12 @@ def choose_legs(cache: TuningCache, device: str, requests, tuner, kernels=None) 
     (`requests`: each GEMM's three legs) among the kernels every GEMM kept; and the lines to say:
     each dropped kernel's, then the cache's one line. A cached choice is used only where
     leg_problem finds nothing wrong with it (`kernels`: the candidates here)."""
-    configs, line = tune(cache, device, requests, tuner, lambda config: leg_problem(config, kernels))
+    return fastest_legs(*tune(cache, device, requests, tuner, lambda config: leg_problem(config, kernels)))
+
+
+def fastest_legs(configs: dict, line: str) -> tuple[tuple, list[str]]:
+    """choose_legs' choice from each request's timed `configs`, and the lines to say after the
+    cache's `line`."""
     legs, lines = [], []
     for leg in grouped_gemm.LEGS:
         chosen = [c for r, c in configs.items() if r.leg == leg]
@@ -154,7 +160,7 @@ def tokamax_tuner(request: Request):
     tokamax_kernels.prepared()
     start = time.perf_counter()
     x, w, group_sizes, dy = leg_inputs(request)
-    result = tokamax.autotune(leg_fn(registry.TOKAMAX, request.leg, interpret=False), x, w, group_sizes, dy,
+    result = tokamax.autotune(leg_fn(TOKAMAX, request.leg, interpret=False), x, w, group_sizes, dy,
                               progress_bar=False)
     return result.dumps(), time.perf_counter() - start
 
@@ -171,15 +177,19 @@ def plan_tuning(m, kernel_cache: str, choose: bool, platform: str, device, gemm:
         return {}
     kind, cache, fields, lines = device_kind(device), TuningCache(kernel_cache), {}, []
     kernels = candidates(platform) if choose else (gemm,)
+    tuned_first = TOKAMAX in kernels and kind not in SHIPPED  # its legs are timed tuned
+    tokamax_requests = gemm_requests(m, TOKAMAX, rows, ep) if tuned_first else ()
+    leg_requests = gemm_requests(m, "grouped_gemm", rows, ep) if choose else ()
     tuning = ()
-    if registry.TOKAMAX in kernels and kind not in SHIPPED:  # tuned first: its legs are timed tuned
-        configs, line = tune(cache, kind, gemm_requests(m, registry.TOKAMAX, rows, ep), tuner,
+    if tuned_first:
+        configs, line = tune(cache, kind, tokamax_requests, tuner,
                              lambda config: None if isinstance(config, str) else "not tokamax's tuned configs (text)")
         tuning, lines = tuple(configs.values()), [line]
-    if choose:
-        requests = gemm_requests(m, "grouped_gemm", rows, ep)
-        legs, chosen = choose_legs(cache, kind, requests, leg_tuner(kernels, timer, interpret, tuning=tuning), kernels)
+    if choose:  # choose_legs, its requests made above with tokamax's
+        timed = tune(cache, kind, leg_requests, leg_tuner(kernels, timer, interpret, tuning=tuning),
+                     lambda config: leg_problem(config, kernels))
+        legs, chosen = fastest_legs(*timed)
         fields["gemm_legs"], lines = legs, [*lines, *chosen]
-    if tuning and registry.TOKAMAX in (fields.get("gemm_legs") or (gemm,)):
+    if tuning and TOKAMAX in (fields.get("gemm_legs") or (gemm,)):
         fields["gemm_tuning"] = tuning
     return {**fields, "tuning_note": "\n".join(lines)} if lines else fields

@@ -19,8 +19,10 @@ alone, for Hopper), so model.attention=cudnn is refused with documents, and on G
 (jaxpar.nn.tokamax_kernels), where tokamax is installed and no context ring splits the sequence;
 else xla, said in one line. Off a GPU, `tokamax` runs tokamax's XLA reference (the tests).
 
-Each kernel's needs and one-line reasons are its entry in jaxpar.core.kernel_registry, which the
-config's checks read too; this module asks them of the mesh and the platform.
+Each kernel's needs and one-line reasons are its entry here (`ATTENTION_KERNELS`, each a
+jaxpar.nn.kernel_entry.Kernel): `check_attention` asks them of the config, before any work and
+where the plan is made (jaxpar.training.step.execution), and the rest of this module of the mesh
+and the platform.
 """
 
 import functools
@@ -30,26 +32,78 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core import kernel_registry as registry  # registry.XLA: the name; XLA below: the ring's BlockKernel
-from jaxpar.core.kernel_registry import (
-    ATTENTION,
-    AUTO,
-    CUDNN_HEADS_BEFORE,
-    CUDNN_HEADS_HOPPER,
-    DOCUMENTS,
-    KERNELS,
-    SPLASH,
-    SPLASH_TILE,
-    TOKAMAX,
-    auto_kernel,
-    model_facts,
-)
 from jaxpar.core.platform import GPUS
+from jaxpar.nn import kernel_entry as entry  # entry.XLA: the name; XLA below: the ring's BlockKernel
 from jaxpar.nn import tokamax_kernels
 from jaxpar.nn.attention import causal_attention
+from jaxpar.nn.kernel_entry import (
+    ATTENTION,
+    AUTO,
+    CAUSAL,
+    CUDNN,
+    DOCUMENTS,
+    GPU_EXTRA,
+    OTHERS,
+    SPLASH,
+    TOKAMAX,
+    Kernel,
+    auto_kernel,
+    by_name,
+    check_name,
+    model_facts,
+)
 
 Q_AXES, KV_AXES, OUT_AXES = ("batch", "heads", "seq", "head_dim"), ("batch", "kv_heads", "seq", "head_dim"), \
     ("batch", "seq", "heads", "head_dim")
+SPLASH_TILE = 128  # splash's blocks of queries and keys are multiples of the TPU's 128 lanes
+CUDNN_HEADS_HOPPER, CUDNN_HEADS_BEFORE = 256, 128  # jax's check: compute capability 9.0 and up, or below
+
+CUDNN_KERNEL = Kernel(
+    CUDNN, ATTENTION, platforms=GPUS, auto_on=GPUS, widest_head=CUDNN_HEADS_HOPPER, head_multiple=8, masks=(CAUSAL,),
+    dtypes=("bfloat16",), dropout=False, stand_in=TOKAMAX,
+    refusals={
+        "heads": "model.attention=cudnn takes heads up to {kernel.widest_head} dims (Hopper and later GPUs) in "
+                 "multiples of {kernel.head_multiple}, and this model's are {head}; use --model.attention=auto "
+                 "(tokamax's kernel on GPUs)",
+        "heads here": "model.attention=cudnn takes heads up to {widest} dims here ({kernel.widest_head} where the "
+                      "host's GPU is a Hopper), and this model's are {head}; use --model.attention=auto",
+        "dtype": "model.attention=cudnn takes bfloat16 only; set --model.dtype=bfloat16, or --model.attention=auto",
+        "documents": "model.attention=cudnn cannot keep data.document_mask's documents apart: jax's cuDNN attention "
+                     "has no segment ids; use --model.attention=auto (tokamax's kernel on GPUs, where it is installed)"},
+    notes={
+        "documents": "jax's cuDNN attention has no segment ids for data.document_mask, and tokamax's kernel, which "
+                     "has, {why_not_stand_in}",
+        "heads": "cuDNN's fused attention takes heads up to {widest} dims here ({kernel.widest_head} where the host's "
+                 "GPU is a Hopper), in multiples of {kernel.head_multiple} (this model's: {head}); tokamax's kernel "
+                 "takes them, and took 1.9x xla's time at 192-dim heads on an H200",
+        "dtype": "cuDNN's fused attention takes bfloat16 only (model.dtype={dtype})",
+        # measured: one H200, jax 0.11.2, GPT-2 124M at batch 16 (docs/benchmarks.md)
+        "xla's cost": "xla keeps every head's scores: GPT-2 124M's step took 1.47x the time and 2.2x the memory on "
+                      "an H200",
+        "stand-in": "model.attention=auto plans tokamax: cuDNN runs {head}-dim heads on these GPUs, but jax checks "
+                    "that against this host's device; tokamax's flash attention stands in for its memory (on an "
+                    "H200 it took 4.2x cuDNN's time)"})
+
+ATTENTION_KERNELS = by_name(  # model.attention's entries, in the order its values are listed
+    Kernel(entry.XLA, ATTENTION, auto_on=(OTHERS,)),
+    # splash off TPU: in Pallas interpret mode (the tests)
+    Kernel(SPLASH, ATTENTION, platforms=("tpu", "cpu"), auto_on=("tpu",), tile=SPLASH_TILE, dropout=False),
+    CUDNN_KERNEL,
+    # tokamax's flash attention off GPUs: its XLA reference (the tests)
+    Kernel(TOKAMAX, ATTENTION, platforms=(*GPUS, "cpu"), dropout=False, ring=False, package="tokamax",
+           notes={"ring": "runs no context ring", "package": "is not installed (" + GPU_EXTRA + ")"}))
+
+
+def check_attention(model_cfg, documents: bool = False) -> None:
+    """Refuse model.attention where the config alone rules it out, in one line with the fix: a
+    name of no kernel, its kernel's own needs, and with `documents` (data.document_mask) a kernel
+    that cannot keep them apart. The mesh's needs are check_mesh's."""
+    check_name(ATTENTION_KERNELS, model_cfg.attention)
+    kernel = ATTENTION_KERNELS.get(model_cfg.attention)
+    if kernel and (reason := kernel.unmet(model_cfg)):
+        raise kernel.refused(reason, **model_facts(model_cfg))
+    if kernel and documents and DOCUMENTS not in kernel.masks:
+        raise kernel.refused("documents")
 
 
 def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False,
@@ -59,10 +113,10 @@ def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False,
     mesh's GPUs (cudnn_head_max, with and without the host's check)."""
     if model_cfg.attention != AUTO:
         return model_cfg.attention, None
-    fused = auto_kernel(ATTENTION, platform)
-    if fused.name == registry.XLA:
-        return registry.XLA, None
-    stand_in = KERNELS[ATTENTION].get(fused.stand_in)
+    fused = auto_kernel(ATTENTION_KERNELS, platform)
+    if fused.name == entry.XLA:
+        return entry.XLA, None
+    stand_in = ATTENTION_KERNELS.get(fused.stand_in)
     flash_ok = stand_in is not None and stand_in.unmet(model_cfg, context=context) is None \
         and tokamax_kernels.installed(stand_in)
     if documents and DOCUMENTS not in fused.masks and flash_ok:
@@ -74,16 +128,16 @@ def resolve(model_cfg, platform: str, context: int = 1, documents: bool = False,
     why = why_xla(model_cfg, fused, context, documents, cudnn_heads)
     if why and "xla's cost" in fused.notes:
         why += "; " + fused.note("xla's cost")
-    return (registry.XLA, f"model.attention=auto runs xla: {why}") if why else (fused.name, None)
+    return (entry.XLA, f"model.attention=auto runs xla: {why}") if why else (fused.name, None)
 
 
-def why_xla(model_cfg, fused: registry.Kernel, context: int, documents: bool, cudnn_heads: int) -> str | None:
+def why_xla(model_cfg, fused: Kernel, context: int, documents: bool, cudnn_heads: int) -> str | None:
     """Why `auto` cannot run the platform's fused kernel, or None; where it cannot keep the
     documents, why its stand-in cannot either (dropout is asked first)."""
     reason = fused.unmet(model_cfg, documents, cudnn_heads, context)
     if reason is None:
         return None
-    stand_in = KERNELS[ATTENTION].get(fused.stand_in)
+    stand_in = ATTENTION_KERNELS.get(fused.stand_in)
     why_not = stand_in.note("ring" if context > 1 else "package") if stand_in and reason == "documents" else ""
     return fused.note(reason, **model_facts(model_cfg, context), widest=cudnn_heads, why_not_stand_in=why_not)
 
@@ -99,10 +153,12 @@ def cudnn_head_max(device, host=None) -> int:
 
 
 def check_mesh(model_cfg, platform: str, context: int = 1, cudnn_heads: int = CUDNN_HEADS_HOPPER) -> None:
-    """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix."""
-    if model_cfg.attention in (AUTO, registry.XLA):
+    """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix;
+    first what check_attention refuses of the config alone (a command may build its mesh first)."""
+    check_attention(model_cfg)
+    if model_cfg.attention in (AUTO, entry.XLA):
         return
-    kernel = KERNELS[ATTENTION][model_cfg.attention]
+    kernel = ATTENTION_KERNELS[model_cfg.attention]
     needs = kernel.needs(model_cfg, widest=cudnn_heads, context=context)
     unmet = (("heads here", platform in GPUS and needs["heads"]), ("chunks", needs["chunks"]), ("ring", needs["ring"]),
              ("package", not tokamax_kernels.installed(kernel)),
@@ -150,7 +206,7 @@ def local_attention(plan):
     """The plan's kernel on one device's arrays, the whole sequence there (a context strategy's
     attention after it gathers the sequence): (q, k, v, doc_starts or None) -> (batch, seq, heads,
     head_dim), causal, within documents where given."""
-    if plan.attention == registry.XLA:
+    if plan.attention == entry.XLA:
         return lambda q, k, v, docs: causal_attention(q, k, v, 0.0, None, docs)
     if plan.attention == TOKAMAX:
         fused = functools.partial(tokamax_kernels.attention, on_gpu=plan.platform in GPUS)
@@ -202,12 +258,12 @@ def splash(q, k, v, residuals: bool = False, interpret: bool = True, causal: boo
 class BlockKernel:
     """What runs a context ring's block pairs: xla, or a fused kernel (splash in Pallas interpret
     mode off TPU)."""
-    name: str = registry.XLA
+    name: str = entry.XLA
     interpret: bool = True
 
     @property
     def fused(self) -> bool:
-        return self.name != registry.XLA
+        return self.name != entry.XLA
 
 
 XLA = BlockKernel()  # the ring's default: its block pairs by xla

@@ -37,14 +37,31 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.core import kernel_registry as registry
 from jaxpar.core import remat
 from jaxpar.core.axes import EXPERT
 from jaxpar.core.errors import UserError
 from jaxpar.core.sharding import names_of
 from jaxpar.nn import recipes, tokamax_kernels
-from jaxpar.nn.grouped_gemm import LEGS, Tiles, grouped_gemm, legged_gemm
+from jaxpar.nn.grouped_gemm import GEMM_KERNELS, LEGS, Tiles, grouped_gemm, legged_gemm
+from jaxpar.nn.kernel_entry import (
+    ALL_TO_ALL,
+    AUTO,
+    BLOCKS,
+    MOE_DISPATCH,
+    OTHERS,
+    RAGGED,
+    Kernel,
+    auto_kernel,
+    by_name,
+    check_name,
+    chosen,
+)
 from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, within_capacity
+
+# model.moe_dispatch's entries (jaxpar.nn.kernel_entry): `auto` runs ragged_all_to_all on TPU and
+# GPU, as XLA:CPU has none; the plan's moe_mode says whether a dispatch runs at all.
+DISPATCH_KERNELS = by_name(Kernel(ALL_TO_ALL, MOE_DISPATCH, auto_on=("cpu",)),
+                           Kernel(RAGGED, MOE_DISPATCH, auto_on=(OTHERS,)))
 
 
 class Experts(NamedTuple):
@@ -72,7 +89,7 @@ def grouped_swiglu(x: jax.Array, group_sizes: jax.Array, local: Experts) -> jax.
     legs, arrays = tuple(local.legs) or (local.gemm,) * len(LEGS), group_sizes
     if len(set(legs)) > 1 or local.tuning:  # else the one kernel's program, as it always was
         gemm = lambda x, w, sizes: legged_gemm(x, w, sizes, legs, local.interpret, local.tuning)
-    elif legs[0] == registry.BLOCKS:
+    elif legs[0] == BLOCKS:
         tiles = Tiles.of(group_sizes, x.shape[0])
         put, take, arrays = tiles.put, tiles.take, (tiles.to, tiles.group)
         gemm = lambda x, w, to_group: Tiles(*to_group, tiles.block).gemm(x, w)
@@ -165,9 +182,9 @@ def dispatch_ragged(rows: jax.Array, experts: jax.Array, local: Experts, ep: int
 def experts_of_device(rows, experts, local: Experts, ep: int, mode: str, room: int):
     """Each assignment's expert output (A, C) float32 (0 where it is dropped: expert ep * E_l), by
     `mode` (see `moe_mlp`); `room`: the most rows a device sends another."""
-    if mode == registry.ALL_TO_ALL:
+    if mode == ALL_TO_ALL:
         return dispatch_all_to_all(rows, experts, local, ep, room)
-    if mode == registry.RAGGED:
+    if mode == RAGGED:
         return dispatch_ragged(rows, experts, local, ep, room)
     E_l = local.gate_up.shape[0]
     first = jax.lax.axis_index(EXPERT) * E_l if mode == "replicated" else 0
@@ -175,20 +192,29 @@ def experts_of_device(rows, experts, local: Experts, ep: int, mode: str, room: i
     return run_local_experts(rows, jnp.where(mine, experts - first, E_l), local)
 
 
+def experts_kernels(cfg, platform: str) -> dict:
+    """The plan's fields for a mixture's kernels on `platform`: model.moe_gemm as it runs, with
+    gemm_of's note, and model.moe_dispatch as it runs; a name no kernel has is refused in one line."""
+    gemm, note = gemm_of(cfg, platform)
+    return {"experts": True, "moe_gemm": gemm, "moe_gemm_note": note,
+            "moe_dispatch": chosen(DISPATCH_KERNELS, cfg.moe_dispatch, platform)}
+
+
 def gemm_of(cfg, platform: str) -> tuple[str, str | None]:
     """(model.moe_gemm as it runs, a one-line note when `auto` runs a dearer GEMM than the
     platform has). `auto` is Megablox on TPU, the blocked GEMM on CPU (XLA:CPU's ragged_dot
     multiplies every row by every expert), tokamax's Triton kernel on GPU (the blocks' gathered
     weights, (rows / 64 + E) x C x F, do not fit a large model), else XLA's ragged_dot there.
-    Decided before tracing; the kernels' rules: jaxpar.core.kernel_registry."""
-    if cfg.moe_gemm != registry.AUTO:
-        kernel = registry.KERNELS[registry.MOE_GEMM].get(cfg.moe_gemm)
+    Decided before tracing; the kernels' entries: jaxpar.nn.grouped_gemm.GEMM_KERNELS."""
+    check_name(GEMM_KERNELS, cfg.moe_gemm)
+    if cfg.moe_gemm != AUTO:
+        kernel = GEMM_KERNELS.get(cfg.moe_gemm)
         if kernel and kernel.platforms and platform not in kernel.platforms:
             raise kernel.refused("platform")
         if kernel and not tokamax_kernels.installed(kernel):
             raise kernel.refused("package")
         return cfg.moe_gemm, None
-    kernel = registry.auto_kernel(registry.MOE_GEMM, platform)
+    kernel = auto_kernel(GEMM_KERNELS, platform)
     if platform in kernel.platforms and not tokamax_kernels.installed(kernel):
         return kernel.stand_in, kernel.note("package")
     return kernel.name, None

@@ -33,6 +33,7 @@ from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
 from jaxpar.planning.bench_record import RECORD, add_scaling, bench_outputs, earlier_row, settings, write_outputs
 from jaxpar.training.run.loss_plots import mesh_label
+from jaxpar.training.step.execution import check_names
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
 DEFAULT_STEPS = 50
@@ -68,6 +69,7 @@ def parse_layout(entry: str, config: str | None, overrides: dict[str, str], weak
             batch = load_config(config, overrides).train.batch_size
             overrides["train.batch_size"] = str(batch * math.prod(sizes.values()))
         cfg = load_config(config, overrides | mesh)
+        check_names(cfg.optimizer, cfg.pipeline, cfg.model, cfg.data.document_mask)  # before any layout runs
         resolve_mesh_shape(cfg, math.prod(sizes.values()))
     except UserError as e:
         raise UserError(f"layout '{entry}': {e}") from None

@@ -118,9 +118,9 @@ def trainer_refusal(c: Candidate, devices: int, platform: str, chip: str) -> str
 
 def guess(c: Candidate, vocab: int, n_params: int, chip, expert_params: int = 0) -> dict:
     from jaxpar.core.axes import pipeline_microbatches
+    from jaxpar.core.strategies import passes_within
     from jaxpar.parallel.schedules import make_schedule
     from jaxpar.planning import estimate
-    from jaxpar.training.step.execution import passes_within
     cfg, lay = c.cfg, c.layout
     dp, pp = batch_ways(lay), lay[PIPE_AXIS.key]  # dp: the ways the rows split
     if pp > 1:

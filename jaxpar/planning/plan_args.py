@@ -67,7 +67,8 @@ def parse_args(argv: list[str]):
     args, rest = build_parser().parse_known_args(argv)
     overrides = parse_overrides(rest)
     cfg = load_config(args.config, overrides)
-    check_names(cfg.optimizer, cfg.pipeline, cfg.model)  # a bad registry name fails before any layout is weighed
+    # a bad registry name fails before any layout is weighed
+    check_names(cfg.optimizer, cfg.pipeline, cfg.model, cfg.data.document_mask)
     target = parse_target(args.target)
     remats = choices(args.remat, REMAT_KINDS, "--remat")
     offloads = choices(args.offload, OFFLOADS, "--offload")

@@ -4,8 +4,7 @@ the MLP's width, RMSNorm, rotary positions, QK-norm and the mixture of experts; 
 from dataclasses import dataclass
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.kernel_registry import AUTO, MOE_DISPATCH, MOE_GEMM, check_name
-from jaxpar.core.model_config import ModelConfig
+from jaxpar.core.model_config import AUTO, ModelConfig
 
 ROPE_TYPES = ("default", "llama3")
 QK_NORMS = ("none", "head", "full")
@@ -166,14 +165,13 @@ def check_rope(m: LlamaConfig) -> None:
 
 
 def check_experts(m: LlamaConfig) -> None:
-    """The mixture of experts' keys (jaxpar.nn.moe)."""
+    """The mixture of experts' keys (jaxpar.nn.moe); the kernels that moe_gemm and moe_dispatch
+    name are checked where the execution plan is made (jaxpar.nn.kernel_registry)."""
     at_least(m, ("n_experts", "moe_mlp_dim"), 0)
     if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
         raise UserError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "
                         f"model.n_experts={m.n_experts}; choose fewer experts per token or more experts")
     at_least(m, ("router_aux_coef", "router_z_coef", "moe_capacity_factor"), 0)
-    check_name(MOE_DISPATCH, m.moe_dispatch)  # their kernels: jaxpar.core.kernel_registry
-    check_name(MOE_GEMM, m.moe_gemm)
     check_sparse_layers(m)
 
 

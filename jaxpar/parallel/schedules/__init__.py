@@ -6,6 +6,8 @@ bubble formula and its FLOPs run again; the executor (jaxpar.parallel.pipeline) 
 A new schedule is a file here and a line in SCHEDULES.
 """
 
+from jaxpar.core.axes import Run, check_chunks, pipeline_microbatches
+from jaxpar.core.config import PipelineConfig
 from jaxpar.core.errors import UserError
 from jaxpar.parallel.schedules.base import PipelineSchedule
 from jaxpar.parallel.schedules.dualpipev import DualPipeV
@@ -34,6 +36,20 @@ def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> Pi
     chunks = cls.chunks_per_stage(virtual)
     cls.check(pp, microbatches, chunks)
     return cls(pp, microbatches, chunks)
+
+
+def schedule_for(p: PipelineConfig, run: Run, pp: int, dp: int) -> PipelineSchedule | None:
+    """The [pipeline] section's schedule on pp stages for `run` (its model and rows, split dp
+    ways), its layer chunks, microbatches and table checked; None at pp=1 (where its name and
+    pipeline.virtual are checked all the same)."""
+    cls = schedule_class(p.schedule)
+    chunks = cls.chunks_per_stage(p.virtual)
+    if pp == 1:
+        return None
+    M = pipeline_microbatches(run, dp, pp)
+    check_chunks(run.model, pp, chunks)
+    cls.check(pp, M, chunks)
+    return cls(pp, M, chunks)
 
 
 def evaluation(pp: int, microbatches: int) -> PipelineSchedule:

@@ -171,8 +171,9 @@ class Checkpoints:
 
     def check_room(self, params, opt_state) -> None:
         """Before the compile: a UserError unless a checkpoint of these arrays can be saved here."""
+        size = checkpoint_bytes(params, opt_state)
         try:
-            check_room(self.directory, checkpoint_bytes(params, opt_state))
+            check_room(self.directory, size)
         except OSError as e:
             raise UserError(f"cannot save checkpoints in '{self.directory}' ({room_message(e)}); free space "
                             "on that disk, make the folder writable, or pass another --out") from None

@@ -116,7 +116,8 @@ def restore_train_state(ckpt: Checkpoints, built: Built, tokenizer):
             return {"params": targets["params"]}
         return {**targets, "opt_state": as_saved(targets["opt_state"], meta)}
 
-    found: Restored | None = ckpt.restore_latest(targets_for, optimizer_mismatch(cfg.optimizer, built.model))
+    explain = optimizer_mismatch(cfg.optimizer, built.model)
+    found: Restored | None = ckpt.restore_latest(targets_for, explain)
     if found is None:
         return None
     meta, items = found.meta, found.items

@@ -130,8 +130,19 @@ def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None
                    split=None) -> optax.GradientTransformation:
     """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles (and,
     for Muon, these matrix views, jaxpar.nn.params.Param.matrix, and the mesh its work is split
-    over, jaxpar.training.optimizers.muon.Split)."""
+    over, jaxpar.training.optimizers.muon.Split). Its names are checked first (`check`)."""
+    check(o)
     return OPTIMIZERS[o.name].build(o, lambda step: learning_rate(step, o), roles, matrices, split)
+
+
+def optimizer_for(o: OptimizerConfig, model, mesh=None, zero_plan=None) -> optax.GradientTransformation:
+    """The optimizer `o` names, its parameter groups from the `model`'s param roles
+    (jaxpar.models.transformer.Transformer). With a mesh and its ZeRO plan (jaxpar.parallel.zero),
+    Muon's Newton-Schulz work is split over the mesh (optimizer.ns_split)."""
+    split = None
+    if zero_plan is not None and o.name == "muon" and o.ns_split:
+        split = muon_split.Split(mesh, zero_plan.params)
+    return make_optimizer(o, model.roles(), model.matrices(), split)
 
 
 def clip(grads, grad_norm: jax.Array, o: OptimizerConfig):

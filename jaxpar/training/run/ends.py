@@ -49,16 +49,24 @@ def run_outputs(cfg, out_dir: Path, profile: str | None) -> Outputs:
     return outputs
 
 
+def check_wandb(cfg) -> None:
+    """Before anything is written: --log.wandb needs the wandb package."""
+    import importlib.util
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError(f"--log.wandb={cfg.log.wandb} needs W&B: pip install wandb (or "
+                        "pip install 'jaxpar[wandb]'), or drop --log.wandb")
+
+
 def open_outputs(p: Setup, c: Compiled, outputs: Outputs | None, fresh: bool) -> tuple[MetricsWriters | None, list]:
     """Clear the checkpoints a fresh start leaves, set damaged ones aside; run.json; the metrics
     writers, and the outputs that did not exist before."""
     if p.ckpt is not None and is_main_process():
-        if fresh:
+        p.ckpt.set_aside(p.damaged)  # newer than the restored step: a new save needs the name
+        if fresh:  # (nothing was restored, so nothing was set aside)
             kept = p.ckpt.remove_own()
             if kept:
                 print(f"jaxpar.train: --fresh removed only the checkpoints jaxpar saved in '{p.ckpt.directory}' "
                       f"and kept what it did not write: {', '.join(kept)}", file=sys.stderr)
-        p.ckpt.set_aside(p.damaged)  # newer than the restored step: a new save needs the name
     if outputs is None or not is_main_process():
         return None, []
     out_dir = outputs.folder
@@ -87,11 +95,12 @@ def last_verified(p: Setup) -> str | None:
 
 def stop_diverged(p: Setup, info: dict, out_dir: Path | None, diverged: Diverged) -> UserError:
     """The one-line error for a diverged run, after recording it in run.json."""
+    last = last_verified(p)
     info["diverged"] = json.loads(strict_json({k: diverged.record[k]
                                                for k in ("step", "loss", "grad_norm")}))
     if out_dir is not None and is_main_process():
         (out_dir / "run.json").write_text(json.dumps(info, indent=2))
-    return UserError(diverged.explain(last_verified(p), p.cfg.optimizer.grad_clip))
+    return UserError(diverged.explain(last, p.cfg.optimizer.grad_clip))
 
 
 def write_failed(p: Setup, out_dir: Path | None, error: OSError) -> Exception:
@@ -100,7 +109,8 @@ def write_failed(p: Setup, out_dir: Path | None, error: OSError) -> Exception:
     if error.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM):
         return error
     last = newest_step(p.ckpt.directory) if p.ckpt is not None else None
-    kept = f"the last good checkpoint is {p.ckpt.directory / str(last)}" if last is not None else "no checkpoint was saved"
+    kept = (f"the last good checkpoint is {p.ckpt.directory / str(last)}" if last is not None
+            else "no checkpoint was saved")
     where = f" '{error.filename}'" if error.filename else f" in '{out_dir}'"
     return UserError(f"cannot write{where} ({reason(error)}); {kept}; free space on that disk or make the "
                      "folder writable, then run the same command to resume")

@@ -2,7 +2,7 @@
 tasks' accuracies (--eval.tasks), each at its own steps, recorded in metrics.jsonl, TensorBoard,
 W&B and the progress bar."""
 
-from jaxpar.training.run.metrics import MetricsWriters
+from jaxpar.training.run.metrics import MetricsWriters, record
 
 
 def make_evaluate(c, t, writers: MetricsWriters | None, result, bar):
@@ -29,9 +29,3 @@ def make_evaluate(c, t, writers: MetricsWriters | None, result, bar):
             record(writers, bar, scores, ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k != "step"))
     return lambda u, at_start=False: val_due(u, at_start) or tasks_due(u, at_start), evaluate
 
-
-def record(writers: MetricsWriters | None, bar, values: dict, line: str) -> None:
-    if writers:
-        writers.write(values)
-    if not bar.disable:
-        bar.write(f"step {values['step']}: {line}")

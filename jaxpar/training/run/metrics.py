@@ -16,8 +16,6 @@ import time
 import uuid
 from pathlib import Path
 
-from jaxpar.core.errors import UserError
-
 FETCH_EVERY = 10  # steps between metric fetches: each wakes the host thread, which takes a core
 TENSORBOARD = "tensorboard"  # the folder inside a run's --out: scalars, and --profile's trace
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
@@ -237,12 +235,12 @@ class MetricsWriters:
             self.wandb.finish()
 
 
-def check_wandb(cfg) -> None:
-    """Before anything is written: --log.wandb needs the wandb package."""
-    import importlib.util
-    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
-        raise UserError(f"--log.wandb={cfg.log.wandb} needs W&B: pip install wandb (or "
-                        "pip install 'jaxpar[wandb]'), or drop --log.wandb")
+def record(writers: MetricsWriters | None, bar, values: dict, line: str) -> None:
+    """An evaluation's `values` into the writers, and its `line` above the progress bar."""
+    if writers:
+        writers.write(values)
+    if not bar.disable:
+        bar.write(f"step {values['step']}: {line}")
 
 
 def start_wandb(cfg, out_dir: Path):

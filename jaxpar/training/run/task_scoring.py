@@ -99,7 +99,8 @@ def load_requests(spec: str, tasks_dir: str, tokenizer, block: int, limit: int =
     loaded = []
     for task in parse_tasks(spec):
         files = find_task_files(tasks_dir, task)
-        items = to_items(task, read_rows(files)[:limit or None], str(files[0]))
+        rows = read_rows(files)[:limit or None]
+        items = to_items(task, rows, str(files[0]))
         if not items:
             raise UserError(f"{files[0]} holds no {task.name} rows; pass the task's files")
         loaded.append((task, encode_requests(items, tokenizer, block)))

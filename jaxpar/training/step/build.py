@@ -12,19 +12,18 @@ planned from a CPU host); the planner, `--dry-run` and `train.micro_batch=auto` 
 from dataclasses import dataclass, replace
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from jaxpar.core.config import Config
 from jaxpar.core.execution import ExecutionPlan
-from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.core.sharding import batch_sharding, shardings_for
 from jaxpar.data.loader import model_ids
 from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.models.transformer import Transformer, build_model
 from jaxpar.nn.kernels import platform_of
 from jaxpar.parallel import zero
-from jaxpar.training.optimizers import muon
 from jaxpar.training.optimizers import registry as optimizers
 from jaxpar.training.step import micro_batch
 from jaxpar.training.step import step as steps
@@ -60,9 +59,15 @@ class Built:
     def eval_step(self, rows=None):
         return steps.make_eval_step(self.model, self.shardings.params, rows or batch_sharding(self.mesh))
 
-    def init_state(self) -> steps.TrainState:
-        """Random params and a new optimizer state, each made in its shards."""
-        return steps.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed)
+    def init_state(self, init_from: str = "") -> steps.TrainState:
+        """A new train state, each array made in its shards: random params (train.seed), or
+        `init_from`'s Hugging Face weights, and a new optimizer state."""
+        if not init_from:
+            return steps.init_state(self.model, self.tx, self.shardings, self.cfg.train.seed)
+        from jaxpar.models.hf import load_hf_params
+        params = load_hf_params(init_from, self.cfg.model, self.model.vocab_size, self.shardings.params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.shardings.opt_state)(params)
+        return steps.TrainState(jax.device_put(np.int32(0), self.shardings.step), params, opt_state)
 
     def abstract_state(self) -> steps.TrainState:
         """The train state as ShapeDtypeStructs on its shardings."""
@@ -98,18 +103,9 @@ def assemble(cfg: Config, mesh: Mesh, vocab: int, eot_id: int | None, platform: 
     model = model_on(cfg, mesh, vocab, eot_id, platform, rows)
     shapes = model.shapes()
     zero_plan = zero.zero_plan(cfg.train.zero, shardings_for(model.axes(), shapes, mesh), shapes, mesh)
-    tx = optimizer_for(cfg.optimizer, model, mesh, zero_plan)
+    tx = optimizers.optimizer_for(cfg.optimizer, model, mesh, zero_plan)
     shardings = steps.state_shardings(zero_plan, tx, shapes, mesh, cfg.train.offload == "optimizer")
     return Built(cfg, mesh, model, tx, shardings, zero_plan)
-
-
-def optimizer_for(o: OptimizerConfig, model: Transformer, mesh=None, zero_plan: zero.ZeroPlan | None = None):
-    """The optimizer `o` names, its parameter groups from the model's param roles. With a mesh and
-    its ZeRO plan, Muon's Newton-Schulz work is split over the mesh (optimizer.ns_split)."""
-    split = None
-    if zero_plan is not None and o.name == "muon" and o.ns_split:
-        split = muon.Split(mesh, zero_plan.params)
-    return optimizers.make_optimizer(o, model.roles(), model.matrices(), split)
 
 
 def build_inference(cfg: Config, mesh: Mesh, vocab: int, tokenizer) -> Transformer:

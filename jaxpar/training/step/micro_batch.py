@@ -53,8 +53,8 @@ def choose(t: TrainConfig, mesh, platform: str, compiled_at: Callable, capacity:
     if platform == "cpu" or not capacity:
         return CPU_MICRO_BATCH, None
     options = rows_per_pass_options(t, split_ways(mesh, "batch"))
-    peak = lambda rows: hlo.memory_summary(compiled_at(rows)).get("peak_memory_bytes", 0)
-    rows, compiles = largest_fitting(options, lambda rows: peak(rows) <= capacity)
+    rows, compiles = largest_fitting(
+        options, lambda rows: hlo.memory_summary(compiled_at(rows)).get("peak_memory_bytes", 0) <= capacity)
     note = (f"train.micro_batch=auto: {rows} rows a pass on each {platform} device, the most whose "
             f"step fits its {capacity / 2**30:,.1f} GiB ({compiles} compile{'s' * (compiles != 1)})")
     return rows, note

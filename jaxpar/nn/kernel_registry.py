@@ -1,0 +1,42 @@
+"""The kernels that each [model] kernel key names: its entries, as the modules that implement them
+define them (jaxpar.nn.kernel_entry says what an entry is), and the config's checks of them.
+
+The config's own checks (jaxpar.core) know the keys and their `auto` default only; the names and
+needs are asked here, where the execution plan is made (jaxpar.training.step.execution): before
+any other work, and again for every command's model as the plan is made.
+"""
+
+from jaxpar.core.model_config import field_names
+from jaxpar.nn import kernel_entry as entry
+from jaxpar.nn import kernels, moe
+from jaxpar.nn.grouped_gemm import GEMM_KERNELS
+from jaxpar.nn.kernel_entry import ATTENTION, MOE_DISPATCH, MOE_GEMM
+
+KERNELS = {ATTENTION: kernels.ATTENTION_KERNELS, MOE_GEMM: GEMM_KERNELS, MOE_DISPATCH: moe.DISPATCH_KERNELS}
+
+
+def names(key: str) -> tuple[str, ...]:
+    """The values model.<key> takes: auto, then its kernels."""
+    return entry.names(KERNELS[key])
+
+
+def check_name(key: str, value: str) -> None:
+    """Refuse a value of model.<key> that names none of its kernels, in one line naming them."""
+    entry.check_name(KERNELS[key], value)
+
+
+def chosen(key: str, value: str, platform: str) -> str:
+    """model.<key> as it runs on `platform`: `value`, or what `auto` picks there (for a key whose
+    kernels need nothing checked)."""
+    return entry.chosen(KERNELS[key], value, platform)
+
+
+def check_model(m, documents: bool) -> None:
+    """Refuse what model config m's kernel keys name where the config alone rules it out, each in
+    one line with the choices or the fix: the attention kernel (with `documents`,
+    data.document_mask, one that cannot keep them apart too), then a mixture's dispatch and GEMM
+    (the keys of the families that have them)."""
+    kernels.check_attention(m, documents)
+    for key in (MOE_DISPATCH, MOE_GEMM):
+        if key in field_names(m):
+            check_name(key, getattr(m, key))
