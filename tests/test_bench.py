@@ -75,6 +75,23 @@ def test_bad_layout_exits_2_and_writes_nothing(capsys, tmp_path, layouts, expect
     assert not out.exists()
 
 
+@pytest.mark.parametrize("override, expected", [
+    ("--model.attention=flash", "model.attention must be one of auto, xla, splash, cudnn, tokamax, got 'flash'"),
+    ("--optimizer.name=sgd", "optimizer.name must be one of adamw, lion, adafactor, muon, got 'sgd'"),
+    ("--pipeline.schedule=dualpipe", "pipeline.schedule must be one of gpipe, 1f1b, interleaved, zb-h1, dualpipev"),
+])
+def test_a_name_no_registry_holds_exits_2_before_any_layout_runs(capsys, tmp_path, override, expected):
+    """A kernel, optimizer or schedule name is refused as jaxpar.train refuses it, before a layout's
+    process starts or an output is written (the control: the names each refusal lists)."""
+    out = tmp_path / "bench"
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--config", "tiny", "--layouts", "dp=2", "--steps", "3", "--out", str(out), override])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
+    assert not out.exists()
+
+
 def test_plan_adds_the_baseline_and_scales_batch_when_weak(capsys):
     strong = bench.plan_layouts("dp=2;tp=2", "tiny", {})
     assert [(lay.spec, lay.devices, lay.cfg.train.batch_size) for lay in strong] == [
