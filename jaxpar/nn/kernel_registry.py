@@ -20,17 +20,6 @@ def names(key: str) -> tuple[str, ...]:
     return entry.names(KERNELS[key])
 
 
-def check_name(key: str, value: str) -> None:
-    """Refuse a value of model.<key> that names none of its kernels, in one line naming them."""
-    entry.check_name(KERNELS[key], value)
-
-
-def chosen(key: str, value: str, platform: str) -> str:
-    """model.<key> as it runs on `platform`: `value`, or what `auto` picks there (for a key whose
-    kernels need nothing checked)."""
-    return entry.chosen(KERNELS[key], value, platform)
-
-
 def check_model(m, documents: bool) -> None:
     """Refuse what model config m's kernel keys name where the config alone rules it out, each in
     one line with the choices or the fix: the attention kernel (with `documents`,
@@ -39,4 +28,4 @@ def check_model(m, documents: bool) -> None:
     kernels.check_attention(m, documents)
     for key in (MOE_DISPATCH, MOE_GEMM):
         if key in field_names(m):
-            check_name(key, getattr(m, key))
+            entry.check_name(KERNELS[key], getattr(m, key))

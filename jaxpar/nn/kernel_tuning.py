@@ -134,12 +134,7 @@ def choose_legs(cache: TuningCache, device: str, requests, tuner, kernels=None) 
     (`requests`: each GEMM's three legs) among the kernels every GEMM kept; and the lines to say:
     each dropped kernel's, then the cache's one line. A cached choice is used only where
     leg_problem finds nothing wrong with it (`kernels`: the candidates here)."""
-    return fastest_legs(*tune(cache, device, requests, tuner, lambda config: leg_problem(config, kernels)))
-
-
-def fastest_legs(configs: dict, line: str) -> tuple[tuple, list[str]]:
-    """choose_legs' choice from each request's timed `configs`, and the lines to say after the
-    cache's `line`."""
+    configs, line = tune(cache, device, requests, tuner, lambda config: leg_problem(config, kernels))
     legs, lines = [], []
     for leg in grouped_gemm.LEGS:
         chosen = [c for r, c in configs.items() if r.leg == leg]
@@ -185,10 +180,9 @@ def plan_tuning(m, kernel_cache: str, choose: bool, platform: str, device, gemm:
         configs, line = tune(cache, kind, tokamax_requests, tuner,
                              lambda config: None if isinstance(config, str) else "not tokamax's tuned configs (text)")
         tuning, lines = tuple(configs.values()), [line]
-    if choose:  # choose_legs, its requests made above with tokamax's
-        timed = tune(cache, kind, leg_requests, leg_tuner(kernels, timer, interpret, tuning=tuning),
-                     lambda config: leg_problem(config, kernels))
-        legs, chosen = fastest_legs(*timed)
+    if choose:
+        legs, chosen = choose_legs(cache, kind, leg_requests, leg_tuner(kernels, timer, interpret, tuning=tuning),
+                                   kernels)
         fields["gemm_legs"], lines = legs, [*lines, *chosen]
     if tuning and TOKAMAX in (fields.get("gemm_legs") or (gemm,)):
         fields["gemm_tuning"] = tuning

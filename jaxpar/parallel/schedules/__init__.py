@@ -33,9 +33,7 @@ def schedule_class(name: str) -> type[PipelineSchedule]:
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> PipelineSchedule:
     """The named schedule's table on pp stages, checked: a UserError where it cannot run."""
     cls = schedule_class(name)
-    chunks = cls.chunks_per_stage(virtual)
-    cls.check(pp, microbatches, chunks)
-    return cls(pp, microbatches, chunks)
+    return table(cls, pp, microbatches, cls.chunks_per_stage(virtual))
 
 
 def schedule_for(p: PipelineConfig, run: Run, pp: int, dp: int) -> PipelineSchedule | None:
@@ -48,8 +46,14 @@ def schedule_for(p: PipelineConfig, run: Run, pp: int, dp: int) -> PipelineSched
         return None
     M = pipeline_microbatches(run, dp, pp)
     check_chunks(run.model, pp, chunks)
-    cls.check(pp, M, chunks)
-    return cls(pp, M, chunks)
+    return table(cls, pp, M, chunks)
+
+
+def table(cls: type[PipelineSchedule], pp: int, microbatches: int, chunks: int) -> PipelineSchedule:
+    """Schedule `cls`'s table on pp stages with `chunks` layer chunks a stage, checked: a UserError
+    where it cannot run."""
+    cls.check(pp, microbatches, chunks)
+    return cls(pp, microbatches, chunks)
 
 
 def evaluation(pp: int, microbatches: int) -> PipelineSchedule:
