@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, load_config, parse_overrides, valid_keys
-from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.core.paths import given, output_folder
 from jaxpar.parallel.mesh import mesh_help, parse_mesh_spec
 from jaxpar.training.run.loss_plots import plot_after_training
 from jaxpar.training.run.trainer import run
@@ -19,7 +20,7 @@ from jaxpar.training.run.trainer import run
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = ArgumentParser(prog=prog, epilog="Any config field can be set as "
                             f"--section.field=value, with keys: {', '.join(valid_keys())}.")
-    parser.add_argument("--config", help=f"TOML file, or a name in configs/ (default: "
+    parser.add_argument("--config", type=given("--config"), help=f"TOML file, or a name in configs/ (default: "
                         f"{DEFAULT_CONFIG_NAME}, which equals the built-in defaults)")
     parser.add_argument("--mesh", help=mesh_help())
     parser.add_argument("--steps", help="total optimizer steps (train.steps)")
@@ -28,11 +29,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--zero", help="ZeRO stage 0-3 over the data axis (train.zero; default 1)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print where every tensor lives and the memory per device; no training")
-    parser.add_argument("--out", help="output directory (default: out/<config name>); a run "
+    parser.add_argument("--out", type=given("--out"), help="output directory (default: out/<config name>); a run "
                         "started again with the same --out resumes from its latest checkpoint")
     parser.add_argument("--fresh", action="store_true",
                         help="start over: delete the checkpoints in --out instead of resuming")
-    parser.add_argument("--init-from", metavar="HF_DIR",
+    parser.add_argument("--init-from", metavar="HF_DIR", type=given("--init-from"),
                         help="start from a Hugging Face GPT-2 or Llama directory (config.json and "
                         "safetensors); the model's shape comes from it (train.init_from)")
     parser.add_argument("--profile", metavar="START:END",
@@ -63,7 +64,7 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name
     if not args.dry_run:  # which writes nothing
-        check_output_dir(out_dir)
+        out_dir = output_folder(out_dir)  # through a symbolic link, which stays
     return cfg, out_dir, args
 
 

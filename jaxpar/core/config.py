@@ -29,6 +29,7 @@ from jaxpar.core.optimizer_config import (
     check_wsd,
     validate_optimizer,
 )
+from jaxpar.core.paths import checked
 from jaxpar.core.xla_options import parse as parse_xla_options
 
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
@@ -265,6 +266,9 @@ def validate(cfg: Config) -> None:
                         f"train.grad_accum={t.grad_accum}")
     if cfg.eval.tasks and not cfg.eval.tasks_dir:
         raise UserError("eval.tasks needs eval.tasks_dir: the folder holding the tasks (see the guide)")
+    for key in ("train.init_from", "train.kernel_cache", "eval.tasks_dir"):  # data's are validate_data's
+        if get(key):
+            checked(get(key), key)
     validate_data(cfg.data)
     if not 0 <= t.seed <= SEED_MAX:
         raise UserError(f"train.seed (--seed) must be from 0 to {SEED_MAX}, got {t.seed}: numpy's generators take "

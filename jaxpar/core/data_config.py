@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.paths import checked
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+")
 FORM = "name=path:weight,... (e.g. web=data/web:0.6,code=data/code:0.4)"
@@ -135,4 +136,9 @@ def validate_data(d: DataConfig) -> None:
                         "several with data.mix")
     if d.mix_block < 1:
         raise UserError(f"data.mix_block must be positive, got {d.mix_block}")
-    check_shares(parse_mix(d.mix), d.mix_block)
+    sources = parse_mix(d.mix)
+    check_shares(sources, d.mix_block)
+    for source in sources:
+        checked(source.path, f"data.mix source '{source.name}'")
+    if d.path:
+        checked(d.path, "data.path")

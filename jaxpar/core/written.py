@@ -98,3 +98,14 @@ class Outputs:
         partial = self.folder / (RECORD + ".tmp")
         partial.write_text(json.dumps({"written_by": "jaxpar", "written": sorted(names)}, indent=1) + "\n")
         os.replace(partial, self.folder / RECORD)
+
+
+def replace_text(path: Path, text: str, partial_suffix: str = ".partial") -> None:
+    """Write `path` whole or not at all: the text goes to a partial file, renamed over `path` once
+    complete, so an interrupted or failed write leaves `path` as it was (and the partial removed)."""
+    partial = path.with_name(path.name + partial_suffix)
+    try:
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)  # gone already, unless the write failed

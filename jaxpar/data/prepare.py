@@ -38,8 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.core.out_lock import LOCK_NAME, RunLock
+from jaxpar.core.paths import given, output_folder
+from jaxpar.core.written import replace_text
 from jaxpar.data import corpus
 from jaxpar.data.records import RecordOptions, RecordPiece, input_size, is_records
 from jaxpar.data.split_writer import PARTIAL, SPLITS, SplitWriter, token_dtype
@@ -136,14 +138,8 @@ def commit(out: Path, meta: dict, hf_json: str | None) -> None:
     if hf_json is None:
         (out / "tokenizer.json").unlink(missing_ok=True)  # a stale one would contradict meta.json
     else:
-        write_then_rename(out / "tokenizer.json", hf_json)
-    write_then_rename(out / "meta.json", json.dumps(meta, indent=1) + "\n")
-
-
-def write_then_rename(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + PARTIAL)
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
+        replace_text(out / "tokenizer.json", hf_json)
+    replace_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")
 
 
 def discard_partials(out: Path, error: BaseException) -> None:
@@ -195,7 +191,7 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
     input_bytes = sum(input_size(path) for path in paths)
     if not input_bytes:
         raise UserError(f"the inputs are empty ({', '.join(map(str, paths))}); pass text files")
-    check_output_dir(out)
+    out = output_folder(out)  # through a symbolic link, which stays
     with RunLock(out):  # one writer per --out: two would write the same files in turns
         check_out_dir(out, force)
         started = time.perf_counter()
@@ -227,7 +223,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="jaxpar.prepare", description="Tokenize text files or records (jsonl, parquet, Arrow) "
         "into train.bin, val.bin (nanoGPT's format), meta.json and tokenizer.json in --out.")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", type=given("input"),
                         help="files or globs (quote globs): UTF-8 text (each file one document), "
                         "jsonl (.jsonl, .json, .jsonl.gz, .jsonl.zst), .parquet, .arrow or a "
                         "datasets save_to_disk folder (each record one document); documents are "
@@ -241,7 +237,7 @@ def build_parser() -> ArgumentParser:
                         help="tokens: the last --val-fraction of each document's tokens go to val; "
                         "documents: every 1/fraction-th whole document does (default: tokens for "
                         "text files, documents for records, which are often short)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument("--out", required=True, metavar="DIR", type=given("--out"), help="the directory to write")
     parser.add_argument("--tokenizer", required=True, metavar="SPEC",
                         help="char, bytes, bpe (trained on the inputs; needs --vocab-size), "
                         "tiktoken:NAME (e.g. tiktoken:gpt2; from tiktoken's cache only), or "

@@ -21,6 +21,7 @@ from jaxpar.core.axes import splitting
 from jaxpar.core.config import DataConfig
 from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_interrupt, exit_on_user_error
+from jaxpar.core.paths import given
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.inference.loading import Model, add_model_source, load_source
@@ -211,14 +212,14 @@ def parse_args(argv):
     parser = ArgumentParser(prog="jaxpar.eval", description="Loss over the whole val split, or "
                             "multiple-choice accuracy on downstream tasks.")
     add_model_source(parser)
-    parser.add_argument("--data", help="a jaxpar.prepare directory or text file (default: "
+    parser.add_argument("--data", type=given("--data"), help="a jaxpar.prepare directory or text file (default: "
                         "the run's own data; needed with --hf)")
     parser.add_argument("--rows", type=int, default=None, help="rows per forward pass (default: 16 "
                         "blocks for the loss, 32 requests for tasks)")
     parser.add_argument("--tasks", help="comma-separated: hellaswag, arc_easy, arc_challenge, piqa, winogrande")
-    parser.add_argument("--tasks-dir", help="where the tasks are: save_to_disk folders, .arrow or .jsonl")
+    parser.add_argument("--tasks-dir", type=given("--tasks-dir"), help="where the tasks are: save_to_disk folders, .arrow or .jsonl")
     parser.add_argument("--limit", type=int, help="with --tasks: each task's first N items")
-    parser.add_argument("--samples", help="with --tasks: write each item's log-likelihoods here (jsonl)")
+    parser.add_argument("--samples", type=given("--samples"), help="with --tasks: write each item's log-likelihoods here (jsonl)")
     args = parser.parse_args(argv)
     if args.rows is not None and args.rows < 1:
         raise UserError(f"--rows must be at least 1, got {args.rows}")

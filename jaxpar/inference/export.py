@@ -23,8 +23,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.core.out_lock import LOCK_NAME, RunLock
+from jaxpar.core.paths import check_output_dir, given, output_folder
 
 RUN_BELOW_LIMIT = 10_000  # folders searched for a run below --out before naming a foreign file instead
 
@@ -118,7 +119,7 @@ def export(ckpt, out, force: bool = False, dtype: str = "float32",
     from jaxpar.formats.hf_files import MAX_SHARD_BYTES
     from jaxpar.inference import sample
     from jaxpar.models.hf import hf_config, hf_state_dict
-    out = Path(out)
+    out = output_folder(out)  # through a symbolic link, which stays: the export replaces the folder it names
     check_out_dir(out, ckpt, force)  # before the lock, whose folder beside --out a refusal need not make
     with locked(out) as folder:
         staging, replaced, where = folder / "staging", folder / "replaced", Path(os.path.abspath(out))
@@ -266,9 +267,9 @@ def discard_export(folder: Path) -> bool:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxpar.export",
                             description="Write a checkpoint as a Hugging Face directory (GPT-2 or Llama).")
-    parser.add_argument("--ckpt", required=True,
+    parser.add_argument("--ckpt", required=True, type=given("--ckpt"),
                         help="a training run's --out directory, or its checkpoints folder")
-    parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    parser.add_argument("--out", required=True, type=given("--out"), help="the Hugging Face directory to write")
     parser.add_argument("--force", action="store_true",
                         help="replace an earlier export in --out: only the files it lists in its "
                              "jaxpar_export.json; a folder holding anything else is refused")

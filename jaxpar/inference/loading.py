@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from jaxpar.core.config import Config, MeshConfig, load_config
 from jaxpar.core.errors import ArgumentParser, UserError
 from jaxpar.core.execution import ExecutionPlan
+from jaxpar.core.paths import given
 from jaxpar.core.sharding import shardings_for
 from jaxpar.models.hf import apply_hf_config, check_finite, hf_tokenizer, load_hf_params
 from jaxpar.models.transformer import Transformer
@@ -114,8 +115,8 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
 def add_model_source(parser: ArgumentParser) -> None:
     """--ckpt RUN_DIR or --hf HF_DIR, and the mesh to run on."""
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="a training run's --out directory, or its checkpoints folder")
-    source.add_argument("--hf", metavar="HF_DIR", help="a Hugging Face directory (GPT-2 or Llama), "
+    source.add_argument("--ckpt", type=given("--ckpt"), help="a training run's --out directory, or its checkpoints folder")
+    source.add_argument("--hf", metavar="HF_DIR", type=given("--hf"), help="a Hugging Face directory (GPT-2 or Llama), "
                         "as save_pretrained writes it: used as it is, without training")
     parser.add_argument("--block-size", type=int, help="with --hf: the window in tokens (default: "
                         "max_position_embeddings, at most 1024)")

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from jaxpar.core.axes import KEYS
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config
-from jaxpar.core.errors import UserError, check_output_dir, exit_on_user_error
+from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
+from jaxpar.core.paths import given, output_folder
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
 from jaxpar.planning.bench_record import RECORD, add_scaling, bench_outputs, earlier_row, settings, write_outputs
@@ -249,13 +250,13 @@ def parse_args(argv: list[str]):
     parser = ArgumentParser(prog="jaxpar.bench", description="Train one config on several mesh layouts "
                      "and compare speed, memory, collectives and final loss.",
                      epilog="Any other --section.field=value is passed to jaxpar.train.")
-    parser.add_argument("--config", help="TOML file or a name in configs/ (as jaxpar.train)")
+    parser.add_argument("--config", type=given("--config"), help="TOML file or a name in configs/ (as jaxpar.train)")
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                         help=f"mesh specs separated by ';' (default: {DEFAULT_LAYOUTS!r})")
     parser.add_argument("--steps", type=int, help=f"steps per layout (default: {DEFAULT_STEPS})")
     parser.add_argument("--weak", action="store_true",
                         help="weak scaling: global batch = train.batch_size x devices")
-    parser.add_argument("--out", help="output directory (default: out/bench_<config name>); a layout "
+    parser.add_argument("--out", type=given("--out"), help="output directory (default: out/bench_<config name>); a layout "
                         "measured there before under the same settings is reused, saying so")
     args, rest = parser.parse_known_args(argv)
     overrides = parse_overrides(rest)
@@ -263,7 +264,7 @@ def parse_args(argv: list[str]):
         overrides["train.steps"] = str(DEFAULT_STEPS if args.steps is None else args.steps)
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / f"bench_{name}"
-    check_output_dir(out_dir)
+    out_dir = output_folder(out_dir)  # through a symbolic link, which stays
     return args, overrides, out_dir
 
 

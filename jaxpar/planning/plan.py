@@ -265,9 +265,14 @@ def main(argv: list[str] | None = None) -> None:
                 pass
         devices = target_devices(target)  # before the lock: a refused offload leaves no --out behind
         args.remat, args.offload = host_memory_choices(target, devices, args.remat, args.offload, args.auto)
-        with RunLock(args.out):  # one writer per --out
-            plan_outputs(args.out).check()  # a file jaxpar did not write is refused before any compile
-            plan(cfg, target, args, overrides, devices)
+        try:
+            with RunLock(args.out):  # one writer per --out
+                plan_outputs(args.out).check()  # a file jaxpar did not write is refused before any compile
+                plan(cfg, target, args, overrides, devices)
+        except KeyboardInterrupt:  # the lock released by now; each report file is written whole or not at all
+            print(f"jaxpar.plan: interrupted; nothing new written in {args.out} (an earlier plan there is "
+                  "as it was)", file=sys.stderr, flush=True)
+            os._exit(130)  # not sys.exit: the interpreter's teardown while XLA compiles can segfault
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from jaxpar.core.axes import AXES
 from jaxpar.core.config import OFFLOADS, load_config, valid_keys
-from jaxpar.core.errors import ArgumentParser, UserError, check_output_dir
+from jaxpar.core.errors import ArgumentParser, UserError
+from jaxpar.core.paths import given, output_folder
 from jaxpar.core.remat import HOST, REMAT_KINDS
 from jaxpar.planning.hardware import parse_target
 from jaxpar.planning.layouts import AUTO_SIZES, choices, fixed_sizes, fp8_choices, int_list, parse_layouts
@@ -24,7 +25,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="jaxpar.plan", description=DESCRIPTION,
                             epilog="Any config field can be set as --section.field=value, with keys: "
                             f"{', '.join(valid_keys())}.")
-    parser.add_argument("--config", help="TOML file, or a name in configs/ (e.g. gpt2-xl)")
+    parser.add_argument("--config", type=given("--config"), help="TOML file, or a name in configs/ (e.g. gpt2-xl)")
     parser.add_argument("--target", required=True, help="tpu:v5e-256, tpu:v5p-128, tpu:v4-64, "
                         "tpu:v6e-64 (Cloud TPU accelerator types), gpu:h100-8 (one node of 1, 2, 4 "
                         "or 8 H100s), or cpu:N (N host devices)")
@@ -56,7 +57,7 @@ def build_parser() -> ArgumentParser:
                         help=f"compile at most this many layouts, the most promising first "
                         f"(default {DEFAULT_MAX_COMPILES})")
     parser.add_argument("--top", type=int, default=10, help="rows of the ranked table to print")
-    parser.add_argument("--out", help="output directory (default: out/plan-<target>)")
+    parser.add_argument("--out", type=given("--out"), help="output directory (default: out/plan-<target>)")
     return parser
 
 
@@ -89,7 +90,7 @@ def parse_args(argv: list[str]):
         raise UserError(f"--layouts auto with {flags} leaves no layout of {target.chips} devices; pass "
                         f"sizes whose product divides {target.chips}")
     out = Path(args.out) if args.out else Path("out") / f"plan-{args.target.replace(':', '-')}"
-    check_output_dir(out)
+    out = output_folder(out)  # through a symbolic link, which stays
     args.auto = {flag for flag in ("remat", "offload") if getattr(args, flag) == "auto"}
     args.zero, args.remat, args.offload, args.fp8, args.out, args.fixed = zeros, remats, offloads, fp8s, out, fixed
     return cfg, target, args, overrides

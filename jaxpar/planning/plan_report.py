@@ -5,7 +5,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from jaxpar.core.axes import PIPE_AXIS
-from jaxpar.core.written import FILE, Outputs
+from jaxpar.core.written import FILE, Outputs, replace_text
 from jaxpar.planning import roofline
 
 GiB = 2**30
@@ -223,10 +223,10 @@ def write_report(out: Path, target, chip, cfg, candidates: list, command, top: i
     outputs = plan_outputs(out)
     outputs.check()  # again, now: the compiles took minutes, in which a file may have come
     outputs.claim(*outputs.names)
-    (out / "plan.md").write_text(text)
+    replace_text(out / "plan.md", text)  # each file whole or not at all: Ctrl-C may come at any moment
     meta = {"target": target.name, "topology": target.topology, "chip": chip.__dict__,
             "config": cfg.to_dict(), "model": MODEL_TEXT}
-    (out / "plan.json").write_text(json.dumps(
+    replace_text(out / "plan.json", json.dumps(
         {**meta, "layouts": [candidate_json(c, command) for c in candidates]}, indent=1))
     plot(out / "plan.png", candidates, chip.hbm_bytes, f"{target.name}: one point per compiled layout")
     best = ranked(candidates)

@@ -22,7 +22,12 @@ def pyplot():
     return plt
 
 
-WRITER = "jaxpar"  # the PNG's Software field: marks a picture jaxpar drew, which it may draw again
+WRITER = "jaxpar"  # the picture's Software or Creator field: marks one jaxpar drew, which it may draw again
+# Where each kind of picture keeps that mark (PDF's near its end). Other kinds (JPEG, TIFF ...) keep
+# none, so an existing one is never taken for jaxpar's and is never overwritten.
+MARKS = {"png": b"Software\x00" + WRITER.encode(), "pdf": b"/Creator (" + WRITER.encode() + b")",
+         "svg": b"<dc:title>" + WRITER.encode() + b"</dc:title>", "ps": b"%%Creator: " + WRITER.encode(),
+         "eps": b"%%Creator: " + WRITER.encode()}
 
 
 def save(plt, fig, out_png) -> Path:
@@ -31,8 +36,9 @@ def save(plt, fig, out_png) -> Path:
     kind = out_png.suffix.lstrip(".").lower() or "png"
     partial = out_png.with_name(out_png.name + ".partial")
     fig.tight_layout()
+    mark = ({"Software": WRITER} if kind == "png" else {"Creator": WRITER}) if kind in MARKS else None
     try:
-        fig.savefig(partial, dpi=100, format=kind, metadata={"Software": WRITER} if kind == "png" else None)
+        fig.savefig(partial, dpi=100, format=kind, metadata=mark)
         partial.replace(out_png)
     finally:
         plt.close(fig)  # pyplot keeps every open figure alive otherwise
@@ -41,17 +47,23 @@ def save(plt, fig, out_png) -> Path:
 
 
 def drawn_by_jaxpar(path: Path) -> bool:
-    """Whether a PNG says jaxpar drew it (the Software field that `save` writes, near its start)."""
+    """Whether a picture says jaxpar drew it: the mark `save` writes, near its start or its end."""
+    mark = MARKS.get(path.suffix.lstrip(".").lower())
     try:
         with open(path, "rb") as f:
-            return f.read(8) == b"\x89PNG\r\n\x1a\n" and b"Software\x00" + WRITER.encode() in f.read(4096)
+            head = f.read(65536)
+            f.seek(max(0, f.seek(0, 2) - 8192))
+            tail = f.read()
     except OSError:
         return False
+    if path.suffix.lower() == ".png" and not head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return False
+    return mark is not None and (mark in head or mark in tail)
 
 
 def picture_path(out: str | None, default: str, flag: str = "--out") -> Path:
     """Where a picture goes, checked before any work: `out` (in it, when a folder, as `default`'s
-    name), or `default`, which must not replace a file jaxpar did not draw. Its name says its kind
+    name), or `default`; neither may replace a file jaxpar did not draw. Its name says its kind
     (.png, .pdf, .svg ...), and its folder must exist."""
     from matplotlib.backend_bases import FigureCanvasBase
     path = Path(out or default)
@@ -66,9 +78,9 @@ def picture_path(out: str | None, default: str, flag: str = "--out") -> Path:
         raise UserError(f"{flag} '{path}': the folder '{path.parent}' does not exist; make it, or pass another path")
     if path.is_symlink() or path.exists() and not path.is_file():
         raise UserError(f"{flag} '{path}' is not a plain file; pass a path for the picture")
-    if out is None and path.exists() and not drawn_by_jaxpar(path):
+    if path.exists() and not drawn_by_jaxpar(path):  # given or by default: what jaxpar did not draw is kept
         raise UserError(f"'{path}' was not drawn by jaxpar, which would overwrite it; pass {flag} to name "
-                        "the picture to write")
+                        "another picture to write, or move it away")
     return path
 
 
@@ -184,9 +196,10 @@ def plot_bench(rows: list[dict], out_png) -> Path:
 def main(argv: list[str] | None = None) -> None:
     with exit_on_user_error("jaxpar.plot"):
         from jaxpar.core.errors import ArgumentParser
+        from jaxpar.core.paths import given
         parser = ArgumentParser(prog="jaxpar.plot", description="Overlay the loss curves of jaxpar runs.")
-        parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="jaxpar.train --out dirs")
-        parser.add_argument("--out", help="the picture to write, or a folder for loss.png (default: "
+        parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=given("RUN_DIR"), help="jaxpar.train --out dirs")
+        parser.add_argument("--out", type=given("--out"), help="the picture to write, or a folder for loss.png (default: "
                             "loss.png); its name gives its kind: .png, .pdf, .svg ...")
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         out = picture_path(args.out, "loss.png")
