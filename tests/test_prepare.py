@@ -218,6 +218,21 @@ def test_empty_inputs_are_refused(capsys, tmp_path):
                "the inputs are empty")
 
 
+@pytest.mark.parametrize("texts, tokenizer", [(["", ""], "bytes"), (["  ", "\n"], "word-level")])
+def test_inputs_that_give_no_token_are_one_line(capsys, tmp_path, texts, tokenizer):
+    """Records whose texts are empty, or whitespace a word-level tokenizer drops whole: no
+    --val-fraction helps, so the line says what became empty instead of suggesting one."""
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    if tokenizer == "word-level":
+        hf = Tokenizer(models.WordLevel({"w": 0}, unk_token="w"))
+        hf.pre_tokenizer = pre_tokenizers.Whitespace()
+        hf.save(str(tmp_path / "words.json"))
+        tokenizer = tmp_path / "words.json"
+    fails_with(capsys, tmp_path / "out", [tmp_path / "r.jsonl", "--tokenizer", tokenizer],
+               "the inputs give no tokens: every document's text is empty or dropped whole")
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_uncached_tiktoken_encoding_is_refused(capsys, tmp_path, docs, monkeypatch):
     pytest.importorskip("tiktoken")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))

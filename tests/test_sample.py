@@ -86,6 +86,20 @@ def test_cli_bad_input_is_one_line_and_exit_2(trained, capsys, argv, expected):
     assert err.startswith("jaxpar.sample: error: ") and expected in err, err
 
 
+def test_a_prompt_the_tokenizer_drops_whole_is_one_line():
+    """Spaces give a word-level tokenizer.json no token: the model would have nothing to continue."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxpar.core.errors import UserError
+    from jaxpar.data.tokenizer import HFTokenizer
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = HFTokenizer(words, "words.json")
+    assert sample.prompt_ids(tokenizer, "the").tolist() == [1]
+    with pytest.raises(UserError, match=r"the prompt '   ' encodes to no tokens .*\(words.json\)"):
+        sample.prompt_ids(tokenizer, "   ")
+
+
 def test_cli_without_checkpoints_names_the_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sample.main(["--ckpt", str(tmp_path)])

@@ -138,6 +138,40 @@ def test_a_character_model_scores_what_it_can(capsys, tmp_path):
     assert (req.inputs < tokenizer.vocab_size).all()
 
 
+def word_level(words: list[str]):
+    """A tokenizer.json that splits on whitespace and drops it: " " alone gives no token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxpar.data.tokenizer import HFTokenizer
+    hf = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "<|endoftext|>"] + words)},
+                                    unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    return HFTokenizer(hf, "words.json")
+
+
+def test_an_item_with_a_choice_that_has_nothing_to_score_is_left_out():
+    """Spaces give the word-level tokenizer no token (a score of 0 would win); an empty choice
+    has a token, " ", for characters, but acc_norm would divide by its 0 characters."""
+    from jaxpar.data.tokenizer import CharTokenizer
+    rows = [{"goal": "the cat", "sol1": "   ", "sol2": "a cat", "label": 0},
+            {"goal": "the cat", "sol1": "the", "sol2": "a cat", "label": 1},
+            {"goal": "the cat", "sol1": "a", "sol2": "", "label": 1}]
+    items = to_items(TASKS["piqa"], rows, "x")
+    req = encode_requests(items, word_level(["the", "a", "cat"]), block=16)
+    assert (req.unscored, req.indices, len(req.inputs)) == (2, [1], 2)
+    assert req.scored.sum(axis=1).tolist() == [1, 2]
+    req = encode_requests(items, CharTokenizer.from_text("Question: \nAnswertheca"), block=64)
+    assert (req.unscored, req.indices, len(req.inputs)) == (1, [0, 1], 4)
+
+
+def test_a_task_with_no_item_left_to_score_is_one_line(capsys, saved, tmp_path):
+    (tmp_path / "piqa.jsonl").write_text("".join(json.dumps({"goal": "G", "sol1": "", "sol2": s, "label": 0}) + "\n"
+                                                 for s in ("", "x")))
+    exits_with_one_line(capsys, "jaxpar.eval", lambda: eval_main(
+        ["--ckpt", str(saved.run), "--tasks", "piqa", "--tasks-dir", str(tmp_path)]),
+        "piqa.jsonl: none of the 2 piqa items can be scored", "nothing to score")
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["--tasks", "hellaswag", "--tasks-dir", "/nonexistent"], ["tasks directory '/nonexistent' does not exist"]),
     (["--tasks", "hellaswag,mmlu", "--tasks-dir", str(TASKS_DIR)], ["unknown task 'mmlu'", "arc_easy"]),

@@ -109,7 +109,11 @@ def check_out_dir(out: Path, force: bool) -> None:
                         f"{', '.join(OUTPUTS)} over what is there, or pass another directory")
 
 
-def check_splits(writer: SplitWriter, val_fraction: float) -> None:
+def check_splits(writer: SplitWriter, val_fraction: float, tokenizer: str) -> None:
+    if not sum(writer.tokens.values()):  # then no --val-fraction or --val-split could help
+        raise UserError(f"the inputs give no tokens: every document's text is empty or dropped whole by "
+                        f"--tokenizer {tokenizer}; pass inputs with text in them (for records, the "
+                        "--text-field that holds it)")
     for split in SPLITS:
         if not writer.tokens[split]:
             total = sum(writer.tokens.values())
@@ -205,7 +209,7 @@ def prepare(inputs: list[str], out, tokenizer: str, vocab_size: int | None = Non
             writer = SplitWriter(out, dtype, tok.eot_id, val_fraction)
             seconds, skipped = tokenize(writer, tok, paths, workers, progress, options, val_split)
             writer.close()
-            check_splits(writer, val_fraction)
+            check_splits(writer, val_fraction, tok.spec)
             meta = make_meta(tok, writer, val_fraction, input_bytes, val_split_of(paths, val_split), options,
                              skipped)
             commit(out, meta, hf_json)

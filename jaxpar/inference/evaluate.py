@@ -132,6 +132,9 @@ def evaluate_tasks(model: Model, args, say_capped: bool = False) -> tuple[list[d
         if result["dropped_chars"]:
             print(f"jaxpar.eval: note: {task.name}: the tokenizer lacks {result['dropped_chars']} of the "
                   "task's characters; they were left out of the texts", file=sys.stderr)
+        if result["unscored"]:
+            print(f"jaxpar.eval: note: {task.name}: {result['unscored']} items have a choice with nothing to "
+                  "score (no token, or no characters for acc_norm); they were left out", file=sys.stderr)
     return results, samples
 
 

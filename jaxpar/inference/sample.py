@@ -39,10 +39,15 @@ class Generation:
 
 
 def prompt_ids(tokenizer, prompt: str) -> np.ndarray:
-    """The prompt's token ids; an unknown character is a UserError naming it."""
-    if not prompt:
-        raise UserError("the prompt is empty; pass at least one character with --prompt")
-    return tokenizer.encode(prompt)
+    """The prompt's token ids; an unknown character is a UserError naming it, and so is a prompt
+    that gives no token (empty, or text the tokenizer drops, e.g. spaces a word-level one splits
+    on): the model would have no position to continue from."""
+    ids = tokenizer.encode(prompt)
+    if not len(ids):
+        what = "is empty" if not prompt else (f"{prompt!r} encodes to no tokens with this model's "
+                                              f"tokenizer ({tokenizer.spec}), which drops that text")
+        raise UserError(f"the prompt {what}; pass at least one character the tokenizer keeps with --prompt")
+    return ids
 
 
 def make_decoders(model: Model, temperature: float, top_k: int):

@@ -8,6 +8,12 @@ so a long context loses its start, and a continuation longer than the block is s
 last `block` tokens (counted as `truncated`). A character tokenizer drops the characters it lacks
 (counted as `dropped_chars`) instead of failing.
 
+An item is left out (counted as `unscored`) when one of its choices has nothing to score: no
+continuation token that a token before it predicts (its text empty after the task's template, or
+all of it dropped or merged into the context by the tokenizer), or for `acc_norm` no characters.
+Its score would be 0 or a division by zero, which wins or breaks the comparison; a task left with
+no item is one line.
+
 Every request of a task is one row of one fixed length (the longest, rounded up to 16, at most the
 block), padded on the right: one compile serves a task, and a causal model's scores do not see
 the padding. Rows are split over the mesh's batch axes as training splits them.
@@ -33,14 +39,16 @@ ROW_MULTIPLE = 16  # a task's row length is rounded up to this
 
 @dataclass
 class Requests:
-    """One task's requests, encoded: one row per (item, choice), in item order."""
-    items: list[Item]
+    """One task's requests, encoded: one row per (item, choice) of the items kept, in item order."""
+    items: list[Item]  # the items kept: every choice has something to score
+    indices: list[int]  # each kept item's index among the task's items
     inputs: np.ndarray  # (requests, length) int32
     targets: np.ndarray  # (requests, length) int32
     scored: np.ndarray  # (requests, length) bool: the continuation's targets
     lengths: np.ndarray  # (requests,): each row's real (unpadded) input tokens
     truncated: int  # requests whose continuation was cut to the block
     dropped_chars: int  # characters a character tokenizer does not have
+    unscored: int  # items left out: a choice with nothing to score
 
 
 def covering(tokenizer):
@@ -64,27 +72,41 @@ def encode_pair(encode, context: str, continuation: str) -> tuple[np.ndarray, np
     return context_ids, encode(context + continuation)[len(context_ids):]
 
 
+def item_rows(item: Item, tokenizer, cover, block: int) -> tuple[list, int]:
+    """([(window, scored targets, continuation tokens)] per choice, characters dropped)."""
+    rows, dropped = [], 0
+    for context, continuation in item.pairs:
+        (context, lost_a), (continuation, lost_b) = cover(context), cover(continuation)
+        dropped += lost_a + lost_b
+        context_ids, continuation_ids = encode_pair(tokenizer.encode, context, continuation)
+        if not len(context_ids) and tokenizer.eot_id is not None:  # lm-eval's empty context
+            context_ids = np.array([tokenizer.eot_id], np.int32)
+        window = np.concatenate([context_ids, continuation_ids]).astype(np.int32)[-(block + 1):]
+        rows.append((window, max(0, min(len(continuation_ids), len(window) - 1)), len(continuation_ids)))
+    return rows, dropped
+
+
 def encode_requests(items: list[Item], tokenizer, block: int) -> Requests:
-    cover, dropped, rows = covering(tokenizer), 0, []
-    for item in items:
-        for context, continuation in item.pairs:
-            (context, lost_a), (continuation, lost_b) = cover(context), cover(continuation)
-            dropped += lost_a + lost_b
-            context_ids, continuation_ids = encode_pair(tokenizer.encode, context, continuation)
-            if not len(context_ids) and tokenizer.eot_id is not None:  # lm-eval's empty context
-                context_ids = np.array([tokenizer.eot_id], np.int32)
-            window = np.concatenate([context_ids, continuation_ids]).astype(np.int32)[-(block + 1):]
-            rows.append((window, max(0, min(len(continuation_ids), len(window) - 1)), len(continuation_ids)))
-    longest = max(1, max(len(w) - 1 for w, _, _ in rows))
+    cover, dropped, rows, indices = covering(tokenizer), 0, [], []
+    for index, item in enumerate(items):
+        item_requests, lost = item_rows(item, tokenizer, cover, block)
+        dropped += lost
+        # The single check that an item still has something to score in every choice.
+        if all(n_scored for _, n_scored, _ in item_requests) and 0 not in (item.norm_chars or ()):
+            rows += item_requests
+            indices.append(index)
+    longest = max([1] + [len(w) - 1 for w, _, _ in rows])
     length = min(block, -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE)
     inputs, targets = (np.zeros((len(rows), length), np.int32) for _ in range(2))
     scored = np.zeros((len(rows), length), bool)
     for r, (window, n_scored, _) in enumerate(rows):
-        n = max(0, len(window) - 1)
+        n = len(window) - 1
         inputs[r, :n], targets[r, :n] = window[:-1], window[1:]
         scored[r, n - n_scored:n] = True
-    return Requests(items, inputs, targets, scored, np.array([max(0, len(w) - 1) for w, _, _ in rows]),
-                    truncated=sum(s < full for _, s, full in rows), dropped_chars=dropped)
+    return Requests([items[i] for i in indices], indices, inputs, targets, scored,
+                    np.array([len(w) - 1 for w, _, _ in rows], int),
+                    truncated=sum(s < full for _, s, full in rows), dropped_chars=dropped,
+                    unscored=len(items) - len(indices))
 
 
 def find_all(spec: str, tasks_dir: str) -> None:
@@ -103,7 +125,13 @@ def load_requests(spec: str, tasks_dir: str, tokenizer, block: int, limit: int =
         items = to_items(task, rows, str(files[0]))
         if not items:
             raise UserError(f"{files[0]} holds no {task.name} rows; pass the task's files")
-        loaded.append((task, encode_requests(items, tokenizer, block)))
+        requests = encode_requests(items, tokenizer, block)
+        if not requests.items:
+            raise UserError(f"{files[0]}: none of the {len(items)} {task.name} items can be scored: each has a "
+                            "choice with nothing to score (its text empty after the task's template, or "
+                            f"dropped whole by the tokenizer {tokenizer.spec}); pass the task's own files, or "
+                            "a model whose tokenizer covers their text")
+        loaded.append((task, requests))
     return loaded
 
 
@@ -129,10 +157,11 @@ def loglikelihoods(scorer, params, mesh, req: Requests, rows: int, progress: boo
     return lls.astype(np.float64), int(req.lengths[passes_rows(mesh, rows):].sum()), seconds
 
 
-def accuracies(items: list[Item], lls: np.ndarray) -> tuple[dict, list[dict]]:
-    """({acc, acc_norm}, one record per item) from each request's log-likelihood."""
+def accuracies(items: list[Item], indices: list[int], lls: np.ndarray) -> tuple[dict, list[dict]]:
+    """({acc, acc_norm}, one record per item, by its index among the task's) from each request's
+    log-likelihood."""
     hits, hits_norm, samples, at = 0, 0, [], 0
-    for index, item in enumerate(items):
+    for index, item in zip(indices, items):
         ll = lls[at:at + len(item.pairs)]
         at += len(item.pairs)
         pick = int(np.argmax(ll))
@@ -149,10 +178,10 @@ def score_task(task: Task, req: Requests, scorer, params, mesh, rows: int = 32,
                progress: bool = False) -> tuple[dict, list[dict]]:
     """(the task's one-line result, its per-item records)."""
     lls, timed, seconds = loglikelihoods(scorer, params, mesh, req, rows, progress)
-    acc, samples = accuracies(req.items, lls)
+    acc, samples = accuracies(req.items, req.indices, lls)
     return {"task": task.name, **acc, "items": len(req.items), "requests": len(req.inputs),
             "tokens": int(req.lengths.sum()), "tokens_per_s": round(timed / seconds, 1) if seconds else None,
-            "truncated": req.truncated, "dropped_chars": req.dropped_chars}, samples
+            "truncated": req.truncated, "dropped_chars": req.dropped_chars, "unscored": req.unscored}, samples
 
 
 @dataclass
@@ -181,7 +210,8 @@ def task_eval_for(cfg, net, mesh, tokenizer) -> TaskEval | None:
         return None
     loaded = load_requests(e.tasks, e.tasks_dir, tokenizer, cfg.model.block_size, e.tasks_limit)
     for task, req in loaded:
-        if (req.dropped_chars or req.truncated) and jax.process_index() == 0:
+        if (req.dropped_chars or req.truncated or req.unscored) and jax.process_index() == 0:
             print(f"jaxpar.train: note: {task.name}: {req.dropped_chars} characters the tokenizer lacks are left "
-                  f"out, {req.truncated} of {len(req.inputs)} continuations outgrow the block", file=sys.stderr)
+                  f"out, {req.truncated} of {len(req.inputs)} continuations outgrow the block, {req.unscored} "
+                  "items with a choice that has nothing to score are left out", file=sys.stderr)
     return TaskEval(loaded, make_scorer(net), mesh, e.tasks_every or cfg.train.eval_every or cfg.train.steps)
