@@ -187,3 +187,14 @@ def test_a_staged_export_that_cannot_be_removed_is_said(trained, tmp_path, capsy
     refused(capsys, ["--ckpt", str(trained), "--out", str(out)], "No space left on device",
             f"; and '{staging}' could not be removed (Permission denied): remove '{staging}' by hand")
     assert not out.exists() and staging.is_dir()
+
+
+def test_export_force_twice_through_a_symbolic_link(tmp_path, capsys, trained):
+    """The second --force replaces the first export, where the link points; the link stays."""
+    target, link = tmp_path / "target", tmp_path / "hf"
+    target.mkdir()
+    os.symlink(target, link)
+    for _ in range(2):
+        export.main(["--ckpt", str(trained), "--out", str(link), "--force"])
+        assert link.is_symlink() and (target / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "target"], "the export's own folders are gone"
