@@ -5,6 +5,7 @@ One-device reference runs are cached per test process (pytest-xdist runs each fi
 files on the same worker share them.
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -252,3 +253,16 @@ def plain_mla(p: dict, x: np.ndarray, cfg) -> np.ndarray:
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     return np.einsum("bhts,bshd,hdc->btc", probs, v, p["attn_out"]["kernel"])
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """`folder` mounted read-only for the block (root only; skipped where mount is refused)."""
+    made = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True, check=False)
+    if made.returncode:
+        pytest.skip(f"mount --bind refused here: {made.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)

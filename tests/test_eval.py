@@ -8,12 +8,10 @@ blocks is capped to them. --samples is checked before any work, and a failure to
 after the scores, in one line.
 """
 
-import contextlib
 import errno
 import json
 import math
 import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import tiny_config
-from helpers import save_random_gpt2
+from helpers import read_only, save_random_gpt2
 
 import jaxpar.inference.evaluate as evaluate_command
 from jaxpar.data.loader import load_dataset, read_text
@@ -221,27 +219,20 @@ def no_load(monkeypatch):
                         lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
 
 
-@contextlib.contextmanager
-def read_only(folder: Path):
-    """`folder` mounted read-only for the block (root only; skipped where mount is refused)."""
-    made = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True, check=False)
-    if made.returncode:
-        pytest.skip(f"mount --bind refused here: {made.stderr.decode().strip()}")
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=True)
-
-
 @pytest.mark.parametrize("where, expected", [
     ("none/samples.jsonl", "the folder '{tmp}/none' does not exist"),
     (".", "is a folder; pass a file's path"),
-], ids=["missing-folder", "folder"])
+    ("notes.jsonl", "holds a file jaxpar did not write, which it would overwrite"),
+], ids=["missing-folder", "folder", "a user's file"])
 def test_a_samples_path_that_cannot_be_a_file_is_refused_before_the_model_loads(saved, tmp_path, capsys,
                                                                                 no_load, where, expected):
+    notes = tmp_path / "notes.jsonl"
+    if where == notes.name:
+        notes.write_text('{"mine": 1}\n')
     fails_with(capsys, tasks_argv(saved, tmp_path / where), expected.format(tmp=tmp_path))
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == ([notes] if where == notes.name else [])
+    assert where != notes.name or notes.read_text() == '{"mine": 1}\n'
+
 
 
 def test_a_samples_path_on_a_read_only_disk_is_refused_before_the_model_loads(saved, tmp_path, capsys, no_load):
@@ -258,7 +249,8 @@ def test_samples_on_a_full_disk_are_one_line_after_the_scores(saved, tmp_path, c
     the file that was there is as it was, and no partial file is left. A control: with room, the
     same command replaces the file."""
     samples = tmp_path / "samples.jsonl"
-    samples.write_text("earlier\n")
+    earlier = '{"task": "piqa", "item": 0, "gold": 0, "loglikelihoods": [-1.0, -2.0]}\n'  # an earlier --samples
+    samples.write_text(earlier)
     real_open = open
 
     class FullDisk:
@@ -288,6 +280,6 @@ def test_samples_on_a_full_disk_are_one_line_after_the_scores(saved, tmp_path, c
     assert err.strip().splitlines()[-1] == (
         f"jaxpar.eval: error: cannot write --samples '{samples}' (No space left on device); the scores above "
         "are complete: free some space, or pass another --samples, to keep the log-likelihoods")
-    assert [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"] and samples.read_text() == "earlier\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"] and samples.read_text() == earlier
     main(tasks_argv(saved, samples))
     assert len(samples.read_text().splitlines()) == 2 and [p.name for p in tmp_path.iterdir()] == ["samples.jsonl"]

@@ -7,12 +7,13 @@ and the test's folder is byte for byte as before. Then each command that writes 
 twice through a symbolic link, keeping the link and the user's file beside its own.
 """
 
+import contextlib
 import hashlib
 import os
 
 import pytest
+from helpers import exits_with_one_line, read_only
 
-from helpers import exits_with_one_line
 
 def main_of(command: str):
     """The command's main, imported when first run (sample and eval load JAX's pieces lazily)."""
@@ -64,6 +65,9 @@ def make_kind(tmp_path, kind: str, role: str):
         return tmp_path / "loop", "ELOOP"
     if kind == "path too long":
         return tmp_path.joinpath(*["z" * 200] * 25), "ENAMETOOLONG"
+    if kind == "a read-only disk":  # mounted read-only by the test, below
+        (tmp_path / "ro").mkdir()
+        return tmp_path / "ro" / ("s.png" if role == "picture" else "out"), "read-only disk (EROFS)"
     if kind == "link to nothing":
         os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
         return tmp_path / "dangling", "symbolic link" if role == "out" else ""
@@ -72,7 +76,7 @@ def make_kind(tmp_path, kind: str, role: str):
 
 
 KINDS = ["long name", "long name below a missing folder", "links round a circle", "path too long",
-         "link to nothing", "a user's file in the way"]
+         "link to nothing", "a user's file in the way", "a read-only disk"]
 
 
 def snapshot(folder) -> dict:
@@ -92,7 +96,7 @@ def snapshot(folder) -> dict:
 
 # An input that is a link to nothing or a file is each command's own check (test_errors and others).
 CASES = [(*c, kind) for c in COMMANDS for kind in KINDS
-         if c[2] != "in" or kind not in ("link to nothing", "a user's file in the way")]
+         if c[2] != "in" or kind not in ("link to nothing", "a user's file in the way", "a read-only disk")]
 
 
 @pytest.mark.parametrize("command, flag, role, argv, kind", CASES, ids=[f"{c[0]} {c[1]}: {c[4]}" for c in CASES])
@@ -106,8 +110,9 @@ def test_each_path_of_each_command_is_one_line_twice_and_changes_nothing(
     run = tmp_path / "run"  # never read: the path under test is refused first
     args = [a.format(p=path, run=run, tmp=tmp_path, text=text) for a in argv]
     before = snapshot(tmp_path)
-    lines = [exits_with_one_line(capsys, f"jaxpar.{command}", lambda: main_of(command)(args), reason)
-             for _ in range(2)]
+    with read_only(work / "ro") if kind == "a read-only disk" else contextlib.nullcontext():
+        lines = [exits_with_one_line(capsys, f"jaxpar.{command}", lambda: main_of(command)(args), reason)
+                 for _ in range(2)]
     assert lines[0] == lines[1], lines
     assert "Traceback" not in lines[0]
     assert snapshot(tmp_path) == before, f"{command} {flag} changed the disk for a {kind}"

@@ -97,6 +97,18 @@ def check_output_dir(path: Path, flag: str = "--out") -> None:
     if not existing.is_dir():
         inside = "" if existing == path else f" is inside '{existing}', which"
         raise UserError(f"{flag} '{path}'{inside} is a file, not a directory; pass a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{flag} '{path}' cannot be written: this user may not write in "
-                        f"'{existing}'; pass another directory")
+    check_writable(existing, path, flag)
+
+
+def check_writable(folder: Path, path: Path, flag: str) -> None:
+    """A UserError unless this user may make files in `folder` (where `path` goes): its disk
+    read-only and its permissions are told apart."""
+    if os.access(folder, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    why = (f"'{folder}' is on a read-only disk (EROFS)" if read_only else
+           f"this user may not write in '{folder}'")
+    raise UserError(f"{flag} '{path}' cannot be written: {why}; pass another directory")

@@ -156,6 +156,19 @@ def samples_target(path: str) -> Path | None:
     return Path(os.path.realpath(path))
 
 
+SAMPLE_KEYS = {"task", "item", "gold", "loglikelihoods"}  # in every line write_samples writes
+
+
+def samples_by_jaxpar(path: Path) -> bool:
+    """Whether the file is empty or an earlier --samples: its first line one of write_samples' records."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline(1 << 20)
+        return not first or SAMPLE_KEYS <= set(json.loads(first))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def check_samples_path(path: str) -> None:
     """--samples, before any work: not a folder, and in a folder that exists and takes a new file
     (one is made there and removed). A pipe or a terminal is written as it is."""
@@ -167,6 +180,9 @@ def check_samples_path(path: str) -> None:
     if not target.parent.is_dir():
         raise UserError(f"--samples '{path}': the folder '{target.parent}' does not exist; make it, or "
                         "pass a path in a folder that exists")
+    if target.is_file() and not samples_by_jaxpar(target):  # a report is a user's file like any other
+        raise UserError(f"--samples '{path}' holds a file jaxpar did not write, which it would overwrite; move "
+                        "it away, or pass another --samples")
     probe = partial_path(target)
     try:
         with open(probe, "x"):

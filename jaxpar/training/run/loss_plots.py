@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.errors import UserError, exit_on_user_error
+from jaxpar.core.paths import check_writable
 from jaxpar.training.run import metrics
 
 EMA_WEIGHT = 0.9  # the train curve's smoothing, as TensorBoard's slider sets it
@@ -76,6 +77,7 @@ def picture_path(out: str | None, default: str, flag: str = "--out") -> Path:
                         "(its kind); pass a file name such as loss.png")
     if not path.parent.is_dir():
         raise UserError(f"{flag} '{path}': the folder '{path.parent}' does not exist; make it, or pass another path")
+    check_writable(path.parent, path, flag)
     if path.is_symlink() or path.exists() and not path.is_file():
         raise UserError(f"{flag} '{path}' is not a plain file; pass a path for the picture")
     if path.exists() and not drawn_by_jaxpar(path):  # given or by default: what jaxpar did not draw is kept
