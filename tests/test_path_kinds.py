@@ -217,3 +217,21 @@ def test_plan_interrupted_writes_nothing_and_says_so(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err.strip()
     assert err == f"jaxpar.plan: interrupted; nothing new written in {out} (an earlier plan there is as it was)"
     assert not out.exists() or os.listdir(out) == [], os.listdir(out)
+
+
+TASKS = os.path.join(os.path.dirname(__file__), "fixtures", "tasks")
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("export", ["--ckpt", "{tmp}", "--out", "{name}"]),  # its lock's folder: .NAME.jaxpar-export
+    ("schedule", ["--out", "{name}.png"]),  # a picture is drawn as NAME.png.partial first
+    ("plot", ["{tmp}", "--out", "{name}.png"]),
+    ("eval", ["--ckpt", "{tmp}", "--tasks", "piqa", "--tasks-dir", TASKS, "--samples", "{name}"]),
+])
+def test_a_name_that_leaves_no_room_for_what_jaxpar_writes_beside_it(tmp_path, capsys, command, argv):
+    name = tmp_path / ("n" * 250)
+    args = [a.format(tmp=tmp_path, name=name) for a in argv]
+    before = snapshot(tmp_path)
+    exits_with_one_line(capsys, f"jaxpar.{command}", lambda: main_of(command)(args), "ENAMETOOLONG",
+                        "bytes longer beside it")
+    assert snapshot(tmp_path) == before

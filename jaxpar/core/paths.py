@@ -43,9 +43,10 @@ def name_max(folder: Path) -> int:
         return 255
 
 
-def checked(path, flag: str) -> Path:
-    """`path` as a Path, once the file system would take its name; a UserError naming it and the
-    reason otherwise. Nothing is made or changed."""
+def checked(path, flag: str, spare: int = 0) -> Path:
+    """`path` as a Path, once the file system would take its name, and a name `spare` bytes longer
+    beside it (the partial file or the lock a command derives from it); a UserError naming it and
+    the reason otherwise. Nothing is made or changed."""
     path = Path(path)
     if (size := len(os.fsencode(str(path)))) >= PATH_MAX:
         raise path_error(flag, path, errno.ENAMETOOLONG, f": {size:,} bytes, where a path takes {PATH_MAX - 1:,}")
@@ -53,6 +54,9 @@ def checked(path, flag: str) -> Path:
     if longest := max((len(os.fsencode(part)) for part in path.parts if len(os.fsencode(part)) > limit), default=0):
         raise path_error(flag, path, errno.ENAMETOOLONG, f": a name in it has {longest} bytes, where this file "
                          f"system takes {limit}")
+    if spare and len(os.fsencode(path.name)) + spare > limit:
+        raise path_error(flag, path, errno.ENAMETOOLONG, f": its name has {len(os.fsencode(path.name))} bytes, "
+                         f"and jaxpar writes a name {spare} bytes longer beside it, where this file system takes {limit}")
     try:
         os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -71,11 +75,11 @@ def given(flag: str):
     return check
 
 
-def output_folder(path, flag: str = "--out") -> Path:
-    """The folder a command writes, checked as `check_output_dir` checks it. A symbolic link gives
-    the folder it names, so the command works through the link and keeps it; a link to nothing is
-    refused."""
-    path = checked(path, flag)
+def output_folder(path, flag: str = "--out", spare: int = 0) -> Path:
+    """The folder a command writes, checked as `check_output_dir` checks it (and `checked` with
+    `spare`). A symbolic link gives the folder it names, so the command works through the link and
+    keeps it; a link to nothing is refused."""
+    path = checked(path, flag, spare)
     if path.is_symlink():
         target = Path(os.path.realpath(path))
         if not target.is_dir():
@@ -84,7 +88,7 @@ def output_folder(path, flag: str = "--out") -> Path:
                             f"folder, or pass another {flag}")
         path = target
     check_output_dir(path, flag)
-    return path
+    return checked(path, flag, spare)  # the folder a link names must leave room too
 
 
 def check_output_dir(path: Path, flag: str = "--out") -> None:

@@ -21,7 +21,7 @@ from jaxpar.core.axes import splitting
 from jaxpar.core.config import DataConfig
 from jaxpar.core.data_config import parse_mix
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_interrupt, exit_on_user_error
-from jaxpar.core.paths import given
+from jaxpar.core.paths import checked, given
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import check_same_tokenizer
 from jaxpar.inference.loading import Model, add_model_source, load_source
@@ -175,6 +175,7 @@ def check_samples_path(path: str) -> None:
     target = samples_target(path)
     if target is None:
         return
+    checked(target, "--samples", spare=len(partial_path(target).name) - len(target.name))
     if target.is_dir():
         raise UserError(f"--samples '{path}' is a folder; pass a file's path, e.g. '{Path(path) / 'samples.jsonl'}'")
     if not target.parent.is_dir():

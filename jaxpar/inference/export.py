@@ -27,6 +27,7 @@ from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.core.paths import check_output_dir, given, output_folder
 
+LOCK_FOLDER = ".{name}.jaxpar-export"  # beside --out: the lock, and the export staged before its rename
 RUN_BELOW_LIMIT = 10_000  # folders searched for a run below --out before naming a foreign file instead
 
 
@@ -119,7 +120,9 @@ def export(ckpt, out, force: bool = False, dtype: str = "float32",
     from jaxpar.formats.hf_files import MAX_SHARD_BYTES
     from jaxpar.inference import sample
     from jaxpar.models.hf import hf_config, hf_state_dict
-    out = output_folder(out)  # through a symbolic link, which stays: the export replaces the folder it names
+    # through a symbolic link, which stays: the export replaces the folder it names; the lock's
+    # folder beside it has a name LOCK_FOLDER's bytes longer
+    out = output_folder(out, spare=len(LOCK_FOLDER.format(name="")))
     check_out_dir(out, ckpt, force)  # before the lock, whose folder beside --out a refusal need not make
     with locked(out) as folder:
         staging, replaced, where = folder / "staging", folder / "replaced", Path(os.path.abspath(out))
@@ -196,7 +199,7 @@ def locked(out: Path):
     missing and removed after): the lock file is never in the export, and it stays held while
     the staged export is renamed into place."""
     where = Path(os.path.abspath(out))  # "." and ".." have no name of their own
-    folder = where.parent / f".{where.name}.jaxpar-export"
+    folder = where.parent / LOCK_FOLDER.format(name=where.name)
     with contextlib.ExitStack() as held:
         held.callback(remove_if_empty, folder)  # a killed export's folder, which the lock did not make
         try:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.core.errors import UserError, exit_on_user_error
-from jaxpar.core.paths import check_writable
+from jaxpar.core.paths import check_writable, checked
 from jaxpar.training.run import metrics
 
 EMA_WEIGHT = 0.9  # the train curve's smoothing, as TensorBoard's slider sets it
@@ -23,6 +23,7 @@ def pyplot():
     return plt
 
 
+PARTIAL = ".partial"  # the suffix of a picture being drawn, before its rename
 WRITER = "jaxpar"  # the picture's Software or Creator field: marks one jaxpar drew, which it may draw again
 # Where each kind of picture keeps that mark (PDF's near its end). Other kinds (JPEG, TIFF ...) keep
 # none, so an existing one is never taken for jaxpar's and is never overwritten.
@@ -35,7 +36,7 @@ def save(plt, fig, out_png) -> Path:
     """The figure into `out_png`, under a temporary name first: a failed write leaves no half a picture."""
     out_png = Path(out_png)
     kind = out_png.suffix.lstrip(".").lower() or "png"
-    partial = out_png.with_name(out_png.name + ".partial")
+    partial = out_png.with_name(out_png.name + PARTIAL)
     fig.tight_layout()
     mark = ({"Software": WRITER} if kind == "png" else {"Creator": WRITER}) if kind in MARKS else None
     try:
@@ -70,6 +71,7 @@ def picture_path(out: str | None, default: str, flag: str = "--out") -> Path:
     path = Path(out or default)
     if path.is_dir():
         path = path / Path(default).name
+    checked(path, flag, spare=len(PARTIAL))  # `save` writes the picture beside it first
     kinds = FigureCanvasBase.get_supported_filetypes()
     kind = path.suffix.lstrip(".").lower()
     if kind not in kinds:
