@@ -20,8 +20,8 @@ from jaxpar.core.errors import UserError
 from jaxpar.data import split_writer
 from jaxpar.data import token_files as prep_read
 from jaxpar.data.loader import BatchLoader, Dataset, Prefetcher, load_dataset, read_text
-from jaxpar.data.prepare import main as prepare_main
 from jaxpar.parallel.mesh import build_mesh
+from jaxpar.prepare import main as prepare_main
 from jaxpar.train import run
 from jaxpar.training.run import loss_plots, metrics
 

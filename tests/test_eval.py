@@ -162,7 +162,7 @@ def test_bad_arguments_are_one_line(saved, tmp_path, capsys):
 def test_an_export_evaluates_on_the_data_it_was_trained_on(saved, char_data, tmp_path, capsys):
     """The export's tokenizer.json is the bytes tokenizer under another name: `eval --hf` takes
     the run's data, at the checkpoint's loss (rtol 1e-5); char data is still refused."""
-    from jaxpar.inference.export import main as export_main
+    from jaxpar.export import main as export_main
     export_main(["--ckpt", str(saved.run), "--out", str(tmp_path / "hf")])
     capsys.readouterr()
     main(["--ckpt", str(saved.run), "--data", str(saved.data)])

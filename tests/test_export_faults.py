@@ -21,6 +21,7 @@ import pytest
 from helpers import exits_with_one_line
 from helpers import placed as helpers_placed
 
+from jaxpar.export import main as export_main
 from jaxpar.formats import hf_files
 from jaxpar.formats.hf_files import MANIFEST_FILE
 from jaxpar.inference import export, sample
@@ -55,7 +56,7 @@ def no_load(monkeypatch):
 
 
 def refused(capsys, argv: list[str], *expected: str) -> str:
-    return exits_with_one_line(capsys, "jaxpar.export", lambda: export.main(argv), *expected)
+    return exits_with_one_line(capsys, "jaxpar.export", lambda: export_main(argv), *expected)
 
 
 @pytest.mark.parametrize("ckpt, out, expected", [
@@ -101,7 +102,7 @@ def test_force_refuses_an_export_that_holds_a_file_it_did_not_write(exported, tr
 def test_a_replaced_export_lists_its_files_and_loads(exported, trained, tmp_path, capsys):
     out = tmp_path / "hf"
     shutil.copytree(exported, out)
-    export.main(["--ckpt", str(trained), "--out", str(out), "--force", "--dtype", "bfloat16"])
+    export_main(["--ckpt", str(trained), "--out", str(out), "--force", "--dtype", "bfloat16"])
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     assert sorted(p.name for p in out.iterdir()) == sorted([*manifest["files"], MANIFEST_FILE])
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # neither the lock's folder nor the old export
@@ -136,7 +137,7 @@ def test_a_second_export_while_one_holds_the_lock_is_refused(trained, tmp_path, 
 
     monkeypatch.setattr(sample, "load", load)
     with pytest.raises(Stop):
-        export.main(["--ckpt", str(trained), "--out", str(out)])
+        export_main(["--ckpt", str(trained), "--out", str(out)])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -195,6 +196,6 @@ def test_export_force_twice_through_a_symbolic_link(tmp_path, capsys, trained):
     target.mkdir()
     os.symlink(target, link)
     for _ in range(2):
-        export.main(["--ckpt", str(trained), "--out", str(link), "--force"])
+        export_main(["--ckpt", str(trained), "--out", str(link), "--force"])
         assert link.is_symlink() and (target / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "target"], "the export's own folders are gone"

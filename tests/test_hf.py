@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import load_dataset
 from jaxpar.data.tokenizer import ByteTokenizer, CharTokenizer
+from jaxpar.export import main as export_main
 from jaxpar.formats.hf_files import write_manifest
 from jaxpar.inference import export, sample
 from jaxpar.models import hf
@@ -231,7 +232,7 @@ def test_weights_that_disagree_with_the_config_are_named(tmp_path):
 
 def test_export_writes_what_transformers_loads(trained, tmp_path, capsys):
     out = tmp_path / "hf"
-    export.main(["--ckpt", str(trained), "--out", str(out)])
+    export_main(["--ckpt", str(trained), "--out", str(out)])
     assert f"step 3 of {trained} -> {out}" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "jaxpar_export.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
@@ -273,19 +274,19 @@ def test_export_replaces_an_earlier_export_only_with_force(trained, tmp_path, ca
     (out / "config.json").write_text("{}")
     write_manifest(out, ["config.json"])
     with pytest.raises(SystemExit) as exit_info:
-        export.main(["--ckpt", str(trained), "--out", str(out)])
+        export_main(["--ckpt", str(trained), "--out", str(out)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err == (f"jaxpar.export: error: --out '{out}' holds an earlier export; pass --force to "
                    "replace it, or another directory\n")
-    export.main(["--ckpt", str(trained), "--out", str(out), "--force"])
+    export_main(["--ckpt", str(trained), "--out", str(out), "--force"])
     assert json.loads((out / "config.json").read_text()) and (out / "model.safetensors").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left behind
 
 
 def assert_one_line_exit_2(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_info:
-        export.main(argv)
+        export_main(argv)
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1

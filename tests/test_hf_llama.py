@@ -20,13 +20,13 @@ from helpers import cached_logits, logits_of, tensors_of
 from helpers import placed as placed_on
 
 from jaxpar.core.errors import UserError
-from jaxpar.data import prepare
 from jaxpar.formats.hf_files import save_weights
 from jaxpar.inference import evaluate, export, sample
 from jaxpar.inference.loading import load_hf
 from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache
 from jaxpar.models.transformer import build_model
+from jaxpar.prepare import main as prepare_main
 from jaxpar.train import main as train_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -189,7 +189,7 @@ def test_eval_hf_runs_on_prepared_data_and_needs_it(trained, tmp_path, capsys):
     export.export(trained, tmp_path / "hf")
     text = tmp_path / "text.txt"
     text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40)
-    prepare.main([str(text), "--out", str(tmp_path / "data"), "--tokenizer", str(tmp_path / "hf" / "tokenizer.json")])
+    prepare_main([str(text), "--out", str(tmp_path / "data"), "--tokenizer", str(tmp_path / "hf" / "tokenizer.json")])
     capsys.readouterr()
     evaluate.main(["--hf", str(tmp_path / "hf"), "--data", str(tmp_path / "data"), "--mesh", "dp=2"])
     result = json.loads(capsys.readouterr().out)

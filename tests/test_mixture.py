@@ -19,9 +19,9 @@ from jaxpar.core.data_config import Source
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, load_dataset, read_text
 from jaxpar.data.mixture import Mixture
-from jaxpar.data.prepare import main as prepare_main
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.parallel.mesh import build_mesh
+from jaxpar.prepare import main as prepare_main
 from jaxpar.train import run
 
 DOCS = [d for d in read_text("")[:120_000].split("\n\n") if d.strip()]

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from jaxpar.plan import main as plan_main
+from jaxpar.plot import main as plot_main
 from jaxpar.train import main as train_main
 from jaxpar.training.run import loss_plots
 
@@ -94,11 +95,11 @@ def make_run(run_dir):
 def test_plot_into_a_folder_writes_loss_png_there_and_a_name_without_a_kind_is_refused(tmp_path, capsys):
     run_dir, pictures = make_run(tmp_path / "run"), tmp_path / "pictures"
     pictures.mkdir()
-    loss_plots.main([str(run_dir), "--out", str(pictures)])
+    plot_main([str(run_dir), "--out", str(pictures)])
     assert capsys.readouterr().out.strip() == f"wrote {pictures / 'loss.png'}"
     assert (pictures / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert not (tmp_path / "pictures.png").exists()
-    err = refused(loss_plots.main, [str(run_dir), "--out", str(tmp_path / "curves")], capsys)
+    err = refused(plot_main, [str(run_dir), "--out", str(tmp_path / "curves")], capsys)
     assert "a picture's name must end in one of" in err and not (tmp_path / "curves.png").exists()
 
 
@@ -106,12 +107,12 @@ def test_plot_by_default_redraws_only_its_own_picture(tmp_path, capsys, monkeypa
     run_dir = make_run(tmp_path / "run")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n a user's picture")
-    err = refused(loss_plots.main, [str(run_dir)], capsys)
+    err = refused(plot_main, [str(run_dir)], capsys)
     assert "'loss.png' was not drawn by jaxpar, which would overwrite it; pass --out" in err
     assert (tmp_path / "loss.png").read_bytes() == b"\x89PNG\r\n\x1a\n a user's picture"
     (tmp_path / "loss.png").unlink()
-    loss_plots.main([str(run_dir)])  # control: jaxpar's own picture is drawn again
-    loss_plots.main([str(run_dir)])
+    plot_main([str(run_dir)])  # control: jaxpar's own picture is drawn again
+    plot_main([str(run_dir)])
     assert loss_plots.drawn_by_jaxpar(tmp_path / "loss.png")
 
 

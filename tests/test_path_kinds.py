@@ -19,8 +19,8 @@ def main_of(command: str):
     """The command's main, imported when first run (sample and eval load JAX's pieces lazily)."""
     import importlib
     module = {"train": "jaxpar.train", "sample": "jaxpar.inference.sample", "eval": "jaxpar.inference.evaluate",
-              "export": "jaxpar.inference.export", "prepare": "jaxpar.data.prepare", "bench": "jaxpar.planning.bench",
-              "plan": "jaxpar.planning.plan", "schedule": "jaxpar.schedule", "plot": "jaxpar.training.run.loss_plots"}
+              "export": "jaxpar.export", "prepare": "jaxpar.prepare", "bench": "jaxpar.planning.bench",
+              "plan": "jaxpar.planning.plan", "schedule": "jaxpar.schedule", "plot": "jaxpar.plot"}
     return importlib.import_module(module[command]).main
 
 

@@ -16,9 +16,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from jaxpar.core.errors import UserError
 from jaxpar.core.out_lock import LOCK_NAME, RunLock
 from jaxpar.data import prepare as prep
-from jaxpar.data.prepare import main
 from jaxpar.data.token_files import read_prepared
 from jaxpar.data.tokenizer import EOT, CharTokenizer
+from jaxpar.prepare import main
 
 DOCS = ["First Citizen:\nBefore we proceed any further, hear me speak.\n" * 3,
         "Café, naïve, 日本語 😀\nline two\n" * 2,

@@ -34,13 +34,13 @@ from helpers import fails_with as train_fails_with
 
 from jaxpar.core.errors import UserError
 from jaxpar.data.loader import BatchLoader, Dataset, batch_offsets, load_dataset, model_vocab, read_text
-from jaxpar.data.prepare import main as prepare_main
 from jaxpar.data.tokenizer import EOT, ByteTokenizer
 from jaxpar.inference import sample
 from jaxpar.models.decode import empty_cache, forward
 from jaxpar.models.transformer import Transformer, abstract_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
+from jaxpar.prepare import main as prepare_main
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS, Checkpoints, make_meta

@@ -13,8 +13,8 @@ import pytest
 from helpers import exits_with_one_line
 
 from jaxpar.data.loader import read_text
-from jaxpar.data.prepare import main
 from jaxpar.data.token_files import read_prepared
+from jaxpar.prepare import main
 
 DOCS = [d for d in read_text("")[:200_000].split("\n\n") if d.strip()]  # ~1,000 short documents
 

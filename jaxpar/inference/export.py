@@ -23,9 +23,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
+from jaxpar.core.errors import UserError
 from jaxpar.core.out_lock import LOCK_NAME, RunLock
-from jaxpar.core.paths import check_output_dir, given, output_folder
+from jaxpar.core.paths import check_output_dir, output_folder
 
 LOCK_FOLDER = ".{name}.jaxpar-export"  # beside --out: the lock, and the export staged before its rename
 RUN_BELOW_LIMIT = 10_000  # folders searched for a run below --out before naming a foreign file instead
@@ -265,32 +265,3 @@ def discard_export(folder: Path) -> bool:
         return True
     except OSError:
         return False
-
-
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="jaxpar.export",
-                            description="Write a checkpoint as a Hugging Face directory (GPT-2 or Llama).")
-    parser.add_argument("--ckpt", required=True, type=given("--ckpt"),
-                        help="a training run's --out directory, or its checkpoints folder")
-    parser.add_argument("--out", required=True, type=given("--out"), help="the Hugging Face directory to write")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an earlier export in --out: only the files it lists in its "
-                             "jaxpar_export.json; a folder holding anything else is refused")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="the tensors' dtype in the files (the master weights are float32)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    with exit_on_user_error("jaxpar.export"):
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        step, files = export(args.ckpt, args.out, args.force, args.dtype)
-    print(f"jaxpar.export: step {step} of {args.ckpt} -> {args.out}: {', '.join(files)}")
-    if "tokenizer.json" not in files:
-        print("jaxpar.export: note: a tiktoken tokenizer has no tokenizer.json; load Hugging "
-              "Face's tokenizer of the same encoding (e.g. 'gpt2') with AutoTokenizer",
-              file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()

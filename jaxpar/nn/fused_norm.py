@@ -212,15 +212,3 @@ def bench(rows: int, C: int, block_rows: tuple, iters: int = 20) -> list[str]:
         lines.append(f"{name:24s} {sorted(times)[iters // 2] * 1e3:8.3f} ms  max |diff| vs xla {diff:.3g}")
     return lines
 
-
-if __name__ == "__main__":
-    import argparse
-    parser = argparse.ArgumentParser(description="Time the fused add + LayerNorm against XLA's.")
-    parser.add_argument("--rows", type=int, default=16 * 1024, help="batch * seq (GPT-2 124M, batch 16)")
-    parser.add_argument("--embd", type=int, default=768)
-    parser.add_argument("--block-rows", default="1,2,4,8,16", help="comma-separated powers of two")
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
-    print(jax.devices()[0].device_kind, jax.__version__)
-    for line in bench(args.rows, args.embd, tuple(int(b) for b in args.block_rows.split(",")), args.iters):
-        print(line)

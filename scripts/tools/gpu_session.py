@@ -13,7 +13,7 @@ keeping the sweep's floor), its output appended to DIR/session.log, its end to D
    skipped with its reason where torch or the file is missing.
 2. `gemm_legs.py` twice on one cache folder: the first tunes the grouped GEMM for this GPU and
    times each leg's kernels; the second must reuse the cache and tune nothing.
-3. `python -m jaxpar.nn.fused_norm`: the fused residual add + LayerNorm against XLA's.
+3. `python scripts/experiments/fused_norm_timing.py`: the fused residual add + LayerNorm against XLA's.
 4. `gpu_deepseek.py --sections moonlight`: Moonlight cut to 4 layers, 4 rows a pass (MFU).
 5. `gpu_check.py --sections gemm --sweep`: the grouped GEMM against a dense dot, then GPT-2 at
    batch 16 and 64 under the default (jaxpar's side of step 1) and each XLA option and fused
@@ -46,8 +46,8 @@ def steps(out: Path, torch: Path | None, tiny: bool) -> list[tuple[str, list[str
                   + ([] if tiny else ["--steps", str(s)]), 75) for b, s in ((16, 30), (64, 20))]
     plan += [(f"gemm legs {n}", [py, str(HERE / "gemm_legs.py"), "--cache", str(cache), *legs], share)
              for n, share in (("tuned", 150), ("reused", 45))]  # a tuning cut short is kept: the second goes on
-    plan += [("fused norm", [py, "-m", "jaxpar.nn.fused_norm", *(["--rows", "512", "--embd", "64", "--iters", "2"]
-                                                                 if tiny else [])], 30),
+    plan += [("fused norm", [py, str(HERE.parent / "experiments" / "fused_norm_timing.py"),
+                             *(["--rows", "512", "--embd", "64", "--iters", "2"] if tiny else [])], 30),
              ("moonlight", [py, str(HERE / "gpu_deepseek.py"), "--sections", "moonlight", "--out", str(out),
                             *(["--tiny"] if tiny else [])], 100),
              ("gpu check and sweep", [py, str(HERE / "gpu_check.py"), "--sections", "gemm", "--sweep",

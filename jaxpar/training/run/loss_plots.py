@@ -4,10 +4,9 @@ Every figure is drawn on matplotlib's file-only Agg backend, so no display is ne
 """
 
 import json
-import sys
 from pathlib import Path
 
-from jaxpar.core.errors import UserError, exit_on_user_error
+from jaxpar.core.errors import UserError
 from jaxpar.core.paths import check_writable, checked
 from jaxpar.training.run import metrics
 
@@ -195,20 +194,3 @@ def plot_bench(rows: list[dict], out_png) -> Path:
         ax.tick_params(axis="x", labelrotation=30)
         ax.grid(axis="y", alpha=0.3)
     return save(plt, fig, out_png)
-
-
-def main(argv: list[str] | None = None) -> None:
-    with exit_on_user_error("jaxpar.plot"):
-        from jaxpar.core.errors import ArgumentParser
-        from jaxpar.core.paths import given
-        parser = ArgumentParser(prog="jaxpar.plot", description="Overlay the loss curves of jaxpar runs.")
-        parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=given("RUN_DIR"), help="jaxpar.train --out dirs")
-        parser.add_argument("--out", type=given("--out"), help="the picture to write, or a folder for loss.png (default: "
-                            "loss.png); its name gives its kind: .png, .pdf, .svg ...")
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        out = picture_path(args.out, "loss.png")
-        print(f"wrote {plot_runs(args.run_dirs, out)}")
-
-
-if __name__ == "__main__":
-    main()
