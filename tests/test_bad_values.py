@@ -13,8 +13,9 @@ from helpers import exits_with_one_line, fails_with, hf_dir_with
 
 from jaxpar.core.config import load_config
 from jaxpar.core.errors import UserError
-from jaxpar.inference import evaluate, sample
+from jaxpar.eval import main as eval_main
 from jaxpar.models import hf
+from jaxpar.sample import main as sample_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GPT2, LLAMA3, MIXTRAL = FIXTURES / "hf_gpt2_tiny", FIXTURES / "hf_llama_untied_llama3", FIXTURES / "hf_moe_mixtral"
@@ -128,9 +129,9 @@ def test_each_command_refuses_a_wrongly_typed_hf_config(capsys, tmp_path):
     hf_dir = hf_dir_with(tmp_path, GPT2, n_layer="two")
     expected = f"'{hf_dir / 'config.json'}': n_layer must be an integer, got \"two\""
     fails_with(capsys, tmp_path, ["--config", "tiny", "--init-from", str(hf_dir)], expected)
-    exits_with_one_line(capsys, "jaxpar.eval", lambda: evaluate.main(["--hf", str(hf_dir), "--data", str(tmp_path)]),
+    exits_with_one_line(capsys, "jaxpar.eval", lambda: eval_main(["--hf", str(hf_dir), "--data", str(tmp_path)]),
                         expected)
-    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample.main(["--hf", str(hf_dir)]), expected)
+    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample_main(["--hf", str(hf_dir)]), expected)
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -139,5 +140,5 @@ def test_each_command_refuses_a_wrongly_typed_hf_config(capsys, tmp_path):
     (["--seed", str(2**31)], "--seed must fit in 32 bits (from -2147483648 to 2147483647), got 2147483648"),
 ])
 def test_sample_refuses_non_finite_and_out_of_range_numbers(capsys, tmp_path, argv, expected):
-    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample.main(["--ckpt", str(tmp_path / "run")] + argv),
+    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample_main(["--ckpt", str(tmp_path / "run")] + argv),
                         expected)

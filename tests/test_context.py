@@ -18,6 +18,7 @@ from conftest import mesh_overrides, tiny_config
 from helpers import STEPS, fails_with, launch, logged_losses, losses, train
 from layouts import check, strategy_cases
 
+from jaxpar.eval import main as eval_main
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step.build import build
 
@@ -56,12 +57,11 @@ def test_eval_on_a_context_mesh_gathers_the_sequence_and_says_so(tmp_path, capsy
 
     import jax
 
-    from jaxpar.inference import evaluate
     from jaxpar.train import run
     run(tiny_config(**{"train.steps": 2, "train.eval_every": 0}), tmp_path, jax.devices()[:1], progress=False)
     losses = []
     for mesh in ("dp=1", "dp=2,cp=2"):
-        evaluate.main(["--ckpt", str(tmp_path), "--mesh", mesh])
+        eval_main(["--ckpt", str(tmp_path), "--mesh", mesh])
         out = capsys.readouterr()
         losses.append(json.loads(out.out)["loss"])
     assert "cp=2: sequences are not split here" in out.err

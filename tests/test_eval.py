@@ -21,11 +21,13 @@ import pytest
 from conftest import tiny_config
 from helpers import read_only, save_random_gpt2
 
+import jaxpar.eval as eval_command
 import jaxpar.inference.evaluate as evaluate_command
 from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
+from jaxpar.eval import main
 from jaxpar.inference import sample
-from jaxpar.inference.evaluate import evaluate, main
+from jaxpar.inference.evaluate import evaluate
 from jaxpar.models.transformer import abstract_model
 
 RTOL = 1e-5
@@ -215,7 +217,7 @@ def tasks_argv(saved, samples) -> list[str]:
 @pytest.fixture
 def no_load(monkeypatch):
     """Loading the model fails the test: a refusal comes before it."""
-    monkeypatch.setattr(evaluate_command, "load_source",
+    monkeypatch.setattr(eval_command, "load_source",
                         lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
 
 

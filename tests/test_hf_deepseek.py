@@ -21,10 +21,11 @@ from helpers import cached_logits, copy_with, exported_configs, logits_of, tenso
 from helpers import placed as placed_on
 
 from jaxpar.core.errors import UserError
-from jaxpar.inference import export, sample
+from jaxpar.inference import export
 from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache
 from jaxpar.models.transformer import build_model
+from jaxpar.sample import main as sample_main
 from jaxpar.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -106,7 +107,7 @@ def test_the_export_of_a_trained_deepseek_samples_its_text(tmp_path, capsys):
     texts = []
     for source in (["--ckpt", str(tmp_path / "run")], ["--ckpt", str(tmp_path / "run"), "--no-cache"],
                    ["--hf", str(tmp_path / "hf"), "--mesh", "ep=2"]):
-        sample.main(source + greedy)
+        sample_main(source + greedy)
         texts.append(capsys.readouterr().out)
     assert texts[0].startswith("ROMEO:") and texts[0] == texts[1] == texts[2]
 

@@ -20,6 +20,7 @@ from helpers import cached_logits, logits_of, tensors_of
 from helpers import placed as placed_on
 
 from jaxpar.core.errors import UserError
+from jaxpar.eval import main as eval_main
 from jaxpar.formats.hf_files import save_weights
 from jaxpar.inference import evaluate, export, sample
 from jaxpar.inference.loading import load_hf
@@ -27,6 +28,7 @@ from jaxpar.models import hf
 from jaxpar.models.decode import empty_cache
 from jaxpar.models.transformer import build_model
 from jaxpar.prepare import main as prepare_main
+from jaxpar.sample import main as sample_main
 from jaxpar.train import main as train_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -175,7 +177,7 @@ def test_sample_and_eval_use_an_hf_directory_as_it_is(trained, tmp_path, capsys)
     texts = []
     for source in (["--ckpt", str(trained)], ["--hf", str(tmp_path / "hf")],
                    ["--hf", str(tmp_path / "hf"), "--mesh", "tp=2"]):
-        sample.main(source + greedy)
+        sample_main(source + greedy)
         texts.append(capsys.readouterr().out)
     assert texts[0].startswith("ROMEO:") and texts[0] == texts[1] == texts[2]
     # The loss over the same tokens: the checkpoint on one device, the export with --hf on tp=2.
@@ -191,11 +193,11 @@ def test_eval_hf_runs_on_prepared_data_and_needs_it(trained, tmp_path, capsys):
     text.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40)
     prepare_main([str(text), "--out", str(tmp_path / "data"), "--tokenizer", str(tmp_path / "hf" / "tokenizer.json")])
     capsys.readouterr()
-    evaluate.main(["--hf", str(tmp_path / "hf"), "--data", str(tmp_path / "data"), "--mesh", "dp=2"])
+    eval_main(["--hf", str(tmp_path / "hf"), "--data", str(tmp_path / "data"), "--mesh", "dp=2"])
     result = json.loads(capsys.readouterr().out)
     assert result["hf"] == str(tmp_path / "hf") and result["blocks"] > 0 and 0 < result["loss"] < 10
     with pytest.raises(SystemExit):
-        evaluate.main(["--hf", str(tmp_path / "hf")])
+        eval_main(["--hf", str(tmp_path / "hf")])
     assert "--hf needs --data" in capsys.readouterr().err
 
 
@@ -206,7 +208,7 @@ def test_eval_hf_runs_on_prepared_data_and_needs_it(trained, tmp_path, capsys):
 ])
 def test_sample_hf_refusals_are_one_line(capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_info:
-        sample.main(argv)
+        sample_main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and expected in err and len(err.splitlines()) == 1, err
 

@@ -18,9 +18,10 @@ from helpers import placed as placed_on
 
 from jaxpar.core.errors import UserError
 from jaxpar.formats.hf_files import open_weights
-from jaxpar.inference import export, sample
+from jaxpar.inference import export
 from jaxpar.models import hf
 from jaxpar.models.llama import hf_moe
+from jaxpar.sample import main as sample_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRAINED = "tiny_moe"  # configs/tiny_moe.toml after 2 steps (conftest.TRAINED_RUNS)
@@ -129,6 +130,6 @@ def test_the_export_of_a_trained_mixture_samples_its_text(trained, tmp_path, cap
     greedy = ["--temperature", "0", "--prompt", "ROMEO:", "--max-new-tokens", "12"]
     texts = []
     for source in (["--ckpt", str(trained)], ["--hf", str(tmp_path / "hf"), "--mesh", "ep=2"]):
-        sample.main(source + greedy)
+        sample_main(source + greedy)
         texts.append(capsys.readouterr().out)
     assert texts[0].startswith("ROMEO:") and texts[0] == texts[1]

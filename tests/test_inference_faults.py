@@ -16,6 +16,7 @@ from helpers import exits_with_one_line, tensors_of
 
 from jaxpar.core.errors import UserError
 from jaxpar.formats.safetensors_mmap import open_safetensors
+from jaxpar.sample import main as sample_main
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_gpt2_tiny"
 F32x4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
@@ -90,8 +91,7 @@ def garbled(tmp_path) -> Path:
 
 
 def test_sample_hf_with_a_garbled_header_is_one_line(garbled, capsys):
-    from jaxpar.inference import sample
-    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample.main(["--hf", str(garbled)]),
+    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample_main(["--hf", str(garbled)]),
                         f"'{garbled / 'model.safetensors'}' is not a readable safetensors file (its header's length")
 
 

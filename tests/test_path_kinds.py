@@ -18,7 +18,7 @@ from helpers import exits_with_one_line, read_only
 def main_of(command: str):
     """The command's main, imported when first run (sample and eval load JAX's pieces lazily)."""
     import importlib
-    module = {"train": "jaxpar.train", "sample": "jaxpar.inference.sample", "eval": "jaxpar.inference.evaluate",
+    module = {"train": "jaxpar.train", "sample": "jaxpar.sample", "eval": "jaxpar.eval",
               "export": "jaxpar.export", "prepare": "jaxpar.prepare", "bench": "jaxpar.planning.bench",
               "plan": "jaxpar.planning.plan", "schedule": "jaxpar.schedule", "plot": "jaxpar.plot"}
     return importlib.import_module(module[command]).main

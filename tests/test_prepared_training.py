@@ -41,6 +41,7 @@ from jaxpar.models.transformer import Transformer, abstract_model
 from jaxpar.nn.layers import padded_vocab
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.prepare import main as prepare_main
+from jaxpar.sample import main as sample_main
 from jaxpar.train import main as train_main
 from jaxpar.train import run
 from jaxpar.training.checkpoints.checkpoint import CHECKPOINTS, Checkpoints, make_meta
@@ -175,7 +176,7 @@ def test_sampling_encodes_and_decodes_with_the_bpe(one_device, capsys, monkeypat
     assert result.texts == ["ROMEO:" + model.tokenizer.decode(ids[0])]
     assert isinstance(result.texts[0], str) and len(result.texts[0]) > len("ROMEO:")
     # The command line streams the same greedy text through the same tokenizer.
-    sample.main(["--ckpt", str(one_device.out), "--prompt", "ROMEO:", "--max-new-tokens", "12",
+    sample_main(["--ckpt", str(one_device.out), "--prompt", "ROMEO:", "--max-new-tokens", "12",
                  "--temperature", "0"])
     assert capsys.readouterr().out == result.texts[0] + "\n"
     # Stopping at the end-of-text token: pretend the token greedy decoding emits 5th is it.
@@ -244,7 +245,7 @@ def test_stop_at_eot_ends_every_sample_at_its_end_of_text(bytes_run, capsys):
     assert stopped.texts == [text.split(EOT)[0] for text in free.texts]  # the same draws
     assert stopped.new_tokens == max(firsts) + 1  # it stops once the last sample has ended
     # The command line (several samples: printed whole at the end) says the same.
-    sample.main(["--ckpt", str(bytes_run), "--prompt", "ROMEO:", "--max-new-tokens", "40",
+    sample_main(["--ckpt", str(bytes_run), "--prompt", "ROMEO:", "--max-new-tokens", "40",
                  "--temperature", "1", "--top-k", "0", "--seed", "3", "--num-samples", "4",
                  "--stop-at-eot"])
     assert capsys.readouterr().out == "\n---------------\n".join(stopped.texts) + "\n"
@@ -274,7 +275,7 @@ def char_run(tmp_path_factory):
 def test_stop_at_eot_on_a_char_model_is_one_line(char_run, capsys):
     before = files_in(char_run)
     with pytest.raises(SystemExit) as exit_info:
-        sample.main(["--ckpt", str(char_run), "--stop-at-eot"])
+        sample_main(["--ckpt", str(char_run), "--stop-at-eot"])
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1

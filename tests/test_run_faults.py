@@ -121,15 +121,16 @@ def tamper_checksum(step_dir, item: str = "params") -> None:
 
 @pytest.mark.parametrize("command", ["eval", "sample", "export"])
 def test_each_command_refuses_a_checkpoint_whose_arrays_do_not_match(saved, tmp_path, capsys, command):
+    from jaxpar.eval import main as eval_main
     from jaxpar.export import main as export_main
-    from jaxpar.inference import evaluate, sample
+    from jaxpar.sample import main as sample_main
     out = tmp_path / "run"
     shutil.copytree(saved[0], out)
     shutil.rmtree(out / "checkpoints" / "2")  # nothing to fall back to
     tamper_checksum(out / "checkpoints" / "4")
     argv = {"eval": ["--ckpt", str(out)], "sample": ["--ckpt", str(out), "--max-new-tokens", "4"],
             "export": ["--ckpt", str(out), "--out", str(tmp_path / "hf")]}[command]
-    main = {"eval": evaluate.main, "sample": sample.main, "export": export_main}[command]
+    main = {"eval": eval_main, "sample": sample_main, "export": export_main}[command]
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2

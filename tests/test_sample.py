@@ -16,6 +16,7 @@ from jaxpar.inference import sample
 from jaxpar.models.decode import cache_bytes_per_token, empty_cache, forward
 from jaxpar.models.transformer import abstract_model
 from jaxpar.parallel import hlo
+from jaxpar.sample import main as sample_main
 
 LOGITS_ATOL = 1e-5
 TRAINED = "tiny_30_steps"  # the tiny model after 30 steps on dp=2 (conftest.TRAINED_RUNS)
@@ -65,7 +66,7 @@ def test_the_same_seed_samples_the_same_text(trained):
 @pytest.mark.parametrize("where", ["run", "checkpoints"])
 def test_cli_streams_text_from_a_run_or_its_checkpoints(trained, capsys, where):
     path = trained if where == "run" else trained / "checkpoints"
-    sample.main(["--ckpt", str(path), "--prompt", "ROMEO:", "--max-new-tokens", "40"])
+    sample_main(["--ckpt", str(path), "--prompt", "ROMEO:", "--max-new-tokens", "40"])
     out, err = capsys.readouterr()
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 40 + 1  # and a newline
     assert "tokens/s (KV cache" in err
@@ -79,7 +80,7 @@ def test_cli_streams_text_from_a_run_or_its_checkpoints(trained, capsys, where):
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(trained, capsys, argv, expected):
     with pytest.raises(SystemExit) as exit_info:
-        sample.main(["--ckpt", str(trained)] + argv)
+        sample_main(["--ckpt", str(trained)] + argv)
     assert exit_info.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
@@ -102,7 +103,7 @@ def test_a_prompt_the_tokenizer_drops_whole_is_one_line():
 
 def test_cli_without_checkpoints_names_the_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        sample.main(["--ckpt", str(tmp_path)])
+        sample_main(["--ckpt", str(tmp_path)])
     assert f"no checkpoints in '{tmp_path}'" in capsys.readouterr().err
 
 
@@ -132,7 +133,7 @@ def test_samples_past_the_hosts_memory_are_one_line_before_any_allocation(traine
     """With 16 GiB free (whatever this host has): refused in one line before the decoders compile."""
     monkeypatch.setattr(hlo, "host_available_bytes", lambda: 16 * GIB)
     monkeypatch.setattr(sample, "warm_up", lambda *a: pytest.fail("the decoders ran before the refusal"))
-    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample.main(["--ckpt", str(trained)] + argv),
+    exits_with_one_line(capsys, "jaxpar.sample", lambda: sample_main(["--ckpt", str(trained)] + argv),
                         expected, "but this host has 16.0 GiB free; lower --num-samples or --max-new-tokens")
     assert capsys.readouterr().out == ""
 
@@ -145,7 +146,7 @@ def test_a_kv_cache_past_the_free_memory_is_one_line(trained, capsys, monkeypatc
     with monkeypatch.context() as patch:
         patch.setattr(hlo, "host_available_bytes", lambda: 2**19)
         patch.setattr(sample, "warm_up", lambda *a: pytest.fail("the decoders ran before the refusal"))
-        exits_with_one_line(capsys, "jaxpar.sample", lambda: sample.main(argv),
+        exits_with_one_line(capsys, "jaxpar.sample", lambda: sample_main(argv),
                             "64 samples of 10 tokens need about", "(the KV cache and the logits as XLA estimates "
                             "them, on 1 host device, and the tokens), but this host has 0.5 MiB free")
     from jaxpar.inference import sample_memory
@@ -154,5 +155,5 @@ def test_a_kv_cache_past_the_free_memory_is_one_line(trained, capsys, monkeypatc
         need = sample_memory.device_bytes(model, sample.make_decoders(model, 0.8, 200), 64, 1, True, 1337)
     cache = 64 * model.cfg.model.block_size * cache_bytes_per_token(model.net)
     assert 2**19 < cache <= need
-    sample.main(argv)
+    sample_main(argv)
     assert capsys.readouterr().out.count("---------------") == 63

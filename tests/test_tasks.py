@@ -22,8 +22,8 @@ from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
 from jaxpar.data.task_files import find_task_files, read_rows
 from jaxpar.data.tasks import TASKS, to_items
+from jaxpar.eval import main as eval_main
 from jaxpar.inference import sample
-from jaxpar.inference.evaluate import main as eval_main
 from jaxpar.models.transformer import abstract_model
 from jaxpar.training.run.task_scoring import encode_pair, encode_requests
 

@@ -17,7 +17,7 @@ from helpers import exits_with_one_line, fails_with, fake_tiktoken, save_random_
 from jaxpar.data.loader import load_dataset, read_text
 from jaxpar.data.prepare import prepare
 from jaxpar.data.tokenizer import META_FILE, ByteTokenizer
-from jaxpar.inference.evaluate import main as eval_main
+from jaxpar.eval import main as eval_main
 from jaxpar.inference.export import export
 from jaxpar.train import main as train_main
 from jaxpar.train import parse_args, run

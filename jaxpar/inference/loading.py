@@ -12,9 +12,8 @@ import jax
 from jax.sharding import Mesh
 
 from jaxpar.core.config import Config, MeshConfig, load_config
-from jaxpar.core.errors import ArgumentParser, UserError
+from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
-from jaxpar.core.paths import given
 from jaxpar.core.sharding import shardings_for
 from jaxpar.models.hf import apply_hf_config, check_finite, hf_tokenizer, load_hf_params
 from jaxpar.models.transformer import Transformer
@@ -110,17 +109,6 @@ def load_hf(hf_dir, mesh: str = "dp=1", devices=None, block_size: int | None = N
     shapes = net.shapes()
     params = load_hf_params(hf_dir, cfg.model, vocab, shardings_for(net.axes(), shapes, mesh_obj))  # checked finite
     return Model(cfg, tokenizer, net, params, mesh_obj, 0, f"--hf '{hf_dir}'")
-
-
-def add_model_source(parser: ArgumentParser) -> None:
-    """--ckpt RUN_DIR or --hf HF_DIR, and the mesh to run on."""
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", type=given("--ckpt"), help="a training run's --out directory, or its checkpoints folder")
-    source.add_argument("--hf", metavar="HF_DIR", type=given("--hf"), help="a Hugging Face directory (GPT-2 or Llama), "
-                        "as save_pretrained writes it: used as it is, without training")
-    parser.add_argument("--block-size", type=int, help="with --hf: the window in tokens (default: "
-                        "max_position_embeddings, at most 1024)")
-    parser.add_argument("--mesh", default="dp=1", help="e.g. tp=2 (default: one device)")
 
 
 def load_source(args, command: str) -> Model:
