@@ -1,7 +1,8 @@
 """One table per Hugging Face model family, from which its readers (HF -> jaxpar, lazy views of the
 memory-mapped files) and its writer (jaxpar -> HF, what save_pretrained writes) are both derived,
-each entry's transform run one way by the writer and undone by the readers. Used by hf_gpt2,
-hf_llama and hf_moe.
+each entry's transform run one way by the writer and undone by the readers. Used by each
+family's Hugging Face adapter (models/gpt2/hf.py, models/llama/hf.py and hf_moe.py,
+models/deepseek/hf.py) and by models/hf.py, which picks the family.
 
 A `Weight` names the HF tensors of one jaxpar param, as templates over the layer {i} and the
 expert {e}. One layer's param is cut into pieces, each one HF tensor: per expert where the param
