@@ -1,13 +1,12 @@
 """The kernels that each [model] kernel key names: its entries, as the modules that implement them
 define them (jaxpar.nn.kernel_entry says what an entry is), and the config's checks of them.
 
-The config's own checks (jaxpar.core) know the keys and their `auto` default only; the names and
-needs are asked here, where the execution plan is made (jaxpar.training.step.execution): before
-any other work, and again for every command's model as the plan is made.
+Each key's entries are a jaxpar.core.registry.Registry, which the config's checks ask as the
+config loads (the names, and what the config alone rules out); the mesh's and the platform's
+needs are asked where the execution plan is made (jaxpar.training.step.execution).
 """
 
 from jaxpar.core.model_config import field_names
-from jaxpar.nn import kernel_entry as entry
 from jaxpar.nn import kernels, moe
 from jaxpar.nn.grouped_gemm import GEMM_KERNELS
 from jaxpar.nn.kernel_entry import ATTENTION, MOE_DISPATCH, MOE_GEMM
@@ -17,7 +16,7 @@ KERNELS = {ATTENTION: kernels.ATTENTION_KERNELS, MOE_GEMM: GEMM_KERNELS, MOE_DIS
 
 def names(key: str) -> tuple[str, ...]:
     """The values model.<key> takes: auto, then its kernels."""
-    return entry.names(KERNELS[key])
+    return KERNELS[key].names
 
 
 def check_model(m, documents: bool) -> None:
@@ -28,4 +27,4 @@ def check_model(m, documents: bool) -> None:
     kernels.check_attention(m, documents)
     for key in (MOE_DISPATCH, MOE_GEMM):
         if key in field_names(m):
-            entry.check_name(KERNELS[key], getattr(m, key))
+            KERNELS[key].check(getattr(m, key))

@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
+from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, TENSOR_AXIS, batch_ways
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig, load_config, validate
 from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
@@ -27,6 +27,7 @@ from jaxpar.planning.hardware import target_devices
 from jaxpar.planning.layouts import host_memory_choices, int_list, parse_layouts
 from jaxpar.planning.plan_args import DEFAULT_MAX_COMPILES, DEFAULT_REMATS, build_parser, parse_args  # noqa: F401
 from jaxpar.planning.plan_report import plan_outputs
+from jaxpar.training.step.execution import strategy_on
 
 # XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
 OUT_OF_HBM = re.compile(r"\(([\d.]+)G\) exceeds available HBM")
@@ -107,7 +108,8 @@ def trainer_refusal(c: Candidate, devices: int, platform: str, chip: str) -> str
     matmul recipe on `platform`'s `chip` (jaxpar.nn.recipes.recipe_for, as plan_execution asks)."""
     try:
         validate(c.cfg)
-        resolve_mesh_shape(c.cfg, devices)
+        shape = resolve_mesh_shape(c.cfg, devices)
+        strategy_on(c.cfg.model, shape[CONTEXT_AXIS.key], shape[TENSOR_AXIS.key])
         if c.layout[DATA_AXIS.key] == 1 and c.layout["zero"] > 0:
             raise UserError("with dp=1 every ZeRO stage is the same program as zero 0")
         recipe_for(c.cfg.model, platform, chip)
