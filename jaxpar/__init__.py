@@ -6,9 +6,7 @@ __version__ = "0.1.0"
 
 skip_absent_tpu()
 
-# Every registry (jaxpar.core.registry) is filled here, before any config is read: the config's
-# checks ask each one for its names. The families' pull in nn's kernels, strategies and recipes.
+# Every registry (jaxpar.core.registry) is filled here, before any config is read (nn's by the families').
 import jaxpar.models.registry  # noqa: F401, E402
-import jaxpar.nn.kernel_registry  # noqa: F401, E402
 import jaxpar.parallel.schedules  # noqa: F401, E402
 import jaxpar.training.optimizers.registry  # noqa: F401, E402

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if args.pp < 1:
             raise UserError(f"--pp must be positive, got {args.pp}")
-        virtual = args.virtual or least_chunks(SCHEDULES.named(args.schedule))
+        virtual = args.virtual or least_chunks(SCHEDULES[args.schedule])
         check_size(args.pp, args.microbatches, virtual)
         suffix = f"_v{virtual}" if args.virtual and virtual > 1 else ""
         out = picture_path(args.out, f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}{suffix}.png")

@@ -17,11 +17,10 @@ from jaxpar.core.remat import REMAT_KINDS  # noqa: F401
 
 DEFAULT_FAMILY = "gpt2"  # the default config's, nanoGPT's
 # Every kernel key's default (model.attention, a mixture's moe_gemm and moe_dispatch): the platform
-# picks. The kernels each key names, and their needs, are nn's (jaxpar.nn.kernel_registry), checked
-# where the execution plan is made.
+# picks. The kernels each key names, and their needs, are nn's registries (jaxpar.core.registry).
 AUTO = "auto"
 
-FAMILY_CONFIGS = Registry("model.family")  # model.family -> its config class, filled by jaxpar.models.registry
+FAMILY_CONFIGS = Registry("model.family", {})  # model.family -> its config class, filled by jaxpar.models.registry
 
 
 @dataclass

@@ -125,7 +125,7 @@ def check_host_memory(offload: str, policy: str, devices, platform: str) -> None
     """Offloading (train.offload, or a model.remat `policy` that offloads) needs the `devices`'
     host memory kind (pinned_host); a UserError where it is missing."""
     asked = [f"train.offload={offload}"] * (offload != "none")
-    asked += [f"model.remat={policy}"] * bool(POLICIES.named(policy).offloads)
+    asked += [f"model.remat={policy}"] * bool(POLICIES[policy].offloads)
     if asked and not has_host_memory(devices):
         raise UserError(f"{' and '.join(asked)} keeps arrays in host memory ({HOST}), which the {platform} "
                         f"devices here do not have; use train.offload=none and a remat policy without offload")

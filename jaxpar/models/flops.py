@@ -87,7 +87,7 @@ RERUNS = {RERUN_LAYER: recompute_flops_per_token, RERUN_MLP: mlp_rerun_flops_per
 
 def policy_rerun_flops_per_token(cfg: ModelConfig) -> int:
     """FLOPs per token that model.remat's policy reruns in the backward (its `reruns`)."""
-    rerun = RERUNS.get(POLICIES.named(cfg.remat).reruns)  # None: RERUN_NOTHING
+    rerun = RERUNS.get(POLICIES[cfg.remat].reruns)  # None: RERUN_NOTHING
     return rerun(cfg) if rerun else 0
 
 

@@ -13,7 +13,7 @@ from jaxpar.models.family import Family, Registered
 FAMILIES: dict[str, Registered] = {entry.config.family: entry for entry in (gpt2.FAMILY, llama.FAMILY,
                                                                              deepseek.FAMILY)}
 for entry in FAMILIES.values():
-    FAMILY_CONFIGS.register(entry.config.family, entry.config)
+    FAMILY_CONFIGS[entry.config.family] = entry.config
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -3,11 +3,10 @@ that ask a [model] key's entries, given to them.
 
 Each kernel's entry is defined by the module that implements it: model.attention's in
 jaxpar.nn.kernels, model.moe_gemm's in jaxpar.nn.grouped_gemm, model.moe_dispatch's in
-jaxpar.nn.moe; jaxpar.nn.kernel_registry maps each key to its entries. An entry says where its
-kernel runs, which `auto` picks on a platform, the heads, masks, dtypes and sequence tiles it
-takes, and its one-line reasons: why a config that names it is refused (its `refusals`), and why
-`auto` does not run it (its `notes`). The config's kernel checks ask them where the execution plan
-is made (jaxpar.training.step.execution), as nn's choosing code does.
+jaxpar.nn.moe; each key's entries are a registry (`by_name`, jaxpar.core.registry), which the
+config's checks ask as it loads. An entry says where its kernel runs, which `auto` picks on a
+platform, the heads, masks, dtypes and sequence tiles it takes, and its one-line reasons: why a
+config that names it is refused (its `refusals`), and why `auto` does not run it (its `notes`).
 """
 
 from collections.abc import Callable
@@ -115,7 +114,6 @@ def auto_kernel(kernels: Registry, platform: str) -> Kernel:
 
 def chosen(kernels: Registry, value: str, platform: str) -> str:
     """The key's `value` as it runs on `platform`: itself, or what `auto` picks there among
-    `kernels` (for a key whose kernels need nothing checked); refused in one line (Registry.check)
-    where none of them has the name."""
-    kernels.check(value)
+    `kernels` (for a key whose kernels need nothing checked); its names are checked as the config
+    loads."""
     return value if value != AUTO else auto_kernel(kernels, platform).name

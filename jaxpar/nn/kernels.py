@@ -97,8 +97,8 @@ ATTENTION_KERNELS = by_name(  # model.attention's entries, in the order its valu
 def check_attention(model_cfg, documents: bool = False) -> None:
     """Refuse model.attention where the config alone rules it out, in one line with the fix: a
     name of no kernel, its kernel's own needs, and with `documents` (data.document_mask) a kernel
-    that cannot keep them apart. The mesh's needs are check_mesh's."""
-    ATTENTION_KERNELS.check(model_cfg.attention)
+    that cannot keep them apart (its name is checked before, as every registry's). The mesh's
+    needs are check_mesh's."""
     kernel = ATTENTION_KERNELS.get(model_cfg.attention)
     if kernel and (reason := kernel.unmet(model_cfg)):
         raise kernel.refused(reason, **model_facts(model_cfg))
@@ -153,9 +153,7 @@ def cudnn_head_max(device, host=None) -> int:
 
 
 def check_mesh(model_cfg, platform: str, context: int = 1, cudnn_heads: int = CUDNN_HEADS_HOPPER) -> None:
-    """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix;
-    first what check_attention refuses of the config alone (a command may build its mesh first)."""
-    check_attention(model_cfg)
+    """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix."""
     if model_cfg.attention in (AUTO, entry.XLA):
         return
     kernel = ATTENTION_KERNELS[model_cfg.attention]

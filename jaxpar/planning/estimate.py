@@ -171,7 +171,7 @@ def host_transfer_bytes(m: ModelConfig, batch_size: int, layout: dict, state_byt
     split = ways(sizes, "width") if m.sequence_parallel else 1
     tokens = batch_size / batch_ways(sizes) * m.block_size / ways(sizes, "sequence")
     layers = layers_per_stage(m, ways(sizes, "layers"))
-    return moved + 2 * tokens * layers * POLICIES.named(m.remat).host_bytes_per_token(m, split)
+    return moved + 2 * tokens * layers * POLICIES[m.remat].host_bytes_per_token(m, split)
 
 
 def host_seconds(host_bytes: float, chip: Chip) -> float:
@@ -204,7 +204,7 @@ def context_collectives(m: ModelConfig, layout: dict, step: StepShape) -> list[d
     cp = axis_sizes(layout).get(CONTEXT_AXIS.key, 1)
     if cp == 1:
         return []
-    strategy = STRATEGIES.named(layout.get("context", m.context_strategy))
+    strategy = STRATEGIES[layout.get("context", m.context_strategy)]
     per_head = m.head_size / m.n_embd / step.width * step.activation_bytes
     ops = strategy.collectives(cp, m, 2 * m.kv_heads * per_head, m.n_head * per_head, step.layers, step.passes)
     return [collective(kind, nbytes, cp, count) for kind, nbytes, count in ops]

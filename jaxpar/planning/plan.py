@@ -21,13 +21,13 @@ from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig, load_confi
 from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
 from jaxpar.models.flops import NO_PIPELINE
+from jaxpar.nn.context import on_mesh
 from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import target_devices
 from jaxpar.planning.layouts import host_memory_choices, int_list, parse_layouts
 from jaxpar.planning.plan_args import DEFAULT_MAX_COMPILES, DEFAULT_REMATS, build_parser, parse_args  # noqa: F401
 from jaxpar.planning.plan_report import plan_outputs
-from jaxpar.training.step.execution import strategy_on
 
 # XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
 OUT_OF_HBM = re.compile(r"\(([\d.]+)G\) exceeds available HBM")
@@ -109,7 +109,7 @@ def trainer_refusal(c: Candidate, devices: int, platform: str, chip: str) -> str
     try:
         validate(c.cfg)
         shape = resolve_mesh_shape(c.cfg, devices)
-        strategy_on(c.cfg.model, shape[CONTEXT_AXIS.key], shape[TENSOR_AXIS.key])
+        on_mesh(c.cfg.model, shape[CONTEXT_AXIS.key], shape[TENSOR_AXIS.key])
         if c.layout[DATA_AXIS.key] == 1 and c.layout["zero"] > 0:
             raise UserError("with dp=1 every ZeRO stage is the same program as zero 0")
         recipe_for(c.cfg.model, platform, chip)

@@ -165,7 +165,7 @@ def check_rope(m: LlamaConfig) -> None:
 
 def check_experts(m: LlamaConfig) -> None:
     """The mixture of experts' keys (jaxpar.nn.moe); the kernels that moe_gemm and moe_dispatch
-    name are checked where the execution plan is made (jaxpar.nn.kernel_registry)."""
+    name are their registries' (jaxpar.core.registry)."""
     at_least(m, ("n_experts", "moe_mlp_dim"), 0)
     if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
         raise UserError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "

@@ -36,7 +36,7 @@ def recipe_for(m, platform: str, chip: str = "") -> MatmulRecipe:
     """The recipe the [model] section `m` names on `platform` (its `chip`, where known), refused
     there in one UserError line where it cannot run; shaped for XLA:CPU where the plan's
     cpu_matmuls says so."""
-    cls = RECIPES[FP8.named(m.fp8)]
+    cls = RECIPES[FP8[m.fp8]]
     extra = {"head": bool(m.fp8_head)} if "head" in {f.name for f in dataclasses.fields(cls)} else {}
     recipe = cls(jnp.dtype(m.dtype).name, ExecutionPlan(platform=platform).cpu_matmuls, **extra)
     recipe.check(platform, chip)

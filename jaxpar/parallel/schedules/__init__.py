@@ -21,7 +21,7 @@ from jaxpar.parallel.schedules.zb_h1 import ZBH1
 # pipeline.schedule's entries ("": 1F1B); the config's checks ask the named one's layer chunks too
 SCHEDULES = Registry("pipeline.schedule", {s.name: s for s in (GPipe, OneFOneB, Interleaved, ZBH1, DualPipeV)},
                      default=OneFOneB.name,
-                     needs=lambda cfg: SCHEDULES.named(cfg.pipeline.schedule).chunks_per_stage(cfg.pipeline.virtual))
+                     needs=lambda cfg: SCHEDULES[cfg.pipeline.schedule].chunks_per_stage(cfg.pipeline.virtual))
 DEFAULT = OneFOneB  # pipeline.schedule left empty
 
 
@@ -35,7 +35,7 @@ def schedule_for(p: PipelineConfig, run: Run, pp: int, dp: int) -> PipelineSched
     """The [pipeline] section's schedule on pp stages for `run` (its model and rows, split dp
     ways), its layer chunks, microbatches and table checked; None at pp=1 (where its name and
     pipeline.virtual are checked all the same)."""
-    cls = SCHEDULES.named(p.schedule)
+    cls = SCHEDULES[p.schedule]
     chunks = cls.chunks_per_stage(p.virtual)
     if pp == 1:
         return None

@@ -124,10 +124,8 @@ def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None
                    split=None) -> optax.GradientTransformation:
     """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles (and,
     for Muon, these matrix views, jaxpar.nn.params.Param.matrix, and the mesh its work is split
-    over, jaxpar.training.optimizers.muon.Split). Its names are checked first."""
-    entry = OPTIMIZERS.named(o.name)
-    AFTER_WARMUP.check(o.schedule)
-    return entry.build(o, lambda step: learning_rate(step, o), roles, matrices, split)
+    over, jaxpar.training.optimizers.muon.Split); its names were checked as the config loaded."""
+    return OPTIMIZERS[o.name].build(o, lambda step: learning_rate(step, o), roles, matrices, split)
 
 
 def optimizer_for(o: OptimizerConfig, model, mesh=None, zero_plan=None) -> optax.GradientTransformation:

@@ -19,8 +19,7 @@ from jaxpar.core.execution import ExecutionPlan
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
 from jaxpar.models.registry import family_of
-from jaxpar.nn import kernel_tuning, kernels, moe
-from jaxpar.nn.context import STRATEGIES
+from jaxpar.nn import context, kernel_tuning, kernels, moe
 from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.schedules import schedule_for
 
@@ -65,10 +64,9 @@ def computing(m: ModelConfig, documents: bool, zero: int, mesh, platform: str) -
     context strategy and the attention kernel (for what the strategy shows it of the sequence),
     each checked on this mesh and platform, the matmul recipe, a mixture's GEMM and dispatch, and
     what is recomputed (`documents`: data.document_mask)."""
-    kernels.check_attention(m, documents)  # what the config alone rules out, for a config made by hand
     device = kernels.device_of(mesh)
     cp = mesh.shape.get(CONTEXT, 1)
-    strategy = strategy_on(m, cp, mesh.shape.get(TENSOR, 1))
+    strategy = context.on_mesh(m, cp, mesh.shape.get(TENSOR, 1))
     kernels.check_mesh(m, platform, strategy.kernel_context(cp), kernels.cudnn_head_max(device))
     attention, note = kernels.resolve(m, platform, strategy.kernel_context(cp), documents,
                                       kernels.cudnn_head_max(device), kernels.cudnn_head_max(device, host=device))
@@ -79,13 +77,3 @@ def computing(m: ModelConfig, documents: bool, zero: int, mesh, platform: str) -
                 attention=attention, attention_note=note, remat=m.remat, regather_weights=zero == 3,
                 recipe=recipe, **experts)
 
-
-def strategy_on(m: ModelConfig, cp: int, tp: int) -> strategies.ContextStrategy:
-    """The model's context strategy, checked on a mesh of cp and tp: what it needs of the model,
-    and of a mixture of experts' capacity factor, when the sequence is split. The planners ask
-    it of a layout before they build its mesh."""
-    strategy = STRATEGIES.named(m.context_strategy)
-    if cp > 1:
-        strategy.check(m, cp, tp, m.dropout)
-        moe.check_capacity(m, cp)
-    return strategy
