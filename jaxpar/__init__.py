@@ -6,5 +6,7 @@ __version__ = "0.1.0"
 
 skip_absent_tpu()
 
-# The families' configs register with jaxpar.core here, before any config is read.
-import jaxpar.models.registry  # noqa: F401
+# Every registry (jaxpar.core.registry) is filled here, before any config is read (nn's by the families').
+import jaxpar.models.registry  # noqa: F401, E402
+import jaxpar.parallel.schedules  # noqa: F401, E402
+import jaxpar.training.optimizers.registry  # noqa: F401, E402

@@ -7,7 +7,7 @@ import numpy as np
 
 from jaxpar.core.errors import ArgumentParser, UserError, exit_on_user_error
 from jaxpar.core.paths import given
-from jaxpar.parallel.schedules import DEFAULT, SCHEDULES, make_schedule, schedule_class
+from jaxpar.parallel.schedules import DEFAULT, SCHEDULES, make_schedule
 from jaxpar.parallel.schedules.base import PipelineSchedule
 from jaxpar.parallel.schedules.ops import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT
 from jaxpar.training.run.loss_plots import picture_path, pyplot, save
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if args.pp < 1:
             raise UserError(f"--pp must be positive, got {args.pp}")
-        virtual = args.virtual or least_chunks(schedule_class(args.schedule))
+        virtual = args.virtual or least_chunks(SCHEDULES[args.schedule])
         check_size(args.pp, args.microbatches, virtual)
         suffix = f"_v{virtual}" if args.virtual and virtual > 1 else ""
         out = picture_path(args.out, f"schedule_{args.schedule}_pp{args.pp}_m{args.microbatches}{suffix}.png")

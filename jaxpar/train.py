@@ -59,8 +59,6 @@ def parse_args(argv: list[str], prog: str = "jaxpar.train"):
             raise UserError(f"model.vocab_size={asked} conflicts with vocab_size={vocab} of the "
                             f"model in {cfg.train.init_from}; drop the override")
         cfg.model.vocab_size = vocab
-    from jaxpar.training.step.execution import check_names
-    check_names(cfg.optimizer, cfg.pipeline, cfg.model, cfg.data.document_mask)  # a registry name before any other work
     name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
     out_dir = Path(args.out) if args.out else Path("out") / name
     if not args.dry_run:  # which writes nothing

@@ -12,11 +12,12 @@ import pytest
 from conftest import tiny_config
 from helpers import assert_same_training, fails_with, train
 
+from jaxpar.core.config import Config
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import model_config
+from jaxpar.core.registry import REGISTRIES, check_registered
 from jaxpar.nn.attention import causal_attention
 from jaxpar.nn.kernel_entry import ATTENTION, MOE_DISPATCH, MOE_GEMM
-from jaxpar.nn.kernel_registry import check_model, names
 from jaxpar.nn.kernels import resolve, splash
 from jaxpar.planning import roofline
 from jaxpar.planning.hardware import CHIPS
@@ -171,13 +172,15 @@ def test_kernel_refusals_are_one_line(capsys, tmp_path, args, expected):
 
 @pytest.mark.parametrize("key", [ATTENTION, MOE_GEMM, MOE_DISPATCH])
 def test_the_kernel_keys_take_the_registrys_names(key):
-    """The config's kernel check (before any work, and where the plan is made) reads each kernel
-    key's values off jaxpar.nn.kernel_registry: each of its names passes, and another value is
-    refused in one line that lists them all."""
-    for name in names(key):
-        check_model(model_config("llama", n_experts=4, dtype="bfloat16", block_size=128, **{key: name}), False)
-    with pytest.raises(UserError, match=f"model.{key} must be one of {', '.join(names(key))}, got 'flash'"):
-        check_model(model_config("llama", n_experts=4, **{key: "flash"}), False)
+    """The config's checks (as it loads) read each kernel key's values off its registry: each of
+    its names passes, and another value is refused in one line that lists them all."""
+    names, cfg = REGISTRIES[f"model.{key}"].names, Config()
+    for name in names:
+        cfg.model = model_config("llama", n_experts=4, dtype="bfloat16", block_size=128, **{key: name})
+        check_registered(cfg)
+    cfg.model = model_config("llama", n_experts=4, **{key: "flash"})
+    with pytest.raises(UserError, match=f"model.{key} must be one of {', '.join(names)}, got 'flash'"):
+        check_registered(cfg)
 
 
 def compiled_text(target: str, devices: int = 1, eot_id: int | None = None, **overrides) -> str:

@@ -30,6 +30,7 @@ from jaxpar.core.optimizer_config import (
     validate_optimizer,
 )
 from jaxpar.core.paths import checked
+from jaxpar.core.registry import check_registered, one_of
 from jaxpar.core.xla_options import parse as parse_xla_options
 
 DEFAULT_CONFIG_NAME = "shakespeare_char_cpu"
@@ -275,8 +276,7 @@ def validate(cfg: Config) -> None:
                         "no negative seed, and JAX's keys keep 32 bits; choose one in that range")
     if t.zero not in (0, 1, 2, 3):
         raise UserError(f"train.zero (--zero) must be 0, 1, 2 or 3, got {t.zero}")
-    if t.offload not in OFFLOADS:
-        raise UserError(f"train.offload must be one of {', '.join(OFFLOADS)}, got '{t.offload}'")
+    one_of("train.offload", t.offload, OFFLOADS)
     parse_xla_options(t.xla_options)
     sizes = [getattr(cfg.mesh, axis.key) for axis in AXES]
     for axis, size in zip(AXES, sizes):
@@ -292,6 +292,7 @@ def validate(cfg: Config) -> None:
                         f"got '{d.coordinator}'")
     if sizes.count(-1) > 1:
         raise UserError("at most one mesh axis may be -1 (inferred)")
+    check_registered(cfg)  # every name a registry holds, and what its entry needs of the config alone
 
 
 def parse_overrides(tokens: list[str]) -> dict[str, str]:

@@ -4,28 +4,23 @@ own configs, and the checks.
 A family's own keys are a dataclass of its own that extends ModelConfig, in
 jaxpar/models/<family>/config.py. The config is read and checked before any model is built, and
 core may not import the families, so the registry of families (jaxpar.models.registry, which
-jaxpar's package imports) registers each one's config here with `family_config`. `model_config(family, **keys)`
-builds a family's config; a key that only other families declare is refused in one line that
-names them (`not_this_family`).
+jaxpar's package imports) files each one's config in FAMILY_CONFIGS (a jaxpar.core.registry
+Registry). `model_config(family, **keys)` builds a family's config; a key that only other
+families declare is refused in one line that names them (`not_this_family`).
 """
 
 from dataclasses import dataclass, fields
 
 from jaxpar.core.errors import UserError
-from jaxpar.core.remat import REMAT_KINDS, policy_of  # noqa: F401
+from jaxpar.core.registry import Registry
+from jaxpar.core.remat import REMAT_KINDS  # noqa: F401
 
 DEFAULT_FAMILY = "gpt2"  # the default config's, nanoGPT's
 # Every kernel key's default (model.attention, a mixture's moe_gemm and moe_dispatch): the platform
-# picks. The kernels each key names, and their needs, are nn's (jaxpar.nn.kernel_registry), checked
-# where the execution plan is made.
+# picks. The kernels each key names, and their needs, are nn's registries (jaxpar.core.registry).
 AUTO = "auto"
 
-FAMILY_CONFIGS: dict[str, type["ModelConfig"]] = {}  # model.family -> its config class
-
-
-def family_config(cls: type["ModelConfig"]) -> None:
-    """Register a family's config class under its own `family` default."""
-    FAMILY_CONFIGS[cls.family] = cls
+FAMILY_CONFIGS = Registry("model.family", {})  # model.family -> its config class, filled by jaxpar.models.registry
 
 
 @dataclass
@@ -133,9 +128,7 @@ def field_names(cls) -> set[str]:
 
 def model_config(family: str = DEFAULT_FAMILY, **keys) -> ModelConfig:
     """The config of a model of `family`, its keys set (the others at their defaults)."""
-    if family not in FAMILY_CONFIGS:
-        raise UserError(f"model.family must be one of {', '.join(FAMILY_CONFIGS)}, got '{family}'")
-    cls = FAMILY_CONFIGS[family]
+    cls = FAMILY_CONFIGS.named(family)
     for name in sorted(set(keys) - field_names(cls)):
         raise not_this_family(family, name) or UserError(f"unknown config key 'model.{name}'")
     return cls(**keys | {"family": family})
@@ -168,12 +161,9 @@ def model_keys() -> list[str]:
 
 
 def validate_model(m: ModelConfig) -> None:
-    if m.family not in FAMILY_CONFIGS:
-        raise UserError(f"model.family must be one of {', '.join(FAMILY_CONFIGS)}, got '{m.family}'")
     if m.loss_chunks < 1 or m.block_size % m.loss_chunks:
         raise UserError(f"model.loss_chunks={m.loss_chunks} must be a positive divisor of "
                         f"model.block_size={m.block_size}")
-    policy_of(m.remat)  # a registered policy (jaxpar.core.remat)
     if m.dtype not in ("float32", "bfloat16"):
         raise UserError(f"model.dtype must be float32 or bfloat16, got '{m.dtype}'")
     if m.logits_dtype not in ("float32", m.dtype):

@@ -7,9 +7,10 @@ A key that only one optimizer reads is declared `only_for_optimizer(name, defaul
 from dataclasses import dataclass, field, fields
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.registry import one_of
 
-# optimizer.name and optimizer.schedule name entries of jaxpar.training.optimizers.registry' registries,
-# which check them (plan_execution, before anything is written); this section holds their keys.
+# optimizer.name and optimizer.schedule name entries of jaxpar.training.optimizers.registry's
+# registries, which the config's checks ask (jaxpar.core.registry); this section holds their keys.
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # wsd's decay
 # Older names of the section's keys, kept working in config files and on the command line.
 ALIASES = {"train.lr": "optimizer.lr", "train.min_lr": "optimizer.min_lr",
@@ -77,8 +78,7 @@ def validate_optimizer(o: OptimizerConfig, key_name) -> None:
         if getattr(o, name) < 0:
             raise UserError(f"{key_name(f'optimizer.{name}')} must be >= 0, got {getattr(o, name)}")
     check_ranges(o, key_name)
-    if o.decay_shape not in DECAY_SHAPES:
-        raise UserError(f"optimizer.decay_shape must be one of {', '.join(DECAY_SHAPES)}, got '{o.decay_shape}'")
+    one_of("optimizer.decay_shape", o.decay_shape, DECAY_SHAPES)
     if not 0 <= o.decay_fraction <= 1:
         raise UserError(f"optimizer.decay_fraction must be in [0, 1], got {o.decay_fraction}")
 

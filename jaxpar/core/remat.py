@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxpar.core.errors import UserError
+from jaxpar.core.registry import Registry
 
 # The arrays a layer may keep, by checkpoint name.
 LAYER_INPUT = "layer_input"  # the residual stream entering the layer (float32)
@@ -97,7 +98,7 @@ def kept_widths(m, tp: int = 1, split: int = 1) -> dict[str, float]:
 
 
 ATTENTION_KEPT = (QKV, CONTEXT, ATTENTION_OUT)
-POLICIES = {p.name: p for p in (
+POLICIES = Registry("model.remat", {p.name: p for p in (
     Policy("none", (), reruns=RERUN_NOTHING, about="keep what autodiff keeps; nothing reruns"),
     Policy("full", (), about="keep each layer's input alone; the backward reruns the layer"),
     Policy("attention", ATTENTION_KEPT, reruns=RERUN_MLP,
@@ -107,16 +108,9 @@ POLICIES = {p.name: p for p in (
                                       "whose matmul the backward reruns"),
     Policy("full_offloaded", (), offloads=(LAYER_INPUT,),
            about="as full, with each layer's input kept in host memory instead of the device's"),
-)}
+)})
 REMAT_KINDS = tuple(POLICIES)
 DEFAULT = "none"
-
-
-def policy_of(name: str) -> Policy:
-    """The registered policy of this name, or a UserError naming the registered ones."""
-    if name not in POLICIES:
-        raise UserError(f"model.remat must be one of {', '.join(REMAT_KINDS)}, got '{name}'")
-    return POLICIES[name]
 
 
 def has_host_memory(devices) -> bool:
@@ -131,7 +125,7 @@ def check_host_memory(offload: str, policy: str, devices, platform: str) -> None
     """Offloading (train.offload, or a model.remat `policy` that offloads) needs the `devices`'
     host memory kind (pinned_host); a UserError where it is missing."""
     asked = [f"train.offload={offload}"] * (offload != "none")
-    asked += [f"model.remat={policy}"] * bool(policy_of(policy).offloads)
+    asked += [f"model.remat={policy}"] * bool(POLICIES[policy].offloads)
     if asked and not has_host_memory(devices):
         raise UserError(f"{' and '.join(asked)} keeps arrays in host memory ({HOST}), which the {platform} "
                         f"devices here do not have; use train.offload=none and a remat policy without offload")

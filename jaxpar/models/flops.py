@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.core.remat import RERUN_LAYER, RERUN_MLP, RERUN_WIDEST, policy_of
+from jaxpar.core.remat import POLICIES, RERUN_LAYER, RERUN_MLP, RERUN_WIDEST
 from jaxpar.models.registry import family_of
 
 # Dense peak FLOP/s per device from vendor data sheets, by compute dtype. On GPUs, float32 matmuls
@@ -87,7 +87,7 @@ RERUNS = {RERUN_LAYER: recompute_flops_per_token, RERUN_MLP: mlp_rerun_flops_per
 
 def policy_rerun_flops_per_token(cfg: ModelConfig) -> int:
     """FLOPs per token that model.remat's policy reruns in the backward (its `reruns`)."""
-    rerun = RERUNS.get(policy_of(cfg.remat).reruns)  # None: RERUN_NOTHING
+    rerun = RERUNS.get(POLICIES[cfg.remat].reruns)  # None: RERUN_NOTHING
     return rerun(cfg) if rerun else 0
 
 

@@ -4,7 +4,7 @@ the Hugging Face layer (jaxpar.models.hf) reads the entries' formats. A new fami
 """
 
 from jaxpar.core.config import ModelConfig
-from jaxpar.core.model_config import family_config
+from jaxpar.core.model_config import FAMILY_CONFIGS
 from jaxpar.models import deepseek, gpt2, llama
 from jaxpar.models.family import Family, Registered
 
@@ -13,7 +13,7 @@ from jaxpar.models.family import Family, Registered
 FAMILIES: dict[str, Registered] = {entry.config.family: entry for entry in (gpt2.FAMILY, llama.FAMILY,
                                                                              deepseek.FAMILY)}
 for entry in FAMILIES.values():
-    family_config(entry.config)
+    FAMILY_CONFIGS[entry.config.family] = entry.config
 
 
 def family_of(cfg: ModelConfig) -> Family:

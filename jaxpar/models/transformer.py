@@ -166,8 +166,8 @@ class Transformer:
         # Recomputation needs a rolled scan: unrolled, XLA:CPU schedules the reruns early and keeps
         # every layer's activations all the same (the tiny model at block 128: 34 MB of temporaries
         # with remat or without; rolled, 10 MB with remat).
-        unroll = (cfg.unroll_layers and not self.plan.regather_weights and not remat.policy_of(cfg.remat).checkpointed
-                  and cache is None)
+        unroll = (cfg.unroll_layers and not self.plan.regather_weights
+                  and not remat.POLICIES[cfg.remat].checkpointed and cache is None)
         kv = None if cache is None else (cache.k, cache.v)
         stacks = self.stacks()
         if set(stacks.values()) == {"layers"}:
@@ -190,7 +190,7 @@ class Transformer:
                                          doc_starts)
             return x, (losses, None if kv is None else (kv.k, kv.v))
 
-        policy = remat.policy_of(cfg.remat)
+        policy = remat.POLICIES[cfg.remat]
         if policy.checkpointed and cache is None:  # keep what the policy names; the backward reruns the rest
             return jax.checkpoint(step, prevent_cse=False, policy=policy.jax_policy())
         if plan.regather_weights:

@@ -3,17 +3,18 @@ that ask a [model] key's entries, given to them.
 
 Each kernel's entry is defined by the module that implements it: model.attention's in
 jaxpar.nn.kernels, model.moe_gemm's in jaxpar.nn.grouped_gemm, model.moe_dispatch's in
-jaxpar.nn.moe; jaxpar.nn.kernel_registry maps each key to its entries. An entry says where its
-kernel runs, which `auto` picks on a platform, the heads, masks, dtypes and sequence tiles it
-takes, and its one-line reasons: why a config that names it is refused (its `refusals`), and why
-`auto` does not run it (its `notes`). The config's kernel checks ask them where the execution plan
-is made (jaxpar.training.step.execution), as nn's choosing code does.
+jaxpar.nn.moe; each key's entries are a registry (`by_name`, jaxpar.core.registry), which the
+config's checks ask as it loads. An entry says where its kernel runs, which `auto` picks on a
+platform, the heads, masks, dtypes and sequence tiles it takes, and its one-line reasons: why a
+config that names it is refused (its `refusals`), and why `auto` does not run it (its `notes`).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import AUTO
+from jaxpar.core.registry import Registry
 
 XLA, SPLASH, CUDNN, TOKAMAX = "xla", "splash", "cudnn", "tokamax"  # model.attention's kernels
 RAGGED_DOT, MEGABLOX, BLOCKS = "ragged_dot", "megablox", "blocks"  # model.moe_gemm's, and TOKAMAX
@@ -98,32 +99,21 @@ REFUSALS = {  # attention's
                 "use --model.attention=auto"}
 
 
-def by_name(*entries: Kernel) -> dict[str, Kernel]:
-    """One [model] key's entries by name, in the order its values are listed."""
-    return {kernel.name: kernel for kernel in entries}
+def by_name(*entries: Kernel, needs: Callable | None = None) -> Registry:
+    """One [model] key's registry: its entries by name, in the order its values are listed after
+    `auto`; `needs(cfg)`: what the config alone rules out for the kernel it names."""
+    return Registry(f"model.{entries[0].key}", {kernel.name: kernel for kernel in entries}, also=(AUTO,),
+                    needs=needs)
 
 
-def names(kernels: dict[str, Kernel]) -> tuple[str, ...]:
-    """The values the key of `kernels` (one key's entries, by name) takes: auto, then its kernels."""
-    return (AUTO, *kernels)
-
-
-def check_name(kernels: dict[str, Kernel], value: str) -> None:
-    """Refuse a value of the key of `kernels` that names none of them, in one line naming the choices."""
-    if value not in names(kernels):
-        key = next(iter(kernels.values())).key
-        raise UserError(f"model.{key} must be one of {', '.join(names(kernels))}, got '{value}'")
-
-
-def auto_kernel(kernels: dict[str, Kernel], platform: str) -> Kernel:
+def auto_kernel(kernels: Registry, platform: str) -> Kernel:
     """The kernel of `kernels` that `auto` picks on `platform`, before the config's needs are asked."""
     entries = kernels.values()
     return next((k for k in entries if platform in k.auto_on), None) or next(k for k in entries if OTHERS in k.auto_on)
 
 
-def chosen(kernels: dict[str, Kernel], value: str, platform: str) -> str:
+def chosen(kernels: Registry, value: str, platform: str) -> str:
     """The key's `value` as it runs on `platform`: itself, or what `auto` picks there among
-    `kernels` (for a key whose kernels need nothing checked); refused in one line (check_name)
-    where none of them has the name."""
-    check_name(kernels, value)
+    `kernels` (for a key whose kernels need nothing checked); its names are checked as the config
+    loads."""
     return value if value != AUTO else auto_kernel(kernels, platform).name

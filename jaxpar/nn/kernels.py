@@ -20,9 +20,9 @@ alone, for Hopper), so model.attention=cudnn is refused with documents, and on G
 else xla, said in one line. Off a GPU, `tokamax` runs tokamax's XLA reference (the tests).
 
 Each kernel's needs and one-line reasons are its entry here (`ATTENTION_KERNELS`, each a
-jaxpar.nn.kernel_entry.Kernel): `check_attention` asks them of the config, before any work and
-where the plan is made (jaxpar.training.step.execution), and the rest of this module of the mesh
-and the platform.
+jaxpar.nn.kernel_entry.Kernel): `check_attention` asks them of the config as it is checked
+(jaxpar.core.registry) and where the plan is made (jaxpar.training.step.execution), and the rest
+of this module of the mesh and the platform.
 """
 
 import functools
@@ -49,7 +49,6 @@ from jaxpar.nn.kernel_entry import (
     Kernel,
     auto_kernel,
     by_name,
-    check_name,
     model_facts,
 )
 
@@ -91,14 +90,15 @@ ATTENTION_KERNELS = by_name(  # model.attention's entries, in the order its valu
     CUDNN_KERNEL,
     # tokamax's flash attention off GPUs: its XLA reference (the tests)
     Kernel(TOKAMAX, ATTENTION, platforms=(*GPUS, "cpu"), dropout=False, ring=False, package="tokamax",
-           notes={"ring": "runs no context ring", "package": "is not installed (" + GPU_EXTRA + ")"}))
+           notes={"ring": "runs no context ring", "package": "is not installed (" + GPU_EXTRA + ")"}),
+    needs=lambda cfg: check_attention(cfg.model, cfg.data.document_mask))
 
 
 def check_attention(model_cfg, documents: bool = False) -> None:
     """Refuse model.attention where the config alone rules it out, in one line with the fix: a
     name of no kernel, its kernel's own needs, and with `documents` (data.document_mask) a kernel
-    that cannot keep them apart. The mesh's needs are check_mesh's."""
-    check_name(ATTENTION_KERNELS, model_cfg.attention)
+    that cannot keep them apart (its name is checked before, as every registry's). The mesh's
+    needs are check_mesh's."""
     kernel = ATTENTION_KERNELS.get(model_cfg.attention)
     if kernel and (reason := kernel.unmet(model_cfg)):
         raise kernel.refused(reason, **model_facts(model_cfg))
@@ -153,9 +153,7 @@ def cudnn_head_max(device, host=None) -> int:
 
 
 def check_mesh(model_cfg, platform: str, context: int = 1, cudnn_heads: int = CUDNN_HEADS_HOPPER) -> None:
-    """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix;
-    first what check_attention refuses of the config alone (a command may build its mesh first)."""
-    check_attention(model_cfg)
+    """Refuse an explicit fused kernel on a mesh where it cannot run, in one line with the fix."""
     if model_cfg.attention in (AUTO, entry.XLA):
         return
     kernel = ATTENTION_KERNELS[model_cfg.attention]

@@ -53,7 +53,6 @@ from jaxpar.nn.kernel_entry import (
     Kernel,
     auto_kernel,
     by_name,
-    check_name,
     chosen,
 )
 from jaxpar.nn.routing import capacity, counted, router_of, sequence_stats, within_capacity
@@ -206,7 +205,6 @@ def gemm_of(cfg, platform: str) -> tuple[str, str | None]:
     multiplies every row by every expert), tokamax's Triton kernel on GPU (the blocks' gathered
     weights, (rows / 64 + E) x C x F, do not fit a large model), else XLA's ragged_dot there.
     Decided before tracing; the kernels' entries: jaxpar.nn.grouped_gemm.GEMM_KERNELS."""
-    check_name(GEMM_KERNELS, cfg.moe_gemm)
     if cfg.moe_gemm != AUTO:
         kernel = GEMM_KERNELS.get(cfg.moe_gemm)
         if kernel and kernel.platforms and platform not in kernel.platforms:

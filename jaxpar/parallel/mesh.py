@@ -11,13 +11,10 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.core.axes import AXES, CONTEXT_AXIS, KEYS, NAMES, TENSOR_AXIS, check_axes, sizes_of
+from jaxpar.core.axes import AXES, KEYS, NAMES, check_axes, sizes_of
 from jaxpar.core.config import Config, MeshConfig
 from jaxpar.core.errors import UserError
 from jaxpar.core.platform import MAX_HOST_DEVICES
-from jaxpar.nn import context
-from jaxpar.nn.kernels import check_mesh, cudnn_head_max
-from jaxpar.nn.moe import check_capacity
 
 
 def parse_mesh_spec(spec: str) -> dict[str, str]:
@@ -89,22 +86,15 @@ def infer_axis(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
     return sizes
 
 
-def resolve_mesh_shape(cfg: Config, num_devices: int, device=None) -> dict[str, int]:
-    """cfg's mesh sizes on `num_devices` (one -1 inferred), checked: the model's context strategy
-    at the mesh's cp (what it needs of the model, and of a mixture of experts' capacity factor),
-    the attention kernel on `device`'s platform where one is given, then every axis's checks."""
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
+    """cfg's mesh sizes on `num_devices` (one -1 inferred), checked by every axis's checks. What
+    the model's strategy and kernels need of the sizes is asked where the plan is made
+    (jaxpar.training.step.execution)."""
     sizes = infer_axis(sizes_of(cfg.mesh), num_devices)
     if math.prod(sizes.values()) != num_devices:
         spec = ",".join(f"{key}={size}" for key, size in sizes.items())
         raise UserError(f"mesh {spec} uses {math.prod(sizes.values())} devices but {num_devices} are "
                         f"available; make the product {num_devices}, or use -1 for one axis")
-    m, cp = cfg.model, sizes[CONTEXT_AXIS.key]
-    strategy = context.strategy_named(m.context_strategy)
-    if cp > 1:
-        strategy.check(m, cp, sizes[TENSOR_AXIS.key], m.dropout)
-        check_capacity(m, cp)
-    if device is not None:
-        check_mesh(m, device.platform, strategy.kernel_context(cp), cudnn_head_max(device))
     check_axes(cfg.run, sizes)
     return sizes
 
@@ -112,7 +102,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int, device=None) -> dict[str, 
 def build_mesh(cfg: Config, devices=None) -> Mesh:
     """An Auto-typed Mesh over `devices` (default: all), validated against cfg."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_mesh_shape(cfg, len(devices), devices[0])
+    sizes = resolve_mesh_shape(cfg, len(devices))
     # jax.make_mesh lays devices out by topology and process, the last axis the most local, so
     # the axes go in by locality: a tensor group stays on one host where it can (its all-reduces
     # run in every layer), and a context ring next to it (its K/V blocks move every layer too).

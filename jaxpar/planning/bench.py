@@ -25,16 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxpar.core.axes import KEYS
+from jaxpar.core.axes import CONTEXT_AXIS, KEYS, TENSOR_AXIS
 from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config
 from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
 from jaxpar.core.paths import given, output_folder
+from jaxpar.nn.context import on_mesh
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
 from jaxpar.planning.bench_record import RECORD, add_scaling, bench_outputs, earlier_row, settings, write_outputs
 from jaxpar.training.run.loss_plots import mesh_label
-from jaxpar.training.step.execution import check_names
 
 DEFAULT_LAYOUTS = "dp=1;dp=2;tp=2;pp=2;dp=2,tp=2;dp=2,pp=2;dp=4;dp=4,tp=2;dp=2,tp=2,pp=2"  # valid for the default batch of 12
 DEFAULT_STEPS = 50
@@ -70,8 +70,8 @@ def parse_layout(entry: str, config: str | None, overrides: dict[str, str], weak
             batch = load_config(config, overrides).train.batch_size
             overrides["train.batch_size"] = str(batch * math.prod(sizes.values()))
         cfg = load_config(config, overrides | mesh)
-        check_names(cfg.optimizer, cfg.pipeline, cfg.model, cfg.data.document_mask)  # before any layout runs
-        resolve_mesh_shape(cfg, math.prod(sizes.values()))
+        shape = resolve_mesh_shape(cfg, math.prod(sizes.values()))
+        on_mesh(cfg.model, shape[CONTEXT_AXIS.key], shape[TENSOR_AXIS.key])  # before any layout runs
     except UserError as e:
         raise UserError(f"layout '{entry}': {e}") from None
     return Layout(mesh_label(sizes), sizes, cfg, overrides)

@@ -27,9 +27,9 @@ from jaxpar.core.axes import AXES, CONTEXT_AXIS, batch_ways, layers_per_stage
 from jaxpar.core.axis_costs import StepShape, collective
 from jaxpar.core.config import ModelConfig
 from jaxpar.core.errors import UserError
-from jaxpar.core.remat import policy_of
+from jaxpar.core.remat import POLICIES
 from jaxpar.models.flops import NO_PIPELINE, flops_per_token, hardware_flops_per_token
-from jaxpar.nn import context
+from jaxpar.nn.context import STRATEGIES
 from jaxpar.nn.routing import capacity
 from jaxpar.planning.hardware import Chip
 from jaxpar.planning.placement import activation_bytes
@@ -171,7 +171,7 @@ def host_transfer_bytes(m: ModelConfig, batch_size: int, layout: dict, state_byt
     split = ways(sizes, "width") if m.sequence_parallel else 1
     tokens = batch_size / batch_ways(sizes) * m.block_size / ways(sizes, "sequence")
     layers = layers_per_stage(m, ways(sizes, "layers"))
-    return moved + 2 * tokens * layers * policy_of(m.remat).host_bytes_per_token(m, split)
+    return moved + 2 * tokens * layers * POLICIES[m.remat].host_bytes_per_token(m, split)
 
 
 def host_seconds(host_bytes: float, chip: Chip) -> float:
@@ -204,7 +204,7 @@ def context_collectives(m: ModelConfig, layout: dict, step: StepShape) -> list[d
     cp = axis_sizes(layout).get(CONTEXT_AXIS.key, 1)
     if cp == 1:
         return []
-    strategy = context.strategy_named(layout.get("context", m.context_strategy))
+    strategy = STRATEGIES[layout.get("context", m.context_strategy)]
     per_head = m.head_size / m.n_embd / step.width * step.activation_bytes
     ops = strategy.collectives(cp, m, 2 * m.kv_heads * per_head, m.n_head * per_head, step.layers, step.passes)
     return [collective(kind, nbytes, cp, count) for kind, nbytes, count in ops]

@@ -10,7 +10,7 @@ import jax
 
 from jaxpar.core.axes import CONTEXT, PIPE, TENSOR, pipelined_layers
 from jaxpar.core.config import Config, ModelConfig
-from jaxpar.core.remat import DEFAULT, POLICIES, policy_of
+from jaxpar.core.remat import DEFAULT, POLICIES
 from jaxpar.core.sharding import split_ways
 from jaxpar.data.loader import load_dataset
 from jaxpar.models.decode import cache_bytes_per_token
@@ -43,7 +43,7 @@ def activation_bytes(m: ModelConfig, vocab_size: int, rows_per_pass: int, tp: in
     split = tp if m.sequence_parallel else 1  # eq. 4: LayerNorm, dropout and residual split too
     units = family_of(m).activation_units(tp, split)
     per_layer = tokens * POLICIES[DEFAULT].bytes_per_token(m, tp, split, units)  # what autodiff keeps
-    policy = policy_of(m.remat)
+    policy = POLICIES[m.remat]
     saved = layers * tokens * policy.bytes_per_token(m, tp, split, units) + (per_layer if policy.checkpointed else 0)
     logits = tokens * padded_vocab(vocab_size) // tp * jax.numpy.dtype(m.logits_dtype).itemsize * 2  # and their gradient
     return int((saved + logits) / cp)

@@ -16,11 +16,12 @@ import os
 import re
 import sys
 
-from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, batch_ways
+from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, TENSOR_AXIS, batch_ways
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig, load_config, validate
 from jaxpar.core.errors import UserError, exit_on_user_error
 from jaxpar.core.out_lock import RunLock
 from jaxpar.models.flops import NO_PIPELINE
+from jaxpar.nn.context import on_mesh
 from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.planning.hardware import target_devices
@@ -107,7 +108,8 @@ def trainer_refusal(c: Candidate, devices: int, platform: str, chip: str) -> str
     matmul recipe on `platform`'s `chip` (jaxpar.nn.recipes.recipe_for, as plan_execution asks)."""
     try:
         validate(c.cfg)
-        resolve_mesh_shape(c.cfg, devices)
+        shape = resolve_mesh_shape(c.cfg, devices)
+        on_mesh(c.cfg.model, shape[CONTEXT_AXIS.key], shape[TENSOR_AXIS.key])
         if c.layout[DATA_AXIS.key] == 1 and c.layout["zero"] > 0:
             raise UserError("with dp=1 every ZeRO stage is the same program as zero 0")
         recipe_for(c.cfg.model, platform, chip)

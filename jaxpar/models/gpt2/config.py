@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import ModelConfig
+from jaxpar.core.registry import one_of
 
 GELU_KINDS = ("exact", "tanh")
 NORM_KERNELS = ("xla", "pallas")
@@ -27,7 +28,5 @@ class GPT2Config(ModelConfig):
     def check(self) -> None:
         if self.n_embd % self.n_head:
             raise UserError(f"model.n_embd={self.n_embd} must be divisible by model.n_head={self.n_head}")
-        if self.gelu not in GELU_KINDS:
-            raise UserError(f"model.gelu must be one of {', '.join(GELU_KINDS)}, got '{self.gelu}'")
-        if self.norm_kernel not in NORM_KERNELS:
-            raise UserError(f"model.norm_kernel must be one of {', '.join(NORM_KERNELS)}, got '{self.norm_kernel}'")
+        one_of("model.gelu", self.gelu, GELU_KINDS)
+        one_of("model.norm_kernel", self.norm_kernel, NORM_KERNELS)

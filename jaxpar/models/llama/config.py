@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from jaxpar.core.errors import UserError
 from jaxpar.core.model_config import AUTO, ModelConfig
+from jaxpar.core.registry import one_of
 
 ROPE_TYPES = ("default", "llama3")
 QK_NORMS = ("none", "head", "full")
@@ -124,8 +125,7 @@ def check_heads(m: LlamaConfig) -> None:
         width = (f"model.head_dim={m.head_dim}" if m.head_dim else
                  f"each head's width, model.n_embd / model.n_head = {m.n_embd}/{m.n_head} = {m.head_size},")
         raise UserError(f"{width} is odd, and rotary positions rotate pairs of dims; choose an even one")
-    if m.qk_norm not in QK_NORMS:
-        raise UserError(f"model.qk_norm must be one of {', '.join(QK_NORMS)}, got '{m.qk_norm}'")
+    one_of("model.qk_norm", m.qk_norm, QK_NORMS)
 
 
 def at_least(m: LlamaConfig, names: tuple[str, ...], least: float, strict: bool = False) -> None:
@@ -148,8 +148,7 @@ def check_llama(m: LlamaConfig) -> None:
 def check_rope(m: LlamaConfig) -> None:
     """rope_type, and the scaling keys, checked under any rope_type: a value that is set must be
     one that could be used. A message names the rope_type set where it uses the key."""
-    if m.rope_type not in m.rope_types:
-        raise UserError(f"model.rope_type must be one of {', '.join(m.rope_types)}, got '{m.rope_type}'")
+    one_of("model.rope_type", m.rope_type, m.rope_types)
     users = {"rope_factor": ("llama3", "yarn"), "rope_original_max_position": ("llama3", "yarn"),
              "rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",)}
     rules = [("rope_factor", m.rope_factor > 0, "> 0"),
@@ -166,7 +165,7 @@ def check_rope(m: LlamaConfig) -> None:
 
 def check_experts(m: LlamaConfig) -> None:
     """The mixture of experts' keys (jaxpar.nn.moe); the kernels that moe_gemm and moe_dispatch
-    name are checked where the execution plan is made (jaxpar.nn.kernel_registry)."""
+    name are their registries' (jaxpar.core.registry)."""
     at_least(m, ("n_experts", "moe_mlp_dim"), 0)
     if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
         raise UserError(f"model.experts_per_token={m.experts_per_token} must be between 1 and "

@@ -1,22 +1,26 @@
 """Context-parallel strategies, one file each, and their registry: `--model.context_strategy=NAME`
 picks how attention runs when the sequence is split over 'context' (jaxpar.nn.context.base)."""
 
-from jaxpar.core.errors import UserError
+from jaxpar.core.registry import Registry
 from jaxpar.nn.context.base import ContextStrategy
 from jaxpar.nn.context.ring import Ring
 from jaxpar.nn.context.ulysses import Ulysses
+from jaxpar.nn.moe import check_capacity
 
-STRATEGIES: dict[str, ContextStrategy] = {s.name: s for s in (Ring(), Ulysses())}
+# model.context_strategy's entries ("": the default's), checked as the config loads
+STRATEGIES = Registry("model.context_strategy", {s.name: s for s in (Ring(), Ulysses())}, default=Ring.name)
 DEFAULT = STRATEGIES[Ring.name]
 
 
-def strategy_named(name: str) -> ContextStrategy:
-    """The strategy named `name` ("": the default); a UserError naming the choices otherwise."""
-    if not name:
-        return DEFAULT
-    if name not in STRATEGIES:
-        raise UserError(f"model.context_strategy must be one of {', '.join(STRATEGIES)}, got '{name}'")
-    return STRATEGIES[name]
+def on_mesh(m, cp: int, tp: int) -> ContextStrategy:
+    """The [model] section `m`'s strategy, checked on a mesh of cp and tp where cp > 1 splits the
+    sequence: what it needs of the model, and of a mixture's capacity factor; refused in one line.
+    Asked where the plan is made (jaxpar.training.step.execution), and of a planner's layout."""
+    strategy = STRATEGIES[m.context_strategy]
+    if cp > 1:
+        strategy.check(m, cp, tp, m.dropout)
+        check_capacity(m, cp)
+    return strategy
 
 
 def of(plan) -> ContextStrategy:

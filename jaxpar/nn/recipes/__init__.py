@@ -11,31 +11,32 @@ import jax.numpy as jnp
 from jaxpar.core.axes import PIPE
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
+from jaxpar.core.registry import Registry
 from jaxpar.nn.recipes.base import EXPERTS, HEAD, MATMULS, PROJECTIONS, MatmulRecipe  # noqa: F401
 from jaxpar.nn.recipes.fp8 import Rowwise, Tensorwise
 from jaxpar.nn.recipes.model_dtype import ModelDtype
 
 RECIPES: dict[str, type[MatmulRecipe]] = {r.name: r for r in (ModelDtype, Tensorwise, Rowwise)}
 DEFAULT = ModelDtype.name
-FP8 = {"none": DEFAULT, Tensorwise.name: Tensorwise.name, Rowwise.name: Rowwise.name}  # model.fp8 -> recipe
 
 
-def named(m) -> str:
-    """The recipe the [model] section `m` asks for (model.fp8, model.fp8_head), each key refused
-    in one UserError line naming the choices."""
-    if m.fp8 not in FP8:
-        raise UserError(f"model.fp8 must be one of {', '.join(FP8)}, got '{m.fp8}'")
-    if m.fp8_head and FP8[m.fp8] == DEFAULT:
+def check_head(cfg) -> None:
+    """model.fp8_head asks for an FP8 recipe: refused in one line under model.fp8=none."""
+    if cfg.model.fp8_head and FP8[cfg.model.fp8] == DEFAULT:
         raise UserError("model.fp8_head=true runs the lm_head in FP8 under an FP8 recipe; "
                         f"add --model.fp8={Tensorwise.name} (or {Rowwise.name}), or drop model.fp8_head")
-    return FP8[m.fp8]
+
+
+# model.fp8 -> its recipe's name in RECIPES
+FP8 = Registry("model.fp8", {"none": DEFAULT, Tensorwise.name: Tensorwise.name, Rowwise.name: Rowwise.name},
+               needs=check_head)
 
 
 def recipe_for(m, platform: str, chip: str = "") -> MatmulRecipe:
     """The recipe the [model] section `m` names on `platform` (its `chip`, where known), refused
     there in one UserError line where it cannot run; shaped for XLA:CPU where the plan's
     cpu_matmuls says so."""
-    cls = RECIPES[named(m)]
+    cls = RECIPES[FP8[m.fp8]]
     extra = {"head": bool(m.fp8_head)} if "head" in {f.name for f in dataclasses.fields(cls)} else {}
     recipe = cls(jnp.dtype(m.dtype).name, ExecutionPlan(platform=platform).cpu_matmuls, **extra)
     recipe.check(platform, chip)

@@ -3,12 +3,13 @@
 A schedule (jaxpar.parallel.schedules.base.PipelineSchedule) owns its per-stage orders, the
 placement of its layer chunks, whether a backward's weight gradient runs apart, its checks, its
 bubble formula and its FLOPs run again; the executor (jaxpar.parallel.pipeline) reads its table.
-A new schedule is a file here and a line in SCHEDULES.
+A new schedule is a file here and a line in SCHEDULES, the registry of pipeline.schedule
+(jaxpar.core.registry), which the config's checks ask as it loads.
 """
 
 from jaxpar.core.axes import Run, check_chunks, pipeline_microbatches
 from jaxpar.core.config import PipelineConfig
-from jaxpar.core.errors import UserError
+from jaxpar.core.registry import Registry
 from jaxpar.parallel.schedules.base import PipelineSchedule
 from jaxpar.parallel.schedules.dualpipev import DualPipeV
 from jaxpar.parallel.schedules.forward import ForwardOnly
@@ -17,22 +18,16 @@ from jaxpar.parallel.schedules.interleaved import Interleaved
 from jaxpar.parallel.schedules.one_f_one_b import OneFOneB
 from jaxpar.parallel.schedules.zb_h1 import ZBH1
 
-SCHEDULES: dict[str, type[PipelineSchedule]] = {s.name: s for s in (GPipe, OneFOneB, Interleaved, ZBH1, DualPipeV)}
+# pipeline.schedule's entries ("": 1F1B); the config's checks ask the named one's layer chunks too
+SCHEDULES = Registry("pipeline.schedule", {s.name: s for s in (GPipe, OneFOneB, Interleaved, ZBH1, DualPipeV)},
+                     default=OneFOneB.name,
+                     needs=lambda cfg: SCHEDULES[cfg.pipeline.schedule].chunks_per_stage(cfg.pipeline.virtual))
 DEFAULT = OneFOneB  # pipeline.schedule left empty
-
-
-def schedule_class(name: str) -> type[PipelineSchedule]:
-    """The schedule named `name` ("": the default); a UserError naming the choices otherwise."""
-    if not name:
-        return DEFAULT
-    if name not in SCHEDULES:
-        raise UserError(f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, got '{name}'")
-    return SCHEDULES[name]
 
 
 def make_schedule(name: str, pp: int, microbatches: int, virtual: int = 1) -> PipelineSchedule:
     """The named schedule's table on pp stages, checked: a UserError where it cannot run."""
-    cls = schedule_class(name)
+    cls = SCHEDULES.named(name)
     return table(cls, pp, microbatches, cls.chunks_per_stage(virtual))
 
 
@@ -40,7 +35,7 @@ def schedule_for(p: PipelineConfig, run: Run, pp: int, dp: int) -> PipelineSched
     """The [pipeline] section's schedule on pp stages for `run` (its model and rows, split dp
     ways), its layer chunks, microbatches and table checked; None at pp=1 (where its name and
     pipeline.virtual are checked all the same)."""
-    cls = schedule_class(p.schedule)
+    cls = SCHEDULES[p.schedule]
     chunks = cls.chunks_per_stage(p.virtual)
     if pp == 1:
         return None

@@ -7,8 +7,8 @@ optimizer state is the entry's alone, and a run may turn clipping on or off when
 
 Adding an optimizer: an entry here (its builder and the size of its state, which jaxpar.plan's
 memory guess reads) and its own keys in jaxpar.core.optimizer_config (declared `only_for_optimizer`).
-Adding a learning-rate schedule: its function and its entry in AFTER_WARMUP. `check` refuses a name
-neither registry holds, naming the choices (jaxpar.training.step.execution.plan_execution calls it).
+Adding a learning-rate schedule: its function and its entry in AFTER_WARMUP. Both are registries of
+jaxpar.core.registry, which the config's checks ask as the config loads.
 """
 
 import math
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.core.errors import UserError
 from jaxpar.core.optimizer_config import OptimizerConfig, decay_start
+from jaxpar.core.registry import Registry
 from jaxpar.nn.params import EMBEDDING, MATRIX
 from jaxpar.training.optimizers import muon as muon_split
 
@@ -51,7 +51,8 @@ def constant(step, o: OptimizerConfig, xp):
     return o.lr + 0.0 * step
 
 
-AFTER_WARMUP = {"cosine": cosine, "wsd": wsd, "constant": constant}  # optimizer.schedule: the lr after the warmup
+# optimizer.schedule: the lr after the warmup
+AFTER_WARMUP = Registry("optimizer.schedule", {"cosine": cosine, "wsd": wsd, "constant": constant})
 
 
 def decayed(roles: dict) -> dict:
@@ -111,27 +112,19 @@ class Optimizer:
     state_copies: float
 
 
-OPTIMIZERS = {
+OPTIMIZERS = Registry("optimizer.name", {
     "adamw": Optimizer(adamw, state_copies=2),  # the two moments
     "lion": Optimizer(lion, state_copies=1),  # the momentum
     "adafactor": Optimizer(adafactor, state_copies=0),  # a matrix's row and column means: ~0
     "muon": Optimizer(muon, state_copies=1),  # the momentum of the matrices, most of the params
-}
-
-
-def check(o: OptimizerConfig) -> None:
-    """Refuse an optimizer or learning-rate schedule that the registries do not hold, naming them."""
-    for key, value, registry in (("name", o.name, OPTIMIZERS), ("schedule", o.schedule, AFTER_WARMUP)):
-        if value not in registry:
-            raise UserError(f"optimizer.{key} must be one of {', '.join(registry)}, got '{value}'")
+})
 
 
 def make_optimizer(o: OptimizerConfig, roles: dict, matrices: dict | None = None,
                    split=None) -> optax.GradientTransformation:
     """The optimizer `o.name`, on the schedule `learning_rate`, for params with these roles (and,
     for Muon, these matrix views, jaxpar.nn.params.Param.matrix, and the mesh its work is split
-    over, jaxpar.training.optimizers.muon.Split). Its names are checked first (`check`)."""
-    check(o)
+    over, jaxpar.training.optimizers.muon.Split); its names were checked as the config loaded."""
     return OPTIMIZERS[o.name].build(o, lambda step: learning_rate(step, o), roles, matrices, split)
 
 

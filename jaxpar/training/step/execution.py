@@ -13,17 +13,15 @@ import dataclasses
 import jax
 
 from jaxpar.core import remat, strategies, xla_options
-from jaxpar.core.axes import CONTEXT, EXPERT, PIPE
-from jaxpar.core.config import MICRO_BATCH_AUTO, Config, ModelConfig, PipelineConfig
+from jaxpar.core.axes import CONTEXT, EXPERT, PIPE, TENSOR
+from jaxpar.core.config import MICRO_BATCH_AUTO, Config, ModelConfig
 from jaxpar.core.execution import ExecutionPlan
-from jaxpar.core.optimizer_config import OptimizerConfig
 from jaxpar.core.platform import GPUS
 from jaxpar.core.sharding import split_ways
 from jaxpar.models.registry import family_of
-from jaxpar.nn import context, kernel_registry, kernel_tuning, kernels, moe, recipes
+from jaxpar.nn import context, kernel_tuning, kernels, moe
 from jaxpar.nn.recipes import recipe_for
-from jaxpar.parallel.schedules import schedule_class, schedule_for
-from jaxpar.training.optimizers import registry as optimizers
+from jaxpar.parallel.schedules import schedule_for
 
 
 def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training: bool = True,
@@ -63,14 +61,14 @@ def plan_execution(cfg: Config, mesh, platform: str | None = None, for_training:
 
 def computing(m: ModelConfig, documents: bool, zero: int, mesh, platform: str) -> dict:
     """What every step on `mesh` computes with, training's or an inference command's: the
-    attention kernel (for what the context strategy shows it of the sequence), the matmul recipe,
-    a mixture's GEMM and dispatch, and what is recomputed. What the kernel keys name is refused
-    where the config alone rules it out (`documents`: data.document_mask), as check_names does:
-    every command's model comes this way."""
-    kernels.check_attention(m, documents)  # the name and needs, before it is resolved
+    context strategy and the attention kernel (for what the strategy shows it of the sequence),
+    each checked on this mesh and platform, the matmul recipe, a mixture's GEMM and dispatch, and
+    what is recomputed (`documents`: data.document_mask)."""
     device = kernels.device_of(mesh)
-    strategy = context.strategy_named(m.context_strategy)  # checked at the mesh's cp when it was built
-    attention, note = kernels.resolve(m, platform, strategy.kernel_context(mesh.shape.get(CONTEXT, 1)), documents,
+    cp = mesh.shape.get(CONTEXT, 1)
+    strategy = context.on_mesh(m, cp, mesh.shape.get(TENSOR, 1))
+    kernels.check_mesh(m, platform, strategy.kernel_context(cp), kernels.cudnn_head_max(device))
+    attention, note = kernels.resolve(m, platform, strategy.kernel_context(cp), documents,
                                       kernels.cudnn_head_max(device), kernels.cudnn_head_max(device, host=device))
     # the recipe is refused here where it cannot run
     recipe = recipe_for(m, platform, getattr(device, "device_kind", ""))
@@ -79,15 +77,3 @@ def computing(m: ModelConfig, documents: bool, zero: int, mesh, platform: str) -
                 attention=attention, attention_note=note, remat=m.remat, regather_weights=zero == 3,
                 recipe=recipe, **experts)
 
-
-def check_names(o: OptimizerConfig, p: PipelineConfig, m: ModelConfig, documents: bool) -> None:
-    """Every name a config's sections give a registry, each refused in one line naming the
-    choices: the optimizer and its learning-rate schedule, the pipeline schedule and its layer
-    chunks, the context strategy, the matmul recipe, and the kernels the model's kernel keys name,
-    with their needs that the config alone rules out (`documents`: data.document_mask).
-    plan_execution resolves each where it uses it; a command asks here first, before any other work."""
-    kernel_registry.check_model(m, documents)
-    optimizers.check(o)
-    schedule_class(p.schedule).chunks_per_stage(p.virtual)
-    context.strategy_named(m.context_strategy)
-    recipes.named(m)
