@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import exits_with_one_line
 
+from jaxpar.bench import main as bench_main
 from jaxpar.core.out_lock import RunLock
 from jaxpar.planning import bench
 
@@ -23,7 +24,7 @@ ROW_KEYS = {"layout", "devices", "tokens_per_s", "step_time_ms", "compile_s", "m
 @pytest.fixture(scope="module")
 def bench_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    bench.main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--steps", "3",
+    bench_main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--steps", "3",
                 "--train.eval_every=0", "--out", str(out)])  # no eval: one compile fewer
     return out
 
@@ -67,7 +68,7 @@ def test_bench_and_train_write_pngs(bench_out):
 def test_bad_layout_exits_2_and_writes_nothing(capsys, tmp_path, layouts, expected):
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--config", "tiny", "--layouts", layouts, "--steps", "3", "--out", str(out)])
+        bench_main(["--config", "tiny", "--layouts", layouts, "--steps", "3", "--out", str(out)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == f"jaxpar.bench: error: {err.removeprefix('jaxpar.bench: error: ')}"
@@ -85,7 +86,7 @@ def test_a_name_no_registry_holds_exits_2_before_any_layout_runs(capsys, tmp_pat
     process starts or an output is written (the control: the names each refusal lists)."""
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--config", "tiny", "--layouts", "dp=2", "--steps", "3", "--out", str(out), override])
+        bench_main(["--config", "tiny", "--layouts", "dp=2", "--steps", "3", "--out", str(out), override])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and expected in err, err
@@ -113,7 +114,7 @@ def test_failed_layout_is_reported_and_exits_1(bench_out, tmp_path, monkeypatch,
     monkeypatch.setattr(bench, "train_layout", fake_train)
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--out", str(out)])
+        bench_main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--out", str(out)])
     assert exit_info.value.code == 1
     assert "1 of 2 layouts failed: dp=2" in capsys.readouterr().err
     written = json.loads((out / "bench.json").read_text())
@@ -154,7 +155,7 @@ def fake_child(calls: list):
 
 
 def bench_dp1(out, *extra):
-    bench.main(["--config", "tiny", "--layouts", "dp=1", "--steps", "1", "--out", str(out), *extra])
+    bench_main(["--config", "tiny", "--layouts", "dp=1", "--steps", "1", "--out", str(out), *extra])
 
 
 def test_a_bench_again_with_other_settings_measures_again(tmp_path, monkeypatch, capsys):
@@ -201,7 +202,7 @@ def test_a_failed_baseline_leaves_the_other_rows_without_ratios(tmp_path, monkey
     monkeypatch.setattr(bench, "train_layout", lambda layout, *rest: dict(failed if layout.devices == 1 else ran))
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--out", str(out)])
+        bench_main(["--config", "tiny", "--layouts", "dp=1;dp=2", "--out", str(out)])
     assert exit_info.value.code == 1
     assert "1 of 2 layouts failed: dp=1" in capsys.readouterr().err
     written = json.loads((out / "bench.json").read_text())

@@ -18,10 +18,11 @@ import pytest
 from conftest import tiny_config
 from helpers import hf_dir_with, plain_mla
 
+import jaxpar.eval as eval_command
+import jaxpar.sample as sample_command
 from jaxpar.core.config import SEED_MAX, load_config
 from jaxpar.core.errors import UserError
 from jaxpar.core.execution import ExecutionPlan
-from jaxpar.inference import evaluate, sample
 from jaxpar.models import hf
 from jaxpar.models.deepseek.model import latent_attention
 from jaxpar.models.llama.model import Layer
@@ -167,7 +168,7 @@ def test_a_mesh_too_large_for_the_host_is_refused_before_it_starts(unforced_host
         hardware.cpu_devices(hardware.parse_target("cpu:5000"))
 
 
-@pytest.mark.parametrize("program, command", [("jaxpar.sample", sample), ("jaxpar.eval", evaluate)])
+@pytest.mark.parametrize("program, command", [("jaxpar.sample", sample_command), ("jaxpar.eval", eval_command)])
 def test_ctrl_c_exits_130_without_a_traceback(capsys, monkeypatch, tmp_path, program, command):
     def interrupt(*args):
         raise KeyboardInterrupt

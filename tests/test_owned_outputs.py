@@ -118,14 +118,14 @@ def test_plot_by_default_redraws_only_its_own_picture(tmp_path, capsys, monkeypa
 
 @pytest.mark.parametrize("name, folder", [("bench.md", False), ("dp=2", True)])
 def test_bench_refuses_a_report_file_or_layout_folder_it_did_not_write(tmp_path, capsys, name, folder):
-    from jaxpar.planning import bench
+    from jaxpar.bench import main as bench_main
     if folder:
         (tmp_path / "dp2").mkdir()
         (tmp_path / "dp2" / "notes.txt").write_text("a user's notes")
     else:
         (tmp_path / name).write_text("a user's notes")
     before = snapshot(tmp_path)
-    err = refused(bench.main, ["--config", "tiny", "--layouts", "dp=1;dp=2", "--steps", "1", "--out", str(tmp_path)],
+    err = refused(bench_main, ["--config", "tiny", "--layouts", "dp=1;dp=2", "--steps", "1", "--out", str(tmp_path)],
                   capsys)
     assert f"'{tmp_path / ('dp2' if folder else name)}' was not written by jaxpar" in err
     assert snapshot(tmp_path) == before

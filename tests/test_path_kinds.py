@@ -19,8 +19,8 @@ def main_of(command: str):
     """The command's main, imported when first run (sample and eval load JAX's pieces lazily)."""
     import importlib
     module = {"train": "jaxpar.train", "sample": "jaxpar.sample", "eval": "jaxpar.eval",
-              "export": "jaxpar.export", "prepare": "jaxpar.prepare", "bench": "jaxpar.planning.bench",
-              "plan": "jaxpar.planning.plan", "schedule": "jaxpar.schedule", "plot": "jaxpar.plot"}
+              "export": "jaxpar.export", "prepare": "jaxpar.prepare", "bench": "jaxpar.bench",
+              "plan": "jaxpar.plan", "schedule": "jaxpar.schedule", "plot": "jaxpar.plot"}
     return importlib.import_module(module[command]).main
 
 
@@ -158,14 +158,13 @@ def test_a_command_writes_twice_through_a_link_and_keeps_it(tmp_path, capsys, co
     ("bench", ["--config", "tiny", "--out", "{link}"]),
     ("plan", ["--config", "tiny", "--target", "tpu:v5e-4", "--out", "{link}"])])
 def test_train_bench_and_plan_write_in_the_folder_a_link_names(tmp_path, command, argv):
-    from jaxpar import train
-    from jaxpar.planning import bench, plan_args
+    from jaxpar import bench, plan, train
     link = link_to_a_folder(tmp_path)
     args = [a.format(link=link) for a in argv]
     if command == "train":
         out = train.parse_args(args)[1]
     else:
-        out = bench.parse_args(args)[2] if command == "bench" else plan_args.parse_args(args)[2].out
+        out = bench.parse_args(args)[2] if command == "bench" else plan.parse_args(args)[2].out
     assert out == tmp_path / "target" and link.is_symlink()
 
 
@@ -201,7 +200,7 @@ def test_schedule_sizes_its_table_before_building_it(capsys, monkeypatch):
 
 
 def test_plan_interrupted_writes_nothing_and_says_so(tmp_path, capsys, monkeypatch):
-    from jaxpar.planning import plan
+    from jaxpar import plan
     out = tmp_path / "plan"
 
     def interrupted(*args):

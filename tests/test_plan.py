@@ -20,9 +20,10 @@ from jaxpar.models import flops
 from jaxpar.parallel import hlo
 from jaxpar.parallel.mesh import resolve_mesh_shape
 from jaxpar.parallel.schedules import make_schedule
+from jaxpar.plan import main
 from jaxpar.planning import estimate, hardware
 from jaxpar.planning.hardware import Chip, parse_target
-from jaxpar.planning.plan import Candidate, compile_candidate, enumerate_candidates, layout_config, main
+from jaxpar.planning.plan import Candidate, compile_candidate, enumerate_candidates, layout_config
 
 CHIP = Chip("test chip", 1e9, 100e12, 1e12, 50e9, 1, 2, "made up for the test")
 
@@ -352,7 +353,8 @@ def test_a_policy_keeps_its_registered_bytes_and_offloading_keeps_the_layer_inpu
 
 
 def test_remat_and_offload_auto_enumerate_every_registered_choice(tmp_path):
-    from jaxpar.planning.plan import parse_args, train_command
+    from jaxpar.plan import parse_args
+    from jaxpar.planning.plan import train_command
     cfg, _, args, overrides = parse_args(["--config", "tiny", "--target", "cpu:8", "--remat", "auto",
                                           "--offload", "auto", "--out", str(tmp_path / "plan")])
     assert args.remat == list(REMAT_KINDS) and args.offload == list(OFFLOADS)

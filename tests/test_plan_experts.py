@@ -4,7 +4,8 @@ dp, tp and pp (issue 73). Analytic: the layouts are enumerated and checked, noth
 import pytest
 
 from jaxpar.core.errors import UserError
-from jaxpar.planning.plan import enumerate_candidates, parse_args
+from jaxpar.plan import parse_args
+from jaxpar.planning.plan import enumerate_candidates
 
 EP_AXES = ("dp", "tp", "pp", "ep")
 

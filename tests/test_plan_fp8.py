@@ -9,7 +9,8 @@ from helpers import exits_with_one_line
 
 from jaxpar.core.errors import UserError
 from jaxpar.nn.recipes import recipe_for
-from jaxpar.planning.plan import Candidate, enumerate_candidates, layout_config, main, parse_args, train_command
+from jaxpar.plan import main, parse_args
+from jaxpar.planning.plan import Candidate, enumerate_candidates, layout_config, train_command
 
 RECIPES = ["none", "tensorwise", "rowwise"]
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from jaxpar.plot import main as plot_main
 from jaxpar.training.run import loss_plots as plot
 
 
@@ -22,7 +23,7 @@ def test_cli_overlays_runs(tmp_path, capsys):
     a = make_run(tmp_path / "a", [4.0, 3.5, 3.2], {0: 4.1, 3: 3.3}, {"dp": 2, "tp": 2, "pp": 1})
     b = make_run(tmp_path / "b", [4.0, 3.6, 3.1], {})
     out = tmp_path / "both.png"
-    plot.main([str(a), str(b), "--out", str(out)])
+    plot_main([str(a), str(b), "--out", str(out)])
     assert out.read_bytes().startswith(b"\x89PNG")
     assert str(out) in capsys.readouterr().out
     assert plot.run_label(a) == "a (dp=2,tp=2)" and plot.run_label(b) == "b"
@@ -30,7 +31,7 @@ def test_cli_overlays_runs(tmp_path, capsys):
 
 def test_cli_rejects_a_dir_without_metrics(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        plot.main([str(tmp_path / "nope")])
+        plot_main([str(tmp_path / "nope")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("jaxpar.plot: error: ") and "has no metrics.jsonl" in err

@@ -16,10 +16,12 @@ import sys
 
 import pytest
 
+from jaxpar.bench import main as bench_main
 from jaxpar.core import xla_options
 from jaxpar.core.out_lock import LOCK_NAME
 from jaxpar.data import prepare as prep
 from jaxpar.planning import bench
+from jaxpar.prepare import main as prepare_main
 
 CRASHING = "xla_cpu_parallel_codegen_split_count=-7"  # parsed by XLA, then std::length_error: an abort
 
@@ -81,7 +83,7 @@ def test_a_signal_to_bench_is_passed_on_to_its_run_which_it_waits_for(tmp_path, 
         sys.executable, "-c", STAND_IN_TRAIN, str(int(signum)), str(note)], raising=False)
     out = tmp_path / "bench"
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--config", "tiny", "--layouts", "dp=1", "--steps", "1", "--out", str(out)])
+        bench_main(["--config", "tiny", "--layouts", "dp=1", "--steps", "1", "--out", str(out)])
     assert exit_info.value.code == 128 + signum and not caught
     assert note.read_text() == "got 1"  # passed on once, and waited for: the note is written late
     err = capsys.readouterr().err
@@ -110,7 +112,7 @@ def test_sigterm_to_prepare_stops_its_workers_and_removes_its_partial_files(tmp_
             os.kill(os.getpid(), signal.SIGTERM)
     monkeypatch.setattr(prep.SplitWriter, "add", add_then_sigterm)
     with pytest.raises(SystemExit) as exit_info:
-        prep.main([str(text), "--tokenizer", "bytes", "--workers", "2", "--out", str(out)])
+        prepare_main([str(text), "--tokenizer", "bytes", "--workers", "2", "--out", str(out)])
     assert exit_info.value.code == 143 and not caught
     assert len(seen["workers"]) == 2 and seen["partial"] == ["train.bin.partial", "val.bin.partial"]
     assert all(worker.exitcode is not None for worker in seen["workers"])  # stopped, and waited for

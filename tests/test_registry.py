@@ -5,16 +5,17 @@ written, as it refuses a bad number."""
 import pytest
 from helpers import exits_with_one_line
 
+from jaxpar.bench import main as bench_main
 from jaxpar.core.registry import REGISTRIES
-from jaxpar.planning import bench, plan
+from jaxpar.plan import main as plan_main
 from jaxpar.train import main as train_main
 
 # A config whose family declares the key (a mixture's kernels are Llama's and DeepSeek's keys)
 CONFIG = {"model.moe_gemm": "tiny_llama", "model.moe_dispatch": "tiny_llama"}
 COMMANDS = {
     "jaxpar.train": lambda out, args: train_main(["--out", str(out), *args]),
-    "jaxpar.bench": lambda out, args: bench.main(["--layouts", "dp=2", "--steps", "3", "--out", str(out), *args]),
-    "jaxpar.plan": lambda out, args: plan.main(["--target", "cpu:8", "--out", str(out), *args]),
+    "jaxpar.bench": lambda out, args: bench_main(["--layouts", "dp=2", "--steps", "3", "--out", str(out), *args]),
+    "jaxpar.plan": lambda out, args: plan_main(["--target", "cpu:8", "--out", str(out), *args]),
 }
 
 

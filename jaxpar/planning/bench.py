@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxpar.core.axes import CONTEXT_AXIS, KEYS, TENSOR_AXIS
-from jaxpar.core.config import DEFAULT_CONFIG_NAME, Config, load_config
-from jaxpar.core.errors import UserError, exit_on_user_error
+from jaxpar.core.config import Config, load_config
+from jaxpar.core.errors import UserError
 from jaxpar.core.out_lock import RunLock
-from jaxpar.core.paths import given, output_folder
 from jaxpar.nn.context import on_mesh
 from jaxpar.parallel.hlo import KINDS
 from jaxpar.parallel.mesh import parse_mesh_spec, resolve_mesh_shape
@@ -244,54 +243,7 @@ def measure(layout: Layout, config: str | None, weak: bool, out_dir: Path, stop:
     return row
 
 
-def parse_args(argv: list[str]):
-    from jaxpar.core.config import parse_overrides
-    from jaxpar.core.errors import ArgumentParser
-    parser = ArgumentParser(prog="jaxpar.bench", description="Train one config on several mesh layouts "
-                     "and compare speed, memory, collectives and final loss.",
-                     epilog="Any other --section.field=value is passed to jaxpar.train.")
-    parser.add_argument("--config", type=given("--config"), help="TOML file or a name in configs/ (as jaxpar.train)")
-    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
-                        help=f"mesh specs separated by ';' (default: {DEFAULT_LAYOUTS!r})")
-    parser.add_argument("--steps", type=int, help=f"steps per layout (default: {DEFAULT_STEPS})")
-    parser.add_argument("--weak", action="store_true",
-                        help="weak scaling: global batch = train.batch_size x devices")
-    parser.add_argument("--out", type=given("--out"), help="output directory (default: out/bench_<config name>); a layout "
-                        "measured there before under the same settings is reused, saying so")
-    args, rest = parser.parse_known_args(argv)
-    overrides = parse_overrides(rest)
-    if args.steps is not None or "train.steps" not in overrides:
-        overrides["train.steps"] = str(DEFAULT_STEPS if args.steps is None else args.steps)
-    name = Path(args.config).stem if args.config else DEFAULT_CONFIG_NAME
-    out_dir = Path(args.out) if args.out else Path("out") / f"bench_{name}"
-    out_dir = output_folder(out_dir)  # through a symbolic link, which stays
-    return args, overrides, out_dir
-
-
-def main(argv: list[str] | None = None) -> None:
-    with exit_on_user_error("jaxpar.bench"):
-        args, overrides, out_dir = parse_args(sys.argv[1:] if argv is None else argv)
-        layouts = plan_layouts(args.layouts, args.config, overrides, args.weak)
-        from jaxpar.data.loader import load_dataset  # a bad data file fails here, not in every layout
-        load_dataset(layouts[0].cfg.data, layouts[0].cfg.model.block_size)
-        try:
-            rows, markdown = bench_layouts(layouts, args, out_dir)
-        except Stopped as stopped:
-            signum, where = stopped.args
-            print(f"jaxpar.bench: stopped by {signal.Signals(signum).name} {where}; bench.md not written; the same "
-                  "command again reuses the layouts measured and measures the rest", file=sys.stderr)
-            sys.exit(128 + signum)
-    print(markdown)
-    print(f"wrote {out_dir}/bench.json, bench.md" + (", bench.png" if (out_dir / "bench.png").exists()
-                                                      else ""))
-    failed = [row["layout"] for row in rows if row["error"]]
-    if failed:
-        print(f"jaxpar.bench: error: {len(failed)} of {len(rows)} layouts failed: "
-              f"{', '.join(failed)}; see their train.log", file=sys.stderr)
-        sys.exit(1)
-
-
-def bench_layouts(layouts: list[Layout], args, out_dir: Path) -> tuple[list[dict], str]:
+def bench_layouts(layouts: list[Layout], config: str | None, weak: bool, out_dir: Path) -> tuple[list[dict], str]:
     """Each layout's row, in turn, under --out's lock and the signals' handlers; the outputs."""
     with StopSignals() as stop, RunLock(out_dir):  # one bench per --out: two would train into the same folders
         outputs = bench_outputs(out_dir, [layout.slug for layout in layouts])
@@ -302,11 +254,8 @@ def bench_layouts(layouts: list[Layout], args, out_dir: Path) -> tuple[list[dict
             stop.check(f"before layout {layout.spec}")
             print(f"[{i}/{len(layouts)}] {layout.spec}: {layout.cfg.train.steps} steps on "
                   f"{layout.devices} device(s), batch {layout.cfg.train.batch_size}", file=sys.stderr)
-            rows.append(measure(layout, args.config, args.weak, out_dir, stop))
+            rows.append(measure(layout, config, weak, out_dir, stop))
         stop.check("after the last layout")
         add_scaling(rows)
-        return rows, write_outputs(rows, out_dir, args.weak)
+        return rows, write_outputs(rows, out_dir, weak)
 
-
-if __name__ == "__main__":
-    main()

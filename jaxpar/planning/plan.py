@@ -12,22 +12,21 @@ import copy
 import dataclasses
 import itertools
 import math
-import os
 import re
-import sys
 
 from jaxpar.core.axes import AXES, CONTEXT_AXIS, DATA_AXIS, KEYS, PIPE_AXIS, TENSOR_AXIS, batch_ways
 from jaxpar.core.config import MICRO_BATCH_AUTO, Config, TrainConfig, load_config, validate
-from jaxpar.core.errors import UserError, exit_on_user_error
-from jaxpar.core.out_lock import RunLock
+from jaxpar.core.errors import UserError
 from jaxpar.models.flops import NO_PIPELINE
 from jaxpar.nn.context import on_mesh
 from jaxpar.nn.recipes import recipe_for
 from jaxpar.parallel.mesh import resolve_mesh_shape
-from jaxpar.planning.hardware import target_devices
-from jaxpar.planning.layouts import host_memory_choices, int_list, parse_layouts
-from jaxpar.planning.plan_args import DEFAULT_MAX_COMPILES, DEFAULT_REMATS, build_parser, parse_args  # noqa: F401
-from jaxpar.planning.plan_report import plan_outputs
+from jaxpar.planning.layouts import int_list, parse_layouts
+
+DEFAULT_MAX_COMPILES = 32
+# Today's two: every policy doubles the compiles, and `none` and `full` bracket the memory; `auto`
+# tries them all.
+DEFAULT_REMATS = ("none", "full")
 
 # XLA:TPU's refusal: "... required for HLO temporaries (22.24G) exceeds available HBM (15.75G)".
 OUT_OF_HBM = re.compile(r"\(([\d.]+)G\) exceeds available HBM")
@@ -252,30 +251,3 @@ def plan(cfg: Config, target, args, overrides: dict, devices: list) -> list[Cand
     command = lambda c: train_command(args.config, overrides, c)
     write_report(args.out, target, chip, cfg, candidates, command, args.top)
     return candidates
-
-
-def main(argv: list[str] | None = None) -> None:
-    with exit_on_user_error("jaxpar.plan"):
-        cfg, target, args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        if target.platform != "cpu" and not os.environ.get("JAX_PLATFORMS"):
-            # Nothing runs here: keep JAX off any local accelerator (and libtpu's or CUDA's
-            # start-up noise off a machine without one). Compiling for a topology does not need it.
-            import jax
-            try:
-                jax.config.update("jax_platforms", "cpu")
-            except RuntimeError:
-                pass
-        devices = target_devices(target)  # before the lock: a refused offload leaves no --out behind
-        args.remat, args.offload = host_memory_choices(target, devices, args.remat, args.offload, args.auto)
-        try:
-            with RunLock(args.out):  # one writer per --out
-                plan_outputs(args.out).check()  # a file jaxpar did not write is refused before any compile
-                plan(cfg, target, args, overrides, devices)
-        except KeyboardInterrupt:  # the lock released by now; each report file is written whole or not at all
-            print(f"jaxpar.plan: interrupted; nothing new written in {args.out} (an earlier plan there is "
-                  "as it was)", file=sys.stderr, flush=True)
-            os._exit(130)  # not sys.exit: the interpreter's teardown while XLA compiles can segfault
-
-
-if __name__ == "__main__":
-    main()
