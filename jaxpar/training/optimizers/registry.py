@@ -1,6 +1,6 @@
 """The optimizer registry: `[optimizer] name` picks an entry, which builds an optax transformation
-from its own hyper-parameters, the learning-rate schedule, and the params' roles (jaxpar.models.
-params), which give the parameter groups.
+from its own hyper-parameters, the learning-rate schedule, and the params' roles (jaxpar.nn.params),
+which give the parameter groups.
 
 Gradient clipping is applied by the train step before the update: it keeps no state, so the
 optimizer state is the entry's alone, and a run may turn clipping on or off when it resumes.
