@@ -18,14 +18,15 @@ import errno
 import os
 from pathlib import Path
 
-from jaxpar.core.errors import UserError, os_error_message
+from jaxpar.core.errors import FIXES, UserError, os_error_message, reason
 
 PATH_MAX = 4096  # Linux's, in bytes, with the final NUL
 
 
 def path_error(flag: str, path, code: int, why: str = "") -> UserError:
-    message = os_error_message(OSError(code, os.strerror(code), str(path)), flag)
-    return UserError(message.replace("; ", f"{why}; ", 1) if why else message)
+    """os_error_message's line for `code` at `path`, `why` said after the reason."""
+    error = OSError(code, os.strerror(code), str(path))
+    return UserError(f"{flag} '{path}': {reason(error)}{why}; {FIXES[code]}")
 
 
 def nearest_existing(path: Path) -> Path:
